@@ -1,0 +1,43 @@
+# splitfuse-triton: two commands on a fresh machine: `make serve` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Demo checkpoint built locally when MODEL is not given.
+DEMO_MODEL ?= models/demo
+MODEL ?=
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-fast demo-model bench clean
+
+install: $(VENV)/.installed
+
+# torch 2.13.0 is pinned first: it is the CPU build that lies on these machines' disk
+# (an unpinned torch would pull a multi-GB CUDA build).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[triton,serve,dev]'
+	touch $@
+
+$(DEMO_MODEL)/config.json: | install
+	$(PY) -m splitfuse.demo_model $(DEMO_MODEL) --arch llama --size tiny
+
+demo-model: $(DEMO_MODEL)/config.json
+
+serve: install $(if $(MODEL),,$(DEMO_MODEL)/config.json)
+	$(PY) -m splitfuse.server --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+test: install
+	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
+
+bench: install
+	$(PY) perf/bench_engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info models

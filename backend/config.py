@@ -1,0 +1,127 @@
+"""EngineConfig: every engine knob in one place, validated once.
+
+The Triton model's `config.pbtxt` `parameters` map onto these fields one to one
+(same names), and `LLM(model, **kwargs)` takes the same names as keywords.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    """Local Hugging Face checkpoint directory (config.json + *.safetensors)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to `model`."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    token_budget: int = 512
+    """Tokens per forward pass (Dynamic SplitFuse's fixed budget)."""
+    max_num_seqs: int = 256
+    """Most sequences resident (running) at once."""
+    num_kv_blocks: int | None = None
+    """KV pool size in blocks; when unset it is derived from `kv_cache_memory_gb`."""
+    kv_cache_memory_gb: float = 1.0
+    """KV pool size in GiB, used when `num_kv_blocks` is unset."""
+    max_model_len: int | None = None
+    """Longest prompt + generation; defaults to the model's max_position_embeddings."""
+    dtype: str = "auto"
+    """float32 | bfloat16 | float16 | auto (checkpoint dtype on GPU, float32 on CPU)."""
+    attention_backend: str = "auto"
+    """auto | torch | triton | flash_attn."""
+    scheduler_policy: str = "splitfuse"
+    """splitfuse | prefill_first | orca (the last two are benchmark baselines)."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+    kv_watermark: float = 0.01
+    """Share of KV blocks kept free when admitting new prompts, so decodes can grow."""
+    num_threads: int = 0
+    """torch intra-op threads on CPU; 0 keeps torch's default."""
+    seed: int = 0
+    """Seed for requests that give none."""
+
+    def __post_init__(self) -> None:
+        self.model = os.fspath(self.model)
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        self.tokenizer = os.fspath(self.tokenizer)
+        _check_positive("block_size", self.block_size)
+        _check_positive("token_budget", self.token_budget)
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        if self.num_kv_blocks is not None:
+            _check_positive("num_kv_blocks", self.num_kv_blocks)
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_model_len is not None:
+            _check_positive("max_model_len", self.max_model_len)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
+        """Build from string values (Triton `parameters`), converting by field type.
+
+        Unknown names are an error so that a typo in config.pbtxt is not silently ignored.
+        """
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(types))
+        if unknown:
+            raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(types)}")
+        kwargs: dict[str, Any] = {}
+        for name, raw in values.items():
+            kwargs[name] = _convert(name, str(types[name]), raw)
+        return cls(**kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def _convert(name: str, type_name: str, raw: str) -> Any:
+    raw = raw.strip()
+    optional = "None" in type_name
+    if optional and raw.lower() in ("", "none", "null"):
+        return None
+    try:
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+        if type_name.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+    except ValueError:
+        raise ValueError(f"engine parameter {name!r}: cannot parse {raw!r} as {type_name}") from None
+    return raw
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+

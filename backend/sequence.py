@@ -1,0 +1,166 @@
+"""Per-request state: sampling parameters, the sequence being generated, its outputs."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = 0
+    """0 disables top-k."""
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    """HF-style: divides positive / multiplies negative logits of tokens seen in prompt or output."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    """Same seed and prompt give the same tokens whatever else is in the batch."""
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    """Stop strings, matched on the decoded text; the match is not part of the output."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: bool = False
+    """Return the log-probability of each chosen token (under the model's raw distribution)."""
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        _check_int("top_k", self.top_k, minimum=0)
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_float("presence_penalty", self.presence_penalty)
+        _check_float("frequency_penalty", self.frequency_penalty)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=None)
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain an empty string")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+
+
+def _check_int(name: str, value: object, minimum: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and where its KV lives.
+
+    `token_ids` is prompt + output. `num_computed_tokens` of them have KV in the cache;
+    the rest are computed in later steps (one for a decode, many for a prompt or a
+    sequence recomputed after preemption). Only the step that computes the last token
+    samples the next one.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (and everything so far)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """All output tokens so far."""
+    text: str
+    """All output text so far (stop strings removed)."""
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    """Log-prob of each output token so far, when asked for."""
+    delta_logprobs: list[float] | None = None
