@@ -3,4 +3,18 @@
 from splitfuse.config import EngineConfig
 from splitfuse.sequence import RequestOutput, SamplingParams
 
-__all__ = ["EngineConfig", "RequestOutput", "SamplingParams"]
+
+def __getattr__(name: str):
+    # Heavy imports (torch, transformers) only when the engine itself is asked for.
+    if name == "LLM":
+        from splitfuse.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from splitfuse.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SamplingParams"]

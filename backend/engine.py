@@ -1,0 +1,238 @@
+"""The step loop: requests in, one scheduled forward pass per step, outputs out.
+
+    schedule -> build ragged batch -> run model -> sample -> append / stop check -> detokenize
+
+Single-threaded by design; `EngineLoop` (engine_loop.py) drives it from a background
+thread for servers, `LLM` (llm.py) drives it inline for offline use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from transformers import AutoTokenizer
+
+from splitfuse.block_manager import BlockManager, blocks_needed
+from splitfuse.config import EngineConfig
+from splitfuse.detokenizer import IncrementalDetokenizer
+from splitfuse.model_runner import ModelRunner
+from splitfuse.ragged_batch import RaggedBatch
+from splitfuse.sampler import Sampler
+from splitfuse.scheduler import Scheduler
+from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, for metrics and benchmarks."""
+
+    num_tokens: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    duration_s: float
+    forward_s: float
+
+
+@dataclass
+class EngineStats:
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    num_running: int
+    num_waiting: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.runner = ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.args.vocab_size
+        self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, config.kv_watermark)
+        self.scheduler = Scheduler(self.blocks, config.token_budget, config.max_num_seqs, config.scheduler_policy)
+        self.eos_token_ids = set(_generation_eos_ids(config.model) or self.runner.args.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self._seqs: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self.last_step: StepStats | None = None
+
+    # ---- requests -----------------------------------------------------------------------
+    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Validate a request and return its prompt token ids. Raises ValueError naming the
+        field. Thread-safe: servers call it on their own threads before enqueuing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError("prompt token ids must be integers")
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context (max_model_len={self.max_model_len})"
+            )
+        # A request must fit the KV pool on its own, or preemption could never make room.
+        need = blocks_needed(total, self.config.block_size)
+        room = self.blocks.num_blocks - self.blocks.watermark_blocks
+        if need > room:
+            raise ValueError(
+                f"prompt + max_tokens needs {need} KV blocks but the cache holds {room}; "
+                "lower max_tokens or raise num_kv_blocks / kv_cache_memory_gb"
+            )
+        return token_ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self.prepare_prompt(prompt, params)
+        self.add_prepared(request_id, token_ids, params)
+
+    def add_prepared(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        """Add a request whose prompt `prepare_prompt` already validated."""
+        seq = Sequence(request_id, token_ids, params, next(self._arrivals))
+        self._seqs[request_id] = seq
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drop a request and free its KV blocks now. Returns its final output, or None if
+        it is unknown or already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, FinishReason.ABORT, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            kv_blocks_used=self.blocks.num_used_blocks,
+            kv_blocks_free=self.blocks.num_free_blocks,
+            kv_blocks_total=self.blocks.num_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+        )
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        self.last_step = None
+        decision = self.scheduler.schedule()
+        if decision.is_empty:
+            return []
+        chunks = decision.chunks
+        sampling = [c.seq for c in chunks if c.samples]
+        batch = RaggedBatch.build(chunks, self.config.block_size, self.runner.device)
+        forward_start = time.perf_counter()
+        logits = self.runner.execute(batch)
+        forward_s = time.perf_counter() - forward_start
+        sampled = self.sampler(logits, sampling) if sampling else None
+        num_prompt_tokens = 0
+        for c in chunks:
+            start = c.seq.num_computed_tokens
+            num_prompt_tokens += max(0, min(start + c.num_tokens, c.seq.num_prompt_tokens) - start)
+            c.seq.num_computed_tokens += c.num_tokens
+        outputs = []
+        for i, seq in enumerate(sampling):
+            token = sampled.token_ids[i]
+            seq.append_token(token, sampled.logprobs[i])
+            outputs.append(self._after_token(seq, token))
+        self.last_step = StepStats(
+            num_tokens=batch.num_tokens,
+            num_prompt_tokens=num_prompt_tokens,
+            num_generated_tokens=len(sampling),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.blocks.num_used_blocks,
+            kv_blocks_free=self.blocks.num_free_blocks,
+            duration_s=time.perf_counter() - start,
+            forward_s=forward_s,
+        )
+        return outputs
+
+    def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
+        params = seq.params
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            return self._finish(seq, reason, [token])
+        step = self._detokenizers[seq.request_id].step([token], finished=False)
+        if step.stop_matched:
+            return self._finish(seq, FinishReason.STOP, [token], already_detokenized=step.delta_text)
+        return self._output(seq, [token], step.delta_text, None)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int],
+                already_detokenized: str | None = None) -> RequestOutput:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        detok = self._detokenizers.pop(seq.request_id)
+        if already_detokenized is None:
+            delta = detok.step(new_tokens, finished=True).delta_text
+        else:
+            delta = already_detokenized
+        del self._seqs[seq.request_id]
+        return self._output(seq, new_tokens, delta, reason, detok.text)
+
+    def _output(self, seq: Sequence, new_tokens: list[int], delta_text: str, reason: FinishReason | None,
+                text: str | None = None) -> RequestOutput:
+        want_logprobs = seq.params.logprobs
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=text if text is not None else self._detokenizers[seq.request_id].text,
+            delta_token_ids=new_tokens,
+            delta_text=delta_text,
+            finished=reason is not None,
+            finish_reason=reason.value if reason is not None else None,
+            logprobs=list(seq.output_logprobs) if want_logprobs else None,
+            delta_logprobs=seq.output_logprobs[-len(new_tokens):] if want_logprobs and new_tokens else None,
+        )
+
+    def check_invariants(self) -> None:
+        """Block-pool invariants over every live sequence (for tests)."""
+        self.blocks.check_invariants(list(self._seqs.values()))
+
+
+def _generation_eos_ids(model_dir: str) -> list[int]:
+    """EOS ids from generation_config.json, which HF generate() stops on."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,55 @@
+"""Rotary position embedding tables and the rotate-half application (HF Llama convention)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for rope types default, linear and llama3."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are scaled down by `factor`, short ones kept, the band between
+        # interpolated smoothly.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise NotImplementedError(f"rope type {rope_type!r} is not supported (default, linear, llama3 are)")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_positions, head_dim/2] in float32."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rotary_torch(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D]: x*cos + rotate_half(x)*sin, computed in x's dtype."""
+    c = cos[positions].to(q.dtype)
+    s = sin[positions].to(q.dtype)
+    c = torch.cat((c, c), dim=-1).unsqueeze(1)
+    s = torch.cat((s, s), dim=-1).unsqueeze(1)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

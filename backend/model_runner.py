@@ -1,0 +1,85 @@
+"""Owns the model, the KV-cache tensors and the attention backend; runs one ragged batch."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitfuse.config import EngineConfig
+from splitfuse.layers.attention import resolve_backend
+from splitfuse.layers.kernels import KernelSet
+from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
+from splitfuse.models.llama import ModelArgs
+from splitfuse.models.loader import load_model, read_hf_config
+from splitfuse.ragged_batch import RaggedBatch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(args.checkpoint_dtype), torch.bfloat16)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.hf_config = read_hf_config(config.model)
+        self.args = ModelArgs.from_hf_config(self.hf_config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.args, self.device)
+        self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
+        log.info("splitfuse: device=%s dtype=%s attention_backend=%s (requested %s)", self.device,
+                 str(self.dtype).removeprefix("torch."), self.attention_backend, config.attention_backend)
+        self.kernels = KernelSet.create(self.attention_backend)
+        self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device)
+        self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
+                                 self.args.max_position_embeddings)
+        inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
+        cos, sin = rope_cos_sin(inv_freq, self.max_model_len)
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        self.num_kv_blocks = self._num_kv_blocks()
+        shape = (self.num_kv_blocks, config.block_size, self.args.num_kv_heads, self.args.head_dim)
+        # Zeroed so padded block slots read by batched kernels are finite.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.args.num_layers)
+        ]
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.args
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * a.num_layers * self.config.block_size * a.num_kv_heads * a.head_dim * itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        blocks = int(self.config.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_block()
+        # More blocks than max_num_seqs full-length sequences can ever use would only waste memory.
+        cap = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return max(1, min(blocks, cap))
+
+    @torch.inference_mode()
+    def execute(self, batch: RaggedBatch) -> torch.Tensor:
+        """Run the model over the batch; return float32 logits of the sampling rows [S, V]."""
+        self.kernels.attention.prepare(batch.attn, batch.query_lens, batch.seq_lens)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin)
+        return self.model.compute_logits(hidden.index_select(0, batch.sample_rows)).float()

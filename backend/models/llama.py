@@ -1,0 +1,192 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2), chosen by the checkpoint's config.
+
+Module names follow the HF checkpoints except for two fusions that save matmuls:
+q/k/v -> `qkv_proj` and gate/up -> `gate_up_proj` (the loader concatenates them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitfuse.layers.attention import AttentionMetadata
+from splitfuse.layers.kernels import KernelSet
+
+
+@dataclass
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_windows: list[int | None]  # per layer
+    eos_token_ids: list[int]
+    checkpoint_dtype: str | None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported model_type {model_type!r}: llama, mistral and qwen2 are supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (silu only)")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        num_layers = cfg["num_hidden_layers"]
+        # transformers 5 keeps rope settings in `rope_parameters`; older checkpoints use
+        # top-level `rope_theta` and `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        windows = _sliding_windows(cfg, model_type, num_layers)
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+            o_bias=False if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_windows=windows,
+            eos_token_ids=eos_ids,
+            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        )
+
+
+def _sliding_windows(cfg: dict, model_type: str, num_layers: int) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if model_type == "mistral":
+        return [window] * num_layers
+    if model_type == "qwen2" and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", num_layers)
+        return [window if i >= first else None for i in range(num_layers)]
+    return [None] * num_layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: KernelSet) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, ops: KernelSet) -> None:
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.scale = args.head_dim**-0.5
+        self.sliding_window = args.sliding_windows[layer_idx]
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.apply_rotary(q, k, positions, cos, sin)
+        attn = self.ops.attention
+        attn.write_kv(k, v.contiguous(), k_cache, v_cache, meta)
+        o = attn.attend(q.contiguous(), k_cache, v_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, ops: KernelSet) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, ops: KernelSet) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx, ops)
+        self.mlp = MLP(args, ops)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+
+    def forward(self, x, residual, positions, meta, k_cache, v_cache, cos, sin):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, meta, k_cache, v_cache, cos, sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, ops: KernelSet) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, ops) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: ModelArgs, ops: KernelSet) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, ops)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token of the ragged batch."""
+        h = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+            h, residual = layer(h, residual, positions, meta, k_cache, v_cache, cos, sin)
+        h, _ = self.model.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight)

@@ -1,0 +1,75 @@
+"""A step's flat tensors, built from the scheduler's decision with vectorized numpy ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from splitfuse.layers.attention import AttentionMetadata
+from splitfuse.scheduler import ScheduledChunk
+
+
+@dataclass
+class RaggedBatch:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    sample_rows: torch.Tensor  # int64 [S]: rows whose hidden state gives the next token
+    attn: AttentionMetadata
+    query_lens: list[int]
+    seq_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> "RaggedBatch":
+        num_seqs = len(chunks)
+        query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+        seq_lens = starts + query_lens
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+
+        token_ids: list[int] = []
+        for c in chunks:
+            s = c.seq.num_computed_tokens
+            token_ids.extend(c.seq.token_ids[s : s + c.num_tokens])
+
+        # Position of each token: its sequence's start offset plus its index in the chunk.
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], query_lens)
+
+        max_blocks = max(len(c.seq.block_table) for c in chunks)
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            block_tables[i, : len(c.seq.block_table)] = c.seq.block_table
+        slot_mapping = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
+        slot_mapping += positions % block_size
+
+        samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)
+        sample_rows = query_start_loc[1:][samples] - 1
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        attn = AttentionMetadata(
+            slot_mapping=tensor(slot_mapping),
+            query_start_loc=tensor(query_start_loc.astype(np.int32)),
+            seq_lens=tensor(seq_lens.astype(np.int32)),
+            block_tables=tensor(block_tables),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=block_size,
+        )
+        return cls(
+            input_ids=tensor(np.asarray(token_ids, dtype=np.int64)),
+            positions=tensor(positions),
+            sample_rows=tensor(sample_rows),
+            attn=attn,
+            query_lens=query_lens.tolist(),
+            seq_lens=seq_lens.tolist(),
+        )

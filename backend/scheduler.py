@@ -1,0 +1,190 @@
+"""Decides, each step, which sequences run and how many of their tokens.
+
+Policies:
+- splitfuse (DeepSpeed-FastGen's Dynamic SplitFuse): every step fills a fixed token budget:
+  running decodes first (one token each), then the continuation of prompts already being
+  split, then new prompts; the last prompt that fits is cut so the budget is met exactly.
+- prefill_first (vLLM v0 style baseline): whole new prompts run in a pass of their own
+  before decodes continue.
+- orca (baseline): whole prompts join the running decode batch.
+
+The scheduler never touches tensors; it asks the BlockManager for room. When a running
+sequence cannot get a block, the newest sequence is preempted (its KV freed, to be
+recomputed later). Every request is checked at admission to fit the pool on its own, so
+the oldest sequence can always make progress: no deadlock.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitfuse.block_manager import BlockManager
+from splitfuse.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+    """New tokens computed for `seq` this step, starting at `seq.num_computed_tokens`."""
+
+    @property
+    def samples(self) -> bool:
+        """Only the chunk that reaches the sequence's last token samples the next one."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, token_budget: int, max_num_seqs: int, policy: str) -> None:
+        self.blocks = block_manager
+        self.token_budget = token_budget
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy
+        self._schedule_fn = {
+            "splitfuse": self._schedule_splitfuse,
+            "prefill_first": self._schedule_prefill_first,
+            "orca": self._schedule_orca,
+        }[policy]
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # kept in arrival order
+        self._running_arrivals: list[int] = []
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence from wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._remove_running(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        return self._schedule_fn()
+
+    # ---- policies -----------------------------------------------------------------------
+    def _schedule_splitfuse(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_decodes(out, self.token_budget)
+        # Continue prompts already being split (their blocks were reserved at admission).
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.num_uncomputed_tokens > 1:
+                n = min(seq.num_uncomputed_tokens, budget)
+                out.chunks.append(ScheduledChunk(seq, n))
+                budget -= n
+        # New prompts; the last one admitted is cut to fill the budget exactly.
+        while budget > 0 and (seq := self._admit_head()) is not None:
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return out
+
+    def _schedule_prefill_first(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        # A pass of whole prompts whenever one can be admitted; the first always runs whole,
+        # even past the budget (this baseline does not split prompts).
+        used = 0
+        while self.waiting:
+            head = self.waiting[0]
+            if out.chunks and used + head.num_uncomputed_tokens > self.token_budget:
+                break
+            if self._admit_head() is None:
+                break
+            out.chunks.append(ScheduledChunk(head, head.num_uncomputed_tokens))
+            used += head.num_uncomputed_tokens
+        if out.chunks:
+            return out
+        self._schedule_decodes(out, self.token_budget)
+        return out
+
+    def _schedule_orca(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_decodes(out, self.token_budget)
+        # Whole prompts join the decode batch while they fit; a batch with no other work
+        # takes the head prompt whole even past the budget, or it would never run.
+        while self.waiting:
+            head = self.waiting[0]
+            if out.chunks and head.num_uncomputed_tokens > budget:
+                break
+            if self._admit_head() is None:
+                break
+            out.chunks.append(ScheduledChunk(head, head.num_uncomputed_tokens))
+            budget = max(0, budget - head.num_uncomputed_tokens)
+        return out
+
+    # ---- shared steps -------------------------------------------------------------------
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule one token for each running sequence that has exactly one to compute,
+        oldest first, preempting the newest sequences when a block is missing."""
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            while not self.blocks.can_grow(seq, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.blocks.grow(seq, seq.num_tokens)
+            out.chunks.append(ScheduledChunk(seq, 1))
+            budget -= 1
+        return budget
+
+    def _admit_head(self) -> Sequence | None:
+        """Move the head of the waiting queue to running if its KV fits. FIFO: a head that
+        does not fit blocks the others, so long prompts are not starved by short ones."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        if not self.blocks.can_admit(seq, seq.num_tokens):
+            return None
+        self.waiting.popleft()
+        self.blocks.grow(seq, seq.num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        idx = bisect.bisect(self._running_arrivals, seq.arrival)
+        self.running.insert(idx, seq)
+        self._running_arrivals.insert(idx, seq.arrival)
+        return seq
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s KV and put it back at the head of the queue to be recomputed."""
+        self._remove_running(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        idx = self.running.index(seq)
+        del self.running[idx]
+        del self._running_arrivals[idx]
