@@ -1,0 +1,208 @@
+"""The engine driven directly: validation, aborts, seeded sampling, stop strings, text, threads."""
+
+import math
+import threading
+
+import pytest
+import torch
+
+from splitfuse import LLM, EngineConfig, SamplingParams
+from splitfuse.engine import LLMEngine
+from splitfuse.engine_loop import EngineLoop
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return LLMEngine(EngineConfig(model=tiny_llama, token_budget=32, block_size=4, max_model_len=256,
+                                  num_kv_blocks=256, attention_backend="torch"))
+
+
+def run_to_end(engine, ids=None):
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals if ids is None else [finals[i] for i in ids]
+
+
+BAD_PARAMS = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(stop=[3]), "stop"),
+    (dict(stop={"a": 1}), "stop"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_PARAMS)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_rejected_and_running_ones_unaffected(engine, tiny_llama):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    engine.add_request("good", "hello world", greedy)
+    engine.step()
+    engine.step()
+    params = SamplingParams(max_tokens=4)
+    for prompt, field in [("", "prompt"), ([], "prompt"), ([10**9], "range"), (3.5, "prompt")]:
+        with pytest.raises(ValueError, match=field):
+            engine.add_request("bad", prompt, params)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("bad", "hello", SamplingParams(max_tokens=256))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", "hello", params)
+    params.temperature = -1.0  # mutated after construction: still caught when added
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("bad", "hello", params)
+    (out,) = run_to_end(engine, ["good"])
+    solo = LLM(tiny_llama, attention_backend="torch").generate("hello world", greedy)[0]
+    assert out.token_ids == solo.token_ids
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_abort_frees_blocks_at_once(engine):
+    for i in range(4):
+        engine.add_request(f"a{i}", "the quick brown fox " * (i + 1), SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.blocks.num_used_blocks > 0
+    out = engine.abort_request("a1")
+    assert out.finished and out.finish_reason == "abort"
+    engine.check_invariants()
+    assert engine.abort_request("a1") is None  # already gone
+    assert engine.abort_request("never-existed") is None
+    for i in (0, 2, 3):
+        engine.abort_request(f"a{i}")
+    assert engine.blocks.num_used_blocks == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_seeded_sampling_independent_of_batch(tiny_llama):
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = LLM(tiny_llama, token_budget=64).generate("hello world", seeded)[0].token_ids
+    noise = [SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True) for n in (5, 30, 11)]
+    for budget in (7, 512):
+        llm = LLM(tiny_llama, token_budget=budget, block_size=4)
+        outs = llm.generate(["a lazy dog", "hello world", "你好世界 🚀", "hello world"], [noise[0], seeded, noise[1], seeded])
+        assert outs[1].token_ids == alone
+        assert outs[3].token_ids == alone
+    other = SamplingParams(**{**seeded.__dict__, "seed": 99})
+    assert LLM(tiny_llama).generate("hello world", other)[0].token_ids != alone
+
+
+def test_stop_string_ends_text_before_match(engine):
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("full", "the quick brown", greedy)
+    (full,) = run_to_end(engine, ["full"])
+    assert len(full.text) > 6
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    engine.add_request("stopped", "the quick brown", SamplingParams(max_tokens=30, temperature=0.0,
+                                                                   ignore_eos=True, stop=[stop]))
+    deltas = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.delta_text)
+            final = out
+    assert final.finish_reason == "stop"
+    assert final.text == full.text[: full.text.index(stop)]
+    assert "".join(deltas) == final.text
+
+
+def test_stop_token_ids_and_min_tokens(engine):
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine.add_request("ref", "hello world", greedy)
+    (ref,) = run_to_end(engine, ["ref"])
+    stop_id = ref.token_ids[3]
+    first = ref.token_ids.index(stop_id)
+    engine.add_request("s", "hello world", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                          stop_token_ids=[stop_id]))
+    (out,) = run_to_end(engine, ["s"])
+    assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[: first + 1]
+    engine.add_request("m", "hello world", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                          stop_token_ids=[stop_id], min_tokens=first + 2))
+    (out,) = run_to_end(engine, ["m"])
+    assert stop_id not in out.token_ids[: first + 2]
+
+
+def test_multibyte_text_is_byte_exact(engine):
+    tok = engine.tokenizer
+    prompts = ["你好世界", "😀🚀 hello", "日本語のテキスト 🍣", "한국어 문장"]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"t{i}", p, SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True))
+    deltas: dict[str, list[str]] = {}
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.setdefault(out.request_id, []).append(out.delta_text)
+            if out.finished:
+                finals[out.request_id] = out
+    for rid, out in finals.items():
+        assert "".join(deltas[rid]) == out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+        for d in deltas[rid][:-1]:
+            assert "\ufffd" not in d or "\ufffd" in tok.decode(out.token_ids)
+
+
+def test_logprobs_are_log_softmax_of_chosen_tokens(tiny_llama):
+    llm = LLM(tiny_llama)
+    out = llm.generate("hello", SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, ignore_eos=True))[0]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    assert all(lp <= 0.0 and math.isfinite(lp) for lp in out.logprobs)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+    with torch.no_grad():
+        logp = hf(ids).logits[0].log_softmax(-1)
+    n = len(out.prompt_token_ids)
+    expected = [logp[n - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
+    assert out.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_engine_loop_threads_submit_abort_shutdown(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, attention_backend="torch"))
+    steps = []
+    loop = EngineLoop(engine, on_step=steps.append)
+    loop.start()
+    results: dict[str, list] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def on_output(out):
+        with lock:
+            results.setdefault(out.request_id, []).append(out)
+            if sum(1 for v in results.values() if v[-1].finished) == 9:
+                done.set()
+
+    def client(i):
+        loop.submit(f"c{i}", f"hello {i}", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), on_output)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with pytest.raises(ValueError, match="prompt"):
+        loop.submit("bad", "", SamplingParams(), on_output)
+    loop.submit("long", "hello", SamplingParams(max_tokens=200, ignore_eos=True), on_output)
+    loop.abort("long")
+    assert done.wait(60)
+    assert results["long"][-1].finish_reason == "abort"
+    for i in range(8):
+        outs = results[f"c{i}"]
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert len(outs[-1].token_ids) == 8
+        assert "".join(o.delta_text for o in outs) == outs[-1].text
+    assert steps and all(s.num_tokens <= 16 for s in steps)
+    # A request still running at shutdown is aborted, not lost.
+    loop.submit("late", "hello", SamplingParams(max_tokens=500, ignore_eos=True), on_output)
+    loop.shutdown(timeout=30)
+    assert results["late"][-1].finish_reason == "abort"
+    assert engine.blocks.num_used_blocks == 0
+    with pytest.raises(RuntimeError):
+        loop.submit("after", "hello", SamplingParams(), on_output)
