@@ -156,8 +156,8 @@ class LLMEngine:
         sampled = self.sampler(logits, sampling) if sampling else None
         num_prompt_tokens = 0
         for c in chunks:
-            start = c.seq.num_computed_tokens
-            num_prompt_tokens += max(0, min(start + c.num_tokens, c.seq.num_prompt_tokens) - start)
+            done = c.seq.num_computed_tokens
+            num_prompt_tokens += max(0, min(done + c.num_tokens, c.seq.num_prompt_tokens) - done)
             c.seq.num_computed_tokens += c.num_tokens
         outputs = []
         for i, seq in enumerate(sampling):

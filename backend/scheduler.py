@@ -142,20 +142,25 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule one token for each running sequence that has exactly one to compute,
         oldest first, preempting the newest sequences when a block is missing."""
+        block_size = self.blocks.block_size
+        running = SequenceStatus.RUNNING
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            num_tokens = len(seq.token_ids)
+            if num_tokens - seq.num_computed_tokens != 1 or seq.status is not running:
                 continue
-            while not self.blocks.can_grow(seq, seq.num_tokens):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            self.blocks.grow(seq, seq.num_tokens)
+            # Hot path: the sequence's last block still has room.
+            if len(seq.block_table) * block_size < num_tokens:
+                while not self.blocks.can_grow(seq, num_tokens):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not running:
+                    continue
+                self.blocks.grow(seq, num_tokens)
             out.chunks.append(ScheduledChunk(seq, 1))
             budget -= 1
         return budget
