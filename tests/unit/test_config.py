@@ -1,0 +1,30 @@
+import pytest
+
+from splitfuse.config import EngineConfig
+
+
+def test_from_strings_converts_by_field_type():
+    c = EngineConfig.from_strings({"model": "/m", "token_budget": "256", "num_kv_blocks": "", "kv_cache_memory_gb": "0.5",
+                                   "scheduler_policy": "orca"})
+    assert c.token_budget == 256 and c.num_kv_blocks is None and c.kv_cache_memory_gb == 0.5
+    assert c.scheduler_policy == "orca" and c.tokenizer == "/m"
+
+
+@pytest.mark.parametrize("values,field", [
+    ({"model": "/m", "token_budgt": "1"}, "token_budgt"),
+    ({"model": "/m", "token_budget": "many"}, "token_budget"),
+    ({"model": "/m", "token_budget": "0"}, "token_budget"),
+    ({"model": "/m", "block_size": "-4"}, "block_size"),
+    ({"model": "/m", "attention_backend": "cudnn"}, "attention_backend"),
+    ({"model": "/m", "scheduler_policy": "fifo"}, "scheduler_policy"),
+    ({"model": "/m", "dtype": "int8"}, "dtype"),
+    ({"model": "/m", "kv_watermark": "1.5"}, "kv_watermark"),
+])
+def test_bad_values_name_the_field(values, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_strings(values)
+
+
+def test_every_field_is_a_known_name():
+    names = EngineConfig.field_names()
+    assert names[0] == "model" and "token_budget" in names and "scheduler_policy" in names
