@@ -44,6 +44,10 @@ class ModelRunner:
         self.hf_config = read_hf_config(config.model)
         self.args = ModelArgs.from_hf_config(self.hf_config)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            # SiLU/exp on denormal floats is ~20x slower on x86; flushing them to zero changes
+            # nothing at the precision that matters (values below 1e-38).
+            torch.set_flush_denormal(True)
         self.dtype = resolve_dtype(config.dtype, self.args, self.device)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         log.info("splitfuse: device=%s dtype=%s attention_backend=%s (requested %s)", self.device,
