@@ -31,7 +31,7 @@ demo-model: $(DEMO_MODEL)/config.json
 
 serve: install $(if $(MODEL),,$(DEMO_MODEL)/config.json)
 	$(PY) -m splitfuse.server --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests

@@ -1,0 +1,562 @@
+"""Triton adapter for the splitfuse engine (decoupled: one response sender per request).
+
+`execute` only parses and enqueues; the engine runs on its own thread (EngineLoop) and each
+request's outputs go out through that request's response sender as they are produced.
+A housekeeping thread watches for cancelled requests and explicit stops, and publishes the
+engine's metrics, so the engine thread does nothing but step and send.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from splitfuse.config import EngineConfig
+from splitfuse.engine import LLMEngine
+from splitfuse.engine_loop import EngineLoop, StepStats
+from splitfuse.sequence import RequestOutput, SamplingParams
+
+log = logging.getLogger("splitfuse.triton.llm")
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# How often stop requests and the shutdown handshake are checked.
+HOUSEKEEPING_INTERVAL_S = 0.01
+# How often metrics go to Triton (every update is a round trip to the server process;
+# publishing at every tick cost ~10% of the throughput with 64 streams on 2 cores).
+METRICS_INTERVAL_S = 0.1
+# Cancellation is polled per request (one round trip to the server process each), at least
+# this often, but slowed so that polling stays under ~10% of the time: with many requests in
+# flight a sweep at every tick cost 20% of the throughput on a 2-core machine.
+CANCEL_POLL_MIN_INTERVAL_S = 0.02
+CANCEL_POLL_MAX_SHARE = 0.1
+# A stop request for an id that no instance holds is forgotten after this long.
+STOP_TTL_S = 10.0
+# Set by splitfuse.server for the shutdown handshake (same name there).
+CONTROL_ENV = "SPLITFUSE_CONTROL_DIR"
+
+TOKENS_PER_STEP_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+
+
+class InputError(ValueError):
+    """A request the client must fix; its message goes back in the error response."""
+
+
+# --------------------------------------------------------------------------- request parsing
+
+
+def _tensor(request, name: str) -> np.ndarray | None:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+def _scalar(request, name: str, kind: type) -> Any:
+    arr = _tensor(request, name)
+    if arr is None:
+        return None
+    if arr.size != 1:
+        raise InputError(f"{name} must hold one value per request (shape [1, 1]), got shape {list(arr.shape)}")
+    value = arr.reshape(-1)[0]
+    if kind is str:
+        return _utf8(name, value)
+    return kind(value)
+
+
+def _utf8(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{name} is not valid UTF-8: {e}") from None
+
+
+def _first(request, names: tuple[str, ...], kind: type) -> Any:
+    """The value of the first of several accepted names (e.g. min_tokens / min_length)."""
+    for name in names:
+        value = _scalar(request, name, kind)
+        if value is not None:
+            return value
+    return None
+
+
+@dataclass
+class Parsed:
+    stop_request: bool = False
+    prompt: str | list[int] = ""
+    prompt_text: str | None = None
+    params: SamplingParams | None = None
+    stream: bool = False
+    exclude_input: bool = True
+    return_log_probs: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+
+def parse_request(request) -> Parsed:
+    """Triton request tensors -> prompt + SamplingParams, raising InputError/ValueError."""
+    batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
+             if a is not None and a.ndim > 0]
+    bad = [b for b in batch if b != 1]
+    if bad:
+        raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
+    if _scalar(request, "stop", bool):
+        return Parsed(stop_request=True)
+
+    text = _scalar(request, "text_input", str)
+    ids_arr = _tensor(request, "input_ids")
+    prompt: str | list[int]
+    if ids_arr is not None:
+        ids = ids_arr.reshape(-1).tolist()
+        length = _scalar(request, "input_lengths", int)
+        if length is not None:
+            if not 0 <= length <= len(ids):
+                raise InputError(f"input_lengths ({length}) must be in [0, {len(ids)}]")
+            ids = ids[:length]
+        if not ids:
+            raise InputError("input_ids is empty")
+        prompt = ids
+    elif text is not None:
+        if not text:
+            raise InputError("text_input is empty")
+        prompt = text
+    else:
+        raise InputError("text_input (or input_ids) is required")
+
+    max_tokens = _scalar(request, "max_tokens", int)
+    if max_tokens is None:
+        raise InputError("max_tokens is required")
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("repetition_penalty", float),
+                       ("presence_penalty", float), ("frequency_penalty", float), ("ignore_eos", bool)):
+        value = _scalar(request, name, kind)
+        if value is not None:
+            kwargs[name] = value
+    min_tokens = _first(request, ("min_tokens", "min_length"), int)
+    if min_tokens is not None:
+        kwargs["min_tokens"] = min_tokens
+    seed = _first(request, ("seed", "random_seed"), int)
+    if seed is not None:
+        kwargs["seed"] = seed
+    words = _tensor(request, "stop_words")
+    if words is not None:
+        # Empty entries are padding in TensorRT-LLM-style clients, not stop strings.
+        kwargs["stop"] = [w for w in (_utf8("stop_words", v) for v in words.reshape(-1)) if w]
+    end_id = _scalar(request, "end_id", int)
+    if end_id is not None and end_id >= 0:
+        kwargs["stop_token_ids"] = [end_id]
+    return_log_probs = bool(_scalar(request, "return_log_probs", bool))
+    kwargs["logprobs"] = return_log_probs
+    params = SamplingParams(**kwargs)  # ValueError names the field
+
+    exclude = _scalar(request, "exclude_input_in_output", bool)
+    return Parsed(
+        prompt=prompt,
+        prompt_text=text,
+        params=params,
+        stream=bool(_scalar(request, "stream", bool)),
+        exclude_input=True if exclude is None else exclude,
+        return_log_probs=return_log_probs,
+        return_num_input_tokens=bool(_scalar(request, "return_num_input_tokens", bool)),
+        return_num_output_tokens=bool(_scalar(request, "return_num_output_tokens", bool)),
+    )
+
+
+# --------------------------------------------------------------------------- live requests
+
+
+@dataclass
+class Live:
+    """A request in the engine: where its responses go and what it asked for."""
+
+    engine_id: str
+    client_key: str
+    """Control.key of the client's request id."""
+    sender: Any
+    parsed: Parsed
+    arrival: float
+    """time.perf_counter() at arrival, for latencies."""
+    arrival_wall: float
+    """time.time() at arrival, to compare with when a stop was posted."""
+    last_token: float | None = None
+    cancelled: bool = False
+    echo_pending: bool = False
+    done: bool = False
+    """The final response went out. Guarded by `lock`: after the final flag Triton frees the
+    response factory, and is_cancelled() on it then crashes the whole server (2.51)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Control:
+    """Files shared by the instances of this model and by the launcher (splitfuse.server).
+
+        <dir>/<model>/stop/<key>  explicit stops: a stop request lands on any instance, but the
+                                  generation may live in another (each instance is a process)
+        <dir>/drain               launcher: refuse new requests, the server is shutting down
+        <dir>/abort               launcher: abort every generation in flight
+        <dir>/idle/<instance>     this instance: draining, and nothing is in flight
+
+    The launcher exists because Triton 2.51 cannot unload a decoupled Python model that had
+    a request in flight when shutdown began; it stops generations before sending SIGTERM.
+    """
+
+    def __init__(self, model_name: str, instance: str) -> None:
+        env = os.environ.get(CONTROL_ENV)
+        # Without the launcher: a directory scoped to this server (the stubs' parent process).
+        self.base = Path(env) if env else Path(tempfile.gettempdir()) / f"splitfuse-{os.getppid()}"
+        self.owned = not env
+        self.stop_dir = self.base / model_name / "stop"
+        self.stop_dir.mkdir(parents=True, exist_ok=True)
+        self.idle_file = self.base / "idle" / instance
+        self._idle = False
+
+    def draining(self) -> bool:
+        return (self.base / "drain").exists()
+
+    def aborting(self) -> bool:
+        return (self.base / "abort").exists()
+
+    def set_idle(self, idle: bool) -> None:
+        if idle == self._idle:
+            return
+        self._idle = idle
+        if idle:
+            self.idle_file.parent.mkdir(parents=True, exist_ok=True)
+            self.idle_file.touch()
+        else:
+            self.idle_file.unlink(missing_ok=True)
+
+    @staticmethod
+    def key(client_id: str) -> str:
+        # A digest: request ids may be long or hold characters a file name cannot.
+        return hashlib.sha256(client_id.encode("utf-8")).hexdigest()[:32]
+
+    def post_stop(self, client_id: str) -> None:
+        self.stop_dir.mkdir(parents=True, exist_ok=True)
+        (self.stop_dir / self.key(client_id)).touch()
+
+    def read_stops(self) -> list[tuple[str, float]]:
+        """(key, time posted) of each recent stop; drops stale ones."""
+        out = []
+        try:
+            names = os.listdir(self.stop_dir)
+        except FileNotFoundError:
+            return out
+        now = time.time()
+        for name in names:
+            path = self.stop_dir / name
+            try:
+                posted = path.stat().st_mtime
+                if now - posted > STOP_TTL_S:
+                    path.unlink()
+                    continue
+                out.append((name, posted))
+            except OSError:
+                continue
+        return out
+
+    def close(self) -> None:
+        if self.owned:  # the launcher removes its own directory
+            shutil.rmtree(self.stop_dir, ignore_errors=True)
+
+
+class Metrics:
+    """Prometheus metrics through Triton, labelled by model, version and instance.
+
+    The MetricFamily objects are kept on self: a Metric whose family was garbage-collected
+    fails on every update.
+    """
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        MF = pb_utils.MetricFamily
+        self.families = {
+            "kv": MF(name="splitfuse_kv_cache_blocks", description="KV-cache blocks by state", kind=MF.GAUGE),
+            "req": MF(name="splitfuse_requests", description="Requests in the engine by state", kind=MF.GAUGE),
+            "tps": MF(name="splitfuse_tokens_per_step", description="Tokens in each engine step (forward pass)",
+                      kind=MF.HISTOGRAM),
+            "prompt": MF(name="splitfuse_prompt_tokens_total", description="Prompt tokens computed",
+                         kind=MF.COUNTER),
+            "gen": MF(name="splitfuse_generation_tokens_total", description="Tokens generated", kind=MF.COUNTER),
+            "ttft": MF(name="splitfuse_time_to_first_token_seconds",
+                       description="Time from request arrival to its first generated token", kind=MF.HISTOGRAM),
+            "itl": MF(name="splitfuse_inter_token_latency_seconds",
+                      description="Time between consecutive generated tokens of a request", kind=MF.HISTOGRAM),
+        }
+        f = self.families
+        self.kv_used = f["kv"].Metric(labels={**labels, "state": "used"})
+        self.kv_free = f["kv"].Metric(labels={**labels, "state": "free"})
+        self.running = f["req"].Metric(labels={**labels, "state": "running"})
+        self.waiting = f["req"].Metric(labels={**labels, "state": "waiting"})
+        self.tokens_per_step = f["tps"].Metric(labels=labels, buckets=TOKENS_PER_STEP_BUCKETS)
+        self.prompt_tokens = f["prompt"].Metric(labels=labels)
+        self.generation_tokens = f["gen"].Metric(labels=labels)
+        self.ttft = f["ttft"].Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.itl = f["itl"].Metric(labels=labels, buckets=ITL_BUCKETS)
+        self._gauges: dict[str, float] = {}
+
+    def set_gauge(self, name: str, value: float) -> None:
+        # Each update is a round trip to the server process: skip unchanged values.
+        if self._gauges.get(name) != value:
+            self._gauges[name] = value
+            getattr(self, name).set(value)
+
+    def close(self) -> None:
+        # Metrics before their families (see the class docstring).
+        for name in ("kv_used", "kv_free", "running", "waiting", "tokens_per_step", "prompt_tokens",
+                     "generation_tokens", "ttft", "itl"):
+            setattr(self, name, None)
+        self.families.clear()
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("llm needs `model_transaction_policy { decoupled: true }`")
+        params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+        config = EngineConfig.from_strings(params)
+        self.model_name = args["model_name"]
+        self.instance = args["model_instance_name"]
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
+        self.metrics = Metrics(labels)
+        self.step_stats: deque[StepStats] = deque()
+        self.first_token_latencies: deque[float] = deque()
+        self.inter_token_latencies: deque[float] = deque()
+        self.live: dict[str, Live] = {}
+        self.live_lock = threading.Lock()
+        self.ids = itertools.count()
+        self.control = Control(self.model_name, self.instance)
+        self.draining = False
+        self.loop = EngineLoop(self.engine, on_step=self.step_stats.append)
+        self.loop.start()
+        self.stopping = threading.Event()
+        self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
+        self.housekeeper.start()
+        pb_utils.Logger.log_info(f"{self.instance}: splitfuse engine ready: {config}")
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._start(request, sender)
+            except ValueError as e:  # InputError, SamplingParams, the engine's own validation
+                self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            except RuntimeError as e:  # e.g. the engine is shutting down
+                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+            except Exception as e:  # never let one request take down the others
+                log.exception("unexpected error handling a request")
+                self._send_error(sender, f"internal error: {type(e).__name__}: {e}",
+                                 pb_utils.TritonError.INTERNAL)
+        return None
+
+    def finalize(self) -> None:
+        # Aborts what is in flight; each aborted request still gets its final response.
+        self.loop.shutdown(timeout=30.0)
+        self.stopping.set()
+        self.housekeeper.join(timeout=5.0)
+        self.control.close()
+        self.metrics.close()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _start(self, request, sender) -> None:
+        parsed = parse_request(request)
+        client_id = request.request_id() or ""
+        if parsed.stop_request:
+            self._stop(client_id, sender)
+            return
+        engine_id = f"{client_id}#{next(self.ids)}"
+        if self.draining:
+            raise RuntimeError("the server is shutting down")
+        live = Live(engine_id, Control.key(client_id), sender, parsed, arrival=time.perf_counter(),
+                    arrival_wall=time.time(), echo_pending=not parsed.exclude_input)
+        with self.live_lock:
+            self.live[engine_id] = live
+        try:
+            self.loop.submit(engine_id, parsed.prompt, parsed.params, lambda out: self._on_output(live, out))
+        except BaseException:
+            with live.lock:  # the caller sends the final (error) response
+                live.done = True
+            with self.live_lock:
+                self.live.pop(engine_id, None)
+            raise
+
+    def _stop(self, client_id: str, sender) -> None:
+        if not client_id:
+            raise InputError("a stop request needs the request id of the generation to stop")
+        self.control.post_stop(client_id)
+        self._abort_client(Control.key(client_id), time.time())
+        response = pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.array([[b""]], dtype=np.object_)),
+            pb_utils.Tensor("finish_reason", np.array([[b"abort"]], dtype=np.object_)),
+        ])
+        sender.send(response, flags=FINAL)
+
+    def _abort_client(self, client_key: str, posted: float) -> None:
+        with self.live_lock:
+            # Only generations that arrived before the stop, so a reused id is not hit later
+            # (with slack for the file system's coarse timestamps).
+            victims = [lv for lv in self.live.values()
+                       if lv.client_key == client_key and not lv.cancelled and lv.arrival_wall <= posted + 0.05]
+            for lv in victims:
+                lv.cancelled = True
+        for lv in victims:
+            self.loop.abort(lv.engine_id)
+
+    def _send_error(self, sender, message: str, code: int) -> None:
+        try:
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code)),
+                        flags=FINAL)
+        except Exception:
+            log.exception("could not send an error response")
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _on_output(self, live: Live, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if out.delta_token_ids:
+            if live.last_token is None:
+                self.first_token_latencies.append(now - live.arrival)
+            else:
+                gap = (now - live.last_token) / len(out.delta_token_ids)
+                self.inter_token_latencies.extend([gap] * len(out.delta_token_ids))
+            live.last_token = now
+        try:
+            if out.finished:
+                with live.lock:
+                    try:
+                        self._send(live, out)
+                    finally:
+                        live.done = True
+            elif live.parsed.stream:
+                self._send(live, out)
+        finally:
+            if out.finished:  # only now: the shutdown handshake waits for `live` to empty
+                with self.live_lock:
+                    self.live.pop(live.engine_id, None)
+
+    def _send(self, live: Live, out: RequestOutput) -> None:
+        p = live.parsed
+        if p.stream:
+            text, ids, logprobs = out.delta_text, out.delta_token_ids, out.delta_logprobs
+        else:
+            text, ids, logprobs = out.text, out.token_ids, out.logprobs
+        if live.echo_pending:
+            # exclude_input_in_output=false: the prompt leads the first (or only) response.
+            live.echo_pending = False
+            text = self._prompt_text(live, out) + text
+            ids = list(out.prompt_token_ids) + list(ids)
+        tensors = [
+            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+            pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32).reshape(1, -1)),
+            pb_utils.Tensor("finish_reason", np.array([[(out.finish_reason or "").encode()]], dtype=np.object_)),
+        ]
+        if p.return_num_input_tokens:
+            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([[len(out.prompt_token_ids)]], np.int32)))
+        if p.return_num_output_tokens:
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([[len(out.token_ids)]], np.int32)))
+        if p.return_log_probs:
+            tensors.append(pb_utils.Tensor("log_probs", np.array(logprobs or [], np.float32).reshape(1, -1)))
+        try:
+            live.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if out.finished else 0)
+        except Exception as e:
+            # The client is gone (or the response could not be built): stop generating for it.
+            log.warning("%s: sending a response for %s failed (%s); aborting it", self.instance, live.engine_id, e)
+            if not out.finished and not live.cancelled:
+                live.cancelled = True
+                self.loop.abort(live.engine_id)
+
+    def _prompt_text(self, live: Live, out: RequestOutput) -> str:
+        if live.parsed.prompt_text is not None:
+            return live.parsed.prompt_text
+        return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True)
+
+    # ---- housekeeping thread -------------------------------------------------------------------
+    def _housekeeping(self) -> None:
+        next_sweep = next_metrics = 0.0
+        while not self.stopping.wait(HOUSEKEEPING_INTERVAL_S):
+            try:
+                now = time.perf_counter()
+                if now >= next_sweep:
+                    self._check_cancelled()
+                    took = time.perf_counter() - now
+                    next_sweep = now + max(CANCEL_POLL_MIN_INTERVAL_S, took / CANCEL_POLL_MAX_SHARE)
+                for client_key, posted in self.control.read_stops():
+                    self._abort_client(client_key, posted)
+                self._shutdown_handshake()
+                if now >= next_metrics:
+                    next_metrics = now + METRICS_INTERVAL_S
+                    self._publish_metrics()
+            except Exception:
+                log.exception("housekeeping failed")
+
+    def _shutdown_handshake(self) -> None:
+        self.draining = self.control.draining()
+        if not self.draining:
+            return
+        if self.control.aborting():
+            with self.live_lock:
+                victims = [lv for lv in self.live.values() if not lv.cancelled]
+                for lv in victims:
+                    lv.cancelled = True
+            for lv in victims:
+                self.loop.abort(lv.engine_id)
+        with self.live_lock:
+            idle = not self.live
+        self.control.set_idle(idle)
+
+    def _check_cancelled(self) -> None:
+        with self.live_lock:
+            candidates = [lv for lv in self.live.values() if not lv.cancelled]
+        for lv in candidates:
+            with lv.lock:
+                if lv.done:
+                    continue
+                try:
+                    cancelled = lv.sender.is_cancelled()
+                except Exception:
+                    continue
+            if cancelled:
+                lv.cancelled = True
+                self.loop.abort(lv.engine_id)
+
+    def _publish_metrics(self) -> None:
+        m = self.metrics
+        prompt = generated = 0
+        while self.step_stats:
+            s = self.step_stats.popleft()
+            m.tokens_per_step.observe(s.num_tokens)
+            prompt += s.num_prompt_tokens
+            generated += s.num_generated_tokens
+        if prompt:
+            m.prompt_tokens.increment(prompt)
+        if generated:
+            m.generation_tokens.increment(generated)
+        while self.first_token_latencies:
+            m.ttft.observe(self.first_token_latencies.popleft())
+        while self.inter_token_latencies:
+            m.itl.observe(self.inter_token_latencies.popleft())
+        # Gauges from the engine's own counters: they are right even when no step follows an abort.
+        st = self.loop.stats()
+        m.set_gauge("kv_used", st.kv_blocks_used)
+        m.set_gauge("kv_free", st.kv_blocks_free)
+        m.set_gauge("running", st.num_running)
+        m.set_gauge("waiting", st.num_waiting)

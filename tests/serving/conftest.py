@@ -1,0 +1,73 @@
+"""One real tritonserver for the serving tests: tiny local model, two llm replicas, free ports."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import pytest
+
+# Engine parameters of the test server; the offline LLM in the tests takes the same ones.
+ENGINE_PARAMS = {
+    "device": "cpu",
+    "dtype": "float32",
+    "num_kv_blocks": "256",  # 4096 tokens per replica: small, so "used" blocks are easy to watch
+    "token_budget": "256",
+    "num_threads": "1",  # two replicas share two cores
+}
+INSTANCES = 2
+
+
+@dataclass
+class Served:
+    model_dir: str
+    grpc_url: str
+    http_url: str
+    metrics_url: str
+    engine_params: dict[str, str]
+    instances: int
+    log_file: str
+    startup_s: float
+
+    def engine_kwargs(self) -> dict:
+        """ENGINE_PARAMS as LLM(...) keyword arguments."""
+        from splitfuse.config import EngineConfig
+
+        cfg = EngineConfig.from_strings({"model": self.model_dir, **self.engine_params})
+        return {k: getattr(cfg, k) for k in self.engine_params}
+
+
+def _need_tritonserver() -> None:
+    from splitfuse.server import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except FileNotFoundError as e:
+        pytest.skip(f"no tritonserver: {e}")
+
+
+@pytest.fixture(scope="session")
+def served(tiny_llama, tmp_path_factory):
+    _need_tritonserver()
+    from splitfuse.server import serve
+
+    work = tmp_path_factory.mktemp("triton")
+    start = time.monotonic()
+    with serve(tiny_llama, ENGINE_PARAMS, instances=INSTANCES, workdir=work) as server:
+        yield Served(
+            model_dir=tiny_llama, grpc_url=server.grpc_url, http_url=server.http_url,
+            metrics_url=server.metrics_url, engine_params=dict(ENGINE_PARAMS), instances=INSTANCES,
+            log_file=str(server.log_file), startup_s=time.monotonic() - start,
+        )
+        code = server.stop()
+    if code != 0:  # not a test failure: Triton 2.51 unload limitations (see README)
+        warnings.warn(f"tritonserver exited with code {code} (killed: {server.killed}); log: {server.log_file}")
+
+
+@pytest.fixture(scope="session")
+def offline_llm(served):
+    """The offline engine with the server's settings, for output comparisons."""
+    from splitfuse.llm import LLM
+
+    return LLM(served.model_dir, **served.engine_kwargs())

@@ -1,0 +1,64 @@
+"""Bad requests get a clear Triton error; the next good request works; models stay READY."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from triton_helpers import grpc_generate, http_generate
+
+pytestmark = pytest.mark.serving
+
+GOOD = {"text_input": "hello world", "max_tokens": 4, "temperature": 0.0}
+
+# (model, inputs, dtype overrides, words the error must contain)
+CASES = {
+    "negative temperature": ("ensemble", {**GOOD, "temperature": -1.0}, None, ["temperature"]),
+    "top_p zero": ("ensemble", {**GOOD, "top_p": 0.0}, None, ["top_p"]),
+    "nan penalty": ("llm", {**GOOD, "repetition_penalty": float("nan")}, None, ["repetition_penalty"]),
+    "max_tokens zero": ("ensemble", {**GOOD, "max_tokens": 0}, None, ["max_tokens"]),
+    "negative top_k": ("llm", {**GOOD, "top_k": -3}, None, ["top_k"]),
+    "empty prompt (ensemble)": ("ensemble", {**GOOD, "text_input": ""}, None, ["text_input", "empty"]),
+    "empty prompt (llm)": ("llm", {**GOOD, "text_input": ""}, None, ["text_input", "empty"]),
+    "too long": ("ensemble", {**GOOD, "max_tokens": 100_000}, None, ["max_model_len"]),
+    "more blocks than the pool": ("llm", {**GOOD, "max_tokens": 4090}, None, ["KV blocks"]),
+    "wrong dtype": ("ensemble", {**GOOD, "max_tokens": 4.0}, {"max_tokens": "FP32"}, ["max_tokens", "data-type"]),
+    "wrong dtype (llm)": ("llm", {**GOOD, "temperature": 1}, {"temperature": "INT32"}, ["temperature", "data-type"]),
+    "wrong shape": ("ensemble", {**GOOD, "text_input": ["a", "b"]}, None, ["text_input", "shape"]),
+    "batch of two (llm)": ("llm", {**GOOD, "text_input": np.array([[b"a"], [b"b"]], dtype=np.object_),
+                                   "max_tokens": np.array([[4], [4]], dtype=np.int32),
+                                   "temperature": np.array([[0.0], [0.0]], dtype=np.float32)},
+                           None, ["batch size must be 1"]),
+    "missing max_tokens (ensemble)": ("ensemble", {"text_input": "hi"}, None, ["max_tokens"]),
+    "missing max_tokens (llm)": ("llm", {"text_input": "hi"}, None, ["max_tokens"]),
+    "missing text_input (ensemble)": ("ensemble", {"max_tokens": 4}, None, ["text_input"]),
+    "missing prompt (llm)": ("llm", {"max_tokens": 4}, None, ["text_input"]),
+    "token id out of range": ("llm", {"input_ids": [1, 99999], "max_tokens": 4}, None, ["out of range"]),
+    "invalid utf-8": ("ensemble", {**GOOD, "text_input": b"\xff\xfehello"}, None, ["UTF-8"]),
+    "bad chat json": ("ensemble", {**GOOD, "text_input": '[{"role": "user"', "apply_chat_template": True},
+                      None, ["JSON"]),
+    "stop without id": ("llm", {"stop": True}, None, ["request id"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_error_then_good_request_works(served, case):
+    model, values, dtypes, words = CASES[case]
+    r = grpc_generate(served.grpc_url, model, values, dtypes=dtypes)
+    assert r.error is not None, f"{case}: no error, got {r.responses}"
+    for w in words:
+        assert w.lower() in r.error.lower(), f"{case}: {w!r} not in {r.error!r}"
+    ok = grpc_generate(served.grpc_url, model, {**GOOD, "stream": True})
+    assert ok.error is None and len(ok.output_ids) >= 1
+
+
+def test_http_errors_and_models_stay_ready(served):
+    r = http_generate(served.http_url, "ensemble", {"text_input": "hi", "max_tokens": 4, "top_p": 2.0})
+    assert r["status"] == 400 and "top_p" in r["error"]
+    r = http_generate(served.http_url, "ensemble", {"text_input": "hi"})
+    assert "error" in r and "max_tokens" in r["error"]
+    assert "text_output" in http_generate(served.http_url, "ensemble", GOOD)
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    assert client.is_server_live() and client.is_server_ready()
+    for model in ("ensemble", "preprocessing", "llm"):
+        assert client.is_model_ready(model), model

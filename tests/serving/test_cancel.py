@@ -1,0 +1,105 @@
+"""Cancellation frees a sequence's KV blocks; what Triton 2.51 does for ensemble requests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+from triton_helpers import GrpcStream, grpc_generate, metric_sum, wait_for
+
+pytestmark = pytest.mark.serving
+
+LONG = {"text_input": "hello world", "max_tokens": 3000, "temperature": 0.0, "ignore_eos": True, "stream": True}
+
+
+def _used(served) -> float:
+    return metric_sum(served.metrics_url, "splitfuse_kv_cache_blocks", state="used")
+
+
+def _generated(served) -> float:
+    return metric_sum(served.metrics_url, "splitfuse_generation_tokens_total")
+
+
+def _start(served, model: str, request_id: str) -> GrpcStream:
+    assert wait_for(lambda: _used(served) == 0), "blocks still in use from an earlier test"
+    s = GrpcStream(served.grpc_url)
+    s.send(model, LONG, request_id=request_id)
+    for _ in range(5):
+        resp, err = s.next()
+        assert err is None and resp.output_ids
+    assert wait_for(lambda: _used(served) > 0)
+    return s
+
+
+def _assert_aborted_early(served, generated_before: float) -> None:
+    assert wait_for(lambda: _used(served) == 0, timeout=5.0), "KV blocks not freed after cancellation"
+    assert wait_for(lambda: metric_sum(served.metrics_url, "splitfuse_requests", state="running") == 0)
+    # Far from the 3000 tokens it asked for: it was aborted, not finished.
+    assert _generated(served) - generated_before < 1500
+
+
+def test_grpc_cancel_frees_kv_blocks(served):
+    s = _start(served, "llm", "cancel-grpc")
+    before = _generated(served)
+    s.close(cancel=True)  # stop_stream(cancel_requests=True)
+    _assert_aborted_early(served, before)
+
+
+def test_http_disconnect_frees_kv_blocks(served):
+    assert wait_for(lambda: _used(served) == 0)
+    host, port = served.http_url.rsplit(":", 1)
+    body = json.dumps(LONG).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v2/models/llm/generate_stream HTTP/1.1\r\nHost: test\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    seen = b""
+    while seen.count(b"data:") < 5:
+        seen += sock.recv(4096)
+    before = _generated(served)
+    sock.close()
+    _assert_aborted_early(served, before)
+
+
+def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(served):
+    """Triton 2.51 does not forward an ensemble request's cancellation to its decoupled step:
+    the generation keeps its blocks after the client cancels. A `stop` request with the
+    same request id, sent to `llm` (any replica), aborts it."""
+    s = _start(served, "ensemble", "cancel-ensemble")
+    before = _generated(served)
+    s.close(cancel=True)
+    time.sleep(1.0)
+    assert _used(served) > 0, "Triton now forwards ensemble cancellation: update the docs and this test"
+    r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id="cancel-ensemble")
+    assert r.error is None and r.finish_reason == "abort"
+    _assert_aborted_early(served, before)
+
+
+def test_stop_request_reaches_the_replica_that_holds_the_request(served):
+    # Several streams, spread over both replicas; each stop lands on whichever replica
+    # Triton picks, and each stream still ends with finish_reason "abort".
+    streams = []
+    for i in range(4):
+        s = GrpcStream(served.grpc_url)
+        s.send("ensemble", LONG, request_id=f"stop-me-{i}")
+        assert s.next()[1] is None
+        streams.append(s)
+    try:
+        for i, s in enumerate(streams):
+            r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id=f"stop-me-{i}")
+            assert r.error is None
+            rest = s.collect(timeout=60)
+            assert rest.error is None and rest.finish_reason == "abort"
+    finally:
+        for s in streams:
+            s.close()
+    assert wait_for(lambda: _used(served) == 0)
+
+
+def test_stop_does_not_hit_a_later_request_with_the_same_id(served):
+    r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id="reused-id")
+    assert r.finish_reason == "abort"
+    time.sleep(0.2)
+    r = grpc_generate(served.grpc_url, "ensemble", {**LONG, "max_tokens": 20}, request_id="reused-id")
+    assert r.error is None and r.finish_reason == "length"

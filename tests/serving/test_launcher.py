@@ -1,0 +1,139 @@
+"""splitfuse.server: rendering the repository, and the CLI's start/Ctrl-C cycle (make serve)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from triton_helpers import GrpcStream
+from tritonclient.grpc import model_config_pb2
+
+from splitfuse.config import EngineConfig
+from splitfuse.server import (
+    build_backend_dir,
+    default_template_dir,
+    find_tritonserver,
+    free_port,
+    parse_params,
+    port_is_free,
+    render_model_repository,
+)
+
+
+def _config(repo: Path, model: str):
+    return text_format.Parse((repo / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+
+
+def test_template_parameters_are_engine_fields():
+    cfg = _config(default_template_dir(), "llm")
+    assert set(cfg.parameters) <= set(EngineConfig.field_names())
+    assert cfg.model_transaction_policy.decoupled
+
+
+def test_render_fills_model_params_and_instances(tiny_llama, tmp_path):
+    repo = render_model_repository(tmp_path / "repo", tiny_llama, {"token_budget": "64", "num_kv_blocks": "32"},
+                                   instances=2, preprocessing_instances=3)
+    llm = _config(repo, "llm")
+    params = {k: v.string_value for k, v in llm.parameters.items()}
+    assert params["model"] == str(Path(tiny_llama).resolve())
+    assert params["token_budget"] == "64" and params["num_kv_blocks"] == "32"
+    cfg = EngineConfig.from_strings(params)
+    assert cfg.token_budget == 64 and cfg.tokenizer == cfg.model
+    assert [g.count for g in llm.instance_group] == [2]
+    pre = _config(repo, "preprocessing")
+    assert pre.parameters["tokenizer"].string_value == str(Path(tiny_llama).resolve())
+    assert [g.count for g in pre.instance_group] == [3]
+    assert (repo / "ensemble" / "1").is_dir() and (repo / "llm" / "1" / "model.py").is_file()
+
+
+def test_render_rejects_bad_parameters(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="unknown engine parameter"):
+        render_model_repository(tmp_path / "a", tiny_llama, {"token_budgte": "64"})
+    with pytest.raises(ValueError, match="token_budget"):
+        render_model_repository(tmp_path / "b", tiny_llama, {"token_budget": "lots"})
+    with pytest.raises(ValueError, match="scheduler_policy"):
+        render_model_repository(tmp_path / "c", tiny_llama, {"scheduler_policy": "fifo"})
+    with pytest.raises(FileNotFoundError):
+        render_model_repository(tmp_path / "d", tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_params(["token_budget"])
+    assert parse_params(["token_budget=64", "dtype=float32"]) == {"token_budget": "64", "dtype": "float32"}
+
+
+def test_backend_dir_links_the_stub_for_this_python(tmp_path):
+    try:
+        install = find_tritonserver()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    backend = build_backend_dir(tmp_path / "backends", install)
+    py = backend / "python"
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py", "triton_python_backend_stub"):
+        assert (py / name).exists(), name
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if install.stub is not None:
+        assert f"/{ver}/" in os.readlink(py / "triton_python_backend_stub")
+    build_backend_dir(tmp_path / "backends", install)  # idempotent
+
+
+@pytest.mark.serving
+def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
+    """`python -m splitfuse.server` (what `make serve` runs): ready line, then Ctrl-C with a
+    generation in flight: the generation is aborted with a final response, new requests are
+    refused while draining, and the launcher exits 0 with tritonserver stopped cleanly."""
+    try:
+        find_tritonserver()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    ports = [free_port() for _ in range(3)]
+    cmd = [sys.executable, "-m", "splitfuse.server", "--model", tiny_llama, "--host", "127.0.0.1",
+           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+           "--param", "device=cpu", "--param", "num_kv_blocks=256", "--param", "num_threads=1",
+           "--drain-timeout", "2", "--model-repository-out", str(tmp_path / "repo")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("splitfuse.server: ready"):
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(600), "".join(lines[-40:])
+        grpc_url = f"127.0.0.1:{ports[1]}"
+        s = GrpcStream(grpc_url)
+        s.send("llm", {"text_input": "hello", "max_tokens": 3000, "temperature": 0.0, "ignore_eos": True,
+                       "stream": True})
+        for _ in range(3):
+            assert s.next()[1] is None
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        with GrpcStream(grpc_url) as late:  # refused while draining
+            late.send("llm", {"text_input": "hello", "max_tokens": 4})
+            assert "shutting down" in (late.collect(timeout=30).error or "")
+        rest = s.collect(timeout=60)
+        s.close()
+        assert rest.error is None and rest.finish_reason == "abort" and rest.responses[-1].final
+        assert proc.wait(timeout=60) == 0, "".join(lines[-40:])
+    finally:
+        if proc.poll() is None:  # never leave a tritonserver behind: a second signal kills it
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=30)
+    reader.join(timeout=5)
+    out = "".join(lines)
+    assert "successfully unloaded 'llm'" in out and "tritonserver exited with code 0" in out
+    assert all(port_is_free(p, "127.0.0.1") for p in ports)
