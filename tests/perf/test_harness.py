@@ -1,0 +1,174 @@
+"""The benchmark harness end to end: workload, OpenAI driver (fake SSE server), report and plots,
+and one tiny sweep against a real tritonserver started on free ports."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+PERF = Path(__file__).resolve().parents[2] / "perf"
+sys.path.insert(0, str(PERF))
+
+import fastgen_bench as fb  # noqa: E402
+import run_all  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------- workload
+def test_workload_lengths_are_exact_and_seeded(tiny_llama):
+    from transformers import AutoTokenizer
+
+    specs = fb.make_workload(tiny_llama, 12, prompt_mean=40, gen_mean=6, seed=3, max_model_len=256)
+    again = fb.make_workload(tiny_llama, 12, prompt_mean=40, gen_mean=6, seed=3, max_model_len=256)
+    assert [(s.prompt, s.gen_tokens) for s in specs] == [(s.prompt, s.gen_tokens) for s in again]
+    other = fb.make_workload(tiny_llama, 12, prompt_mean=40, gen_mean=6, seed=4, max_model_len=256)
+    assert [s.prompt for s in specs] != [s.prompt for s in other]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    for s in specs:
+        assert len(tok(s.prompt).input_ids) == s.prompt_tokens
+        assert s.gen_tokens >= 2 and s.prompt_tokens + s.gen_tokens <= 256
+    # No two prompts share a long prefix (a prefix cache would otherwise favour one system).
+    starts = [s.prompt[:60] for s in specs]
+    assert len(set(starts)) >= len(specs) - 2
+
+
+# ---------------------------------------------------------------------------------- OpenAI
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """Streams `max_tokens` tokens, 2 per SSE chunk for even requests, like vLLM's format."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list = []
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append(body)
+        n = body["max_tokens"]
+        per = 2 if len(body["prompt"]) % 2 == 0 else 1
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def send(obj):
+            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+        done = 0
+        while done < n:
+            k = min(per, n - done)
+            done += k
+            time.sleep(0.002)
+            send({"choices": [{"text": "ab" * k, "token_ids": list(range(k)),
+                               "prompt_token_ids": [1, 2, 3] if done == k else None}],
+                  "usage": {"prompt_tokens": 3, "completion_tokens": done}})
+        send({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
+        send(b"[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+
+
+def test_openai_driver_against_fake_sse_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    th = threading.Thread(target=server.serve_forever, daemon=True)
+    th.start()
+    try:
+        specs = [fb.RequestSpec(i, "x" * (10 + i), 3, 4 + i) for i in range(6)]
+        driver = fb.OpenAIDriver(f"http://127.0.0.1:{server.server_address[1]}", "bench")
+        res = fb.sweep(driver, specs, [1, 3], per_client=2, min_requests=3, warmup=1, log=lambda m: None)
+    finally:
+        server.shutdown()
+    sent = _FakeOpenAI.seen[-1]
+    assert sent["stream"] is True and sent["ignore_eos"] is True and sent["min_tokens"] == sent["max_tokens"]
+    p1, p3 = res["points"]
+    assert (p1["clients"], p1["requests"]) == (1, 3) and (p3["clients"], p3["requests"]) == (3, 6)
+    for p in res["points"]:
+        recs = [fb.RequestRecord.from_json(r) for r in p["records"]]
+        assert all(r.ok for r in recs), [r.error for r in recs]
+        assert all(r.output_tokens == r.gen_tokens == r.server_output_tokens for r in recs)
+        assert all(r.server_prompt_tokens == 3 for r in recs)
+        assert p["metrics"]["length_mismatches"] == 0
+    # Requests are taken in order, continuing between points: same sequence for every system.
+    assert sorted(r["idx"] for r in p1["records"]) == [0, 1, 2]
+    assert sorted(r["idx"] for r in p3["records"]) == [3, 4, 5, 0, 1, 2] or \
+        sorted(r["idx"] for r in p3["records"]) == [0, 1, 2, 3, 4, 5]
+    # Even prompts came 2 tokens per chunk.
+    multi = [r for r in p3["records"] if len(specs[r["idx"]].prompt) % 2 == 0]
+    assert multi and all(all(n == 2 or n == 1 for _, n in r["chunks"]) for r in multi)
+    assert p3["metrics"]["multi_token_chunks"] > 0
+
+
+# ---------------------------------------------------------------------------------- report
+def _synthetic_raw(out: Path) -> None:
+    raw = out / "raw"
+    raw.mkdir(parents=True)
+    for k, name in enumerate(("splitfuse", "prefill_first", "vllm")):
+        points = []
+        for c in (1, 2, 4):
+            recs = []
+            for i in range(c * 2):
+                gap = 0.05 * (k + 1)
+                start = i * 0.5
+                arrivals = [0.3 + gap * j for j in range(8)]
+                recs.append(fb.RequestRecord(i, i % c, 256, 8, start, start + arrivals[-1],
+                                             [(start + a, 1) for a in arrivals], None, 256, 8).to_json())
+            points.append({"clients": c, "requests": len(recs), "records": recs})
+        (raw / f"{name}.json").write_text(json.dumps({"points": points, "server": {"kind": name}, "wall_s": 1.0,
+                                                      "loadavg_before": [1, 1, 1], "loadavg_after": [1, 1, 1]}))
+    meta = dict(machine=run_all.machine_info(), model={"path": "m", "arch": "llama", "params_m": 1.0, "hidden": 8,
+                                                       "layers": 1, "heads": 1, "kv_heads": 1, "vocab": 10,
+                                                       "dtype": "float32", "built_by": {"size": "tiny"}},
+                workload=dict(prompt_mean=256, gen_mean=8, variance=0.3, seed=0, num_requests=8,
+                              measured_prompt_mean=256, measured_gen_mean=8),
+                clients=[1, 2, 4], per_client=2, min_requests=1, servers={})
+    (raw / "meta.json").write_text(json.dumps(meta))
+
+
+def test_report_writes_plots_csv_and_summary(tmp_path):
+    _synthetic_raw(tmp_path)
+    summary = run_all.report(tmp_path, token_clients=2)
+    text = summary.read_text()
+    for png in ("throughput_latency.png", "effective_throughput.png", "token_latency.png"):
+        assert (tmp_path / png).stat().st_size > 5000
+        assert png in text
+    assert (tmp_path / "metrics.csv").read_text().count("\n") == 1 + 3 * 3
+    assert "AMD" in text or "Intel" in text or "cores" in text
+    # Gaps of 50/100/150 ms: P95 ratio splitfuse / prefill_first = 0.5, effective-throughput ratios 1.
+    assert "| splitfuse / prefill_first: P95 token latency @2 clients | 0.50x | <= 0.5x | yes |" in text
+    assert "| splitfuse / vllm: max effective throughput @6 tok/s | " in text
+
+
+# ---------------------------------------------------------------------------------- Triton
+@pytest.mark.serving
+def test_tiny_sweep_against_real_triton_server(tiny_llama, tmp_path):
+    from splitfuse.server import find_tritonserver, serve
+
+    try:
+        find_tritonserver()
+    except FileNotFoundError as e:
+        pytest.skip(f"no tritonserver: {e}")
+    specs = fb.make_workload(tiny_llama, 8, prompt_mean=32, gen_mean=5, seed=0, max_model_len=256)
+    params = {"scheduler_policy": "splitfuse", "token_budget": "64", "device": "cpu", "num_kv_blocks": "64",
+              "num_threads": "1"}
+    with serve(tiny_llama, params, workdir=tmp_path / "srv") as srv:
+        for model in ("ensemble", "llm"):
+            driver = fb.TritonDriver(srv.grpc_url, model)
+            res = fb.sweep(driver, specs, [1, 2], per_client=2, min_requests=2, warmup=1, log=lambda m: None)
+            for p in res["points"]:
+                recs = [fb.RequestRecord.from_json(r) for r in p["records"]]
+                assert len(recs) == p["requests"] == max(2, 2 * p["clients"])
+                assert all(r.ok for r in recs), [r.error for r in recs]
+                for r in recs:
+                    assert r.output_tokens == r.gen_tokens == r.server_output_tokens
+                    assert r.server_prompt_tokens == r.prompt_tokens
+                    assert r.start < r.chunks[0][0] <= r.chunks[-1][0] <= r.end
+                m = p["metrics"]
+                assert m["throughput_rps"] > 0 and m["token_latency_p95_s"] > 0
+                assert m["length_mismatches"] == 0
