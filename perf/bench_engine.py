@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,10 @@ from pathlib import Path
 import torch
 
 from splitfuse import EngineConfig, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model, mem_gib  # noqa: E402
+
 from splitfuse.demo_model import build_model
 from splitfuse.engine import LLMEngine
 
@@ -31,15 +34,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cpu = cpu_model()
+    mem_gb = mem_gib()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gb": round(mem_gb, 1), "device": device,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0]}

@@ -41,6 +41,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import fastgen_bench as fb  # noqa: E402
+from machine import cpu_model  # noqa: E402
+from machine import mem_gib as total_mem_gib  # noqa: E402
 
 TRITON_POLICIES = ("splitfuse", "prefill_first", "orca")
 SYSTEM_ORDER = ("splitfuse", "prefill_first", "orca", "vllm", "vllm_2c")
@@ -103,21 +105,8 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------ machine
 def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = float("nan")
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem_gib = int(line.split()[1]) / 2**20
-    except OSError:
-        pass
+    cpu = cpu_model()
+    mem_gib = total_mem_gib()
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
