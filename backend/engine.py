@@ -9,9 +9,11 @@ thread for servers, `LLM` (llm.py) drives it inline for offline use.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -226,9 +228,6 @@ class LLMEngine:
 
 def _generation_eos_ids(model_dir: str) -> list[int]:
     """EOS ids from generation_config.json, which HF generate() stops on."""
-    import json
-    from pathlib import Path
-
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return []
