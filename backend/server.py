@@ -35,14 +35,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitfuse import control
 from splitfuse.config import EngineConfig
 
 # Template repository: the source tree's `model_repository/` unless overridden (an installed,
 # non-editable package does not carry it; the Dockerfile sets the variable).
 TEMPLATE_ENV = "SPLITFUSE_MODEL_REPOSITORY"
 TRITON_ROOT_ENV = "SPLITFUSE_TRITON_ROOT"
-# Shutdown handshake directory, read by model_repository/llm/1/model.py (same name there).
-CONTROL_ENV = "SPLITFUSE_CONTROL_DIR"
 LLM_MODEL = "llm"
 PREPROCESSING_MODEL = "preprocessing"
 PLACEHOLDER_PREFIX = "${"
@@ -356,7 +355,7 @@ class TritonServer:
         if self.control_dir is not None:
             shutil.rmtree(self.control_dir, ignore_errors=True)
             self.control_dir.mkdir(parents=True)
-            env[CONTROL_ENV] = str(self.control_dir)
+            env[control.ENV] = str(self.control_dir)
         out = None
         if self.log_file is not None:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -396,10 +395,9 @@ class TritonServer:
     def _wait_idle(self, timeout_s: float) -> bool:
         """Until every llm instance reports no request in flight (or the server is gone)."""
         assert self.control_dir is not None
-        idle = self.control_dir / "idle"
         deadline = time.monotonic() + timeout_s
         while self.running():
-            if idle.is_dir() and len(os.listdir(idle)) >= self.llm_instances:
+            if control.num_idle(self.control_dir) >= self.llm_instances:
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -410,15 +408,14 @@ class TritonServer:
         """llm refuses new requests; wait for in-flight ones to finish. True if they all did."""
         if self.control_dir is None or not self.running():
             return True
-        (self.control_dir / "drain").touch()
+        control.request_drain(self.control_dir)
         return self._wait_idle(timeout_s)
 
     def abort_in_flight(self, timeout_s: float = 10.0) -> bool:
         """Abort every generation still running (clients get finish_reason "abort")."""
         if self.control_dir is None or not self.running():
             return True
-        (self.control_dir / "drain").touch()
-        (self.control_dir / "abort").touch()
+        control.request_abort(self.control_dir)
         return self._wait_idle(timeout_s)
 
     def stop(self, drain_timeout_s: float | None = None) -> int | None:

@@ -8,27 +8,24 @@ engine's metrics, so the engine thread does nothing but step and send.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
-import os
-import shutil
-import tempfile
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from splitfuse.config import EngineConfig
+from splitfuse.control import Control
 from splitfuse.engine import LLMEngine
 from splitfuse.engine_loop import EngineLoop, StepStats
-from splitfuse.sequence import RequestOutput, SamplingParams
+from splitfuse.sequence import RequestOutput
+from splitfuse.triton_request import InputError, Parsed, parse_request
 
 log = logging.getLogger("splitfuse.triton.llm")
 
@@ -43,138 +40,10 @@ METRICS_INTERVAL_S = 0.1
 # flight a sweep at every tick cost 20% of the throughput on a 2-core machine.
 CANCEL_POLL_MIN_INTERVAL_S = 0.02
 CANCEL_POLL_MAX_SHARE = 0.1
-# A stop request for an id that no instance holds is forgotten after this long.
-STOP_TTL_S = 10.0
-# Set by splitfuse.server for the shutdown handshake (same name there).
-CONTROL_ENV = "SPLITFUSE_CONTROL_DIR"
 
 TOKENS_PER_STEP_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
-
-
-class InputError(ValueError):
-    """A request the client must fix; its message goes back in the error response."""
-
-
-# --------------------------------------------------------------------------- request parsing
-
-
-def _tensor(request, name: str) -> np.ndarray | None:
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    return None if t is None else t.as_numpy()
-
-
-def _scalar(request, name: str, kind: type) -> Any:
-    arr = _tensor(request, name)
-    if arr is None:
-        return None
-    if arr.size != 1:
-        raise InputError(f"{name} must hold one value per request (shape [1, 1]), got shape {list(arr.shape)}")
-    value = arr.reshape(-1)[0]
-    if kind is str:
-        return _utf8(name, value)
-    return kind(value)
-
-
-def _utf8(name: str, value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return bytes(value).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{name} is not valid UTF-8: {e}") from None
-
-
-def _first(request, names: tuple[str, ...], kind: type) -> Any:
-    """The value of the first of several accepted names (e.g. min_tokens / min_length)."""
-    for name in names:
-        value = _scalar(request, name, kind)
-        if value is not None:
-            return value
-    return None
-
-
-@dataclass
-class Parsed:
-    stop_request: bool = False
-    prompt: str | list[int] = ""
-    prompt_text: str | None = None
-    params: SamplingParams | None = None
-    stream: bool = False
-    exclude_input: bool = True
-    return_log_probs: bool = False
-    return_num_input_tokens: bool = False
-    return_num_output_tokens: bool = False
-
-
-def parse_request(request) -> Parsed:
-    """Triton request tensors -> prompt + SamplingParams, raising InputError/ValueError."""
-    batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
-             if a is not None and a.ndim > 0]
-    bad = [b for b in batch if b != 1]
-    if bad:
-        raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
-    if _scalar(request, "stop", bool):
-        return Parsed(stop_request=True)
-
-    text = _scalar(request, "text_input", str)
-    ids_arr = _tensor(request, "input_ids")
-    prompt: str | list[int]
-    if ids_arr is not None:
-        ids = ids_arr.reshape(-1).tolist()
-        length = _scalar(request, "input_lengths", int)
-        if length is not None:
-            if not 0 <= length <= len(ids):
-                raise InputError(f"input_lengths ({length}) must be in [0, {len(ids)}]")
-            ids = ids[:length]
-        if not ids:
-            raise InputError("input_ids is empty")
-        prompt = ids
-    elif text is not None:
-        if not text:
-            raise InputError("text_input is empty")
-        prompt = text
-    else:
-        raise InputError("text_input (or input_ids) is required")
-
-    max_tokens = _scalar(request, "max_tokens", int)
-    if max_tokens is None:
-        raise InputError("max_tokens is required")
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
-    for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("repetition_penalty", float),
-                       ("presence_penalty", float), ("frequency_penalty", float), ("ignore_eos", bool)):
-        value = _scalar(request, name, kind)
-        if value is not None:
-            kwargs[name] = value
-    min_tokens = _first(request, ("min_tokens", "min_length"), int)
-    if min_tokens is not None:
-        kwargs["min_tokens"] = min_tokens
-    seed = _first(request, ("seed", "random_seed"), int)
-    if seed is not None:
-        kwargs["seed"] = seed
-    words = _tensor(request, "stop_words")
-    if words is not None:
-        # Empty entries are padding in TensorRT-LLM-style clients, not stop strings.
-        kwargs["stop"] = [w for w in (_utf8("stop_words", v) for v in words.reshape(-1)) if w]
-    end_id = _scalar(request, "end_id", int)
-    if end_id is not None and end_id >= 0:
-        kwargs["stop_token_ids"] = [end_id]
-    return_log_probs = bool(_scalar(request, "return_log_probs", bool))
-    kwargs["logprobs"] = return_log_probs
-    params = SamplingParams(**kwargs)  # ValueError names the field
-
-    exclude = _scalar(request, "exclude_input_in_output", bool)
-    return Parsed(
-        prompt=prompt,
-        prompt_text=text,
-        params=params,
-        stream=bool(_scalar(request, "stream", bool)),
-        exclude_input=True if exclude is None else exclude,
-        return_log_probs=return_log_probs,
-        return_num_input_tokens=bool(_scalar(request, "return_num_input_tokens", bool)),
-        return_num_output_tokens=bool(_scalar(request, "return_num_output_tokens", bool)),
-    )
 
 
 # --------------------------------------------------------------------------- live requests
@@ -200,79 +69,6 @@ class Live:
     """The final response went out. Guarded by `lock`: after the final flag Triton frees the
     response factory, and is_cancelled() on it then crashes the whole server (2.51)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class Control:
-    """Files shared by the instances of this model and by the launcher (splitfuse.server).
-
-        <dir>/<model>/stop/<key>  explicit stops: a stop request lands on any instance, but the
-                                  generation may live in another (each instance is a process)
-        <dir>/drain               launcher: refuse new requests, the server is shutting down
-        <dir>/abort               launcher: abort every generation in flight
-        <dir>/idle/<instance>     this instance: draining, and nothing is in flight
-
-    The launcher exists because Triton 2.51 cannot unload a decoupled Python model that had
-    a request in flight when shutdown began; it stops generations before sending SIGTERM.
-    """
-
-    def __init__(self, model_name: str, instance: str) -> None:
-        env = os.environ.get(CONTROL_ENV)
-        # Without the launcher: a directory scoped to this server (the stubs' parent process).
-        self.base = Path(env) if env else Path(tempfile.gettempdir()) / f"splitfuse-{os.getppid()}"
-        self.owned = not env
-        self.stop_dir = self.base / model_name / "stop"
-        self.stop_dir.mkdir(parents=True, exist_ok=True)
-        self.idle_file = self.base / "idle" / instance
-        self._idle = False
-
-    def draining(self) -> bool:
-        return (self.base / "drain").exists()
-
-    def aborting(self) -> bool:
-        return (self.base / "abort").exists()
-
-    def set_idle(self, idle: bool) -> None:
-        if idle == self._idle:
-            return
-        self._idle = idle
-        if idle:
-            self.idle_file.parent.mkdir(parents=True, exist_ok=True)
-            self.idle_file.touch()
-        else:
-            self.idle_file.unlink(missing_ok=True)
-
-    @staticmethod
-    def key(client_id: str) -> str:
-        # A digest: request ids may be long or hold characters a file name cannot.
-        return hashlib.sha256(client_id.encode("utf-8")).hexdigest()[:32]
-
-    def post_stop(self, client_id: str) -> None:
-        self.stop_dir.mkdir(parents=True, exist_ok=True)
-        (self.stop_dir / self.key(client_id)).touch()
-
-    def read_stops(self) -> list[tuple[str, float]]:
-        """(key, time posted) of each recent stop; drops stale ones."""
-        out = []
-        try:
-            names = os.listdir(self.stop_dir)
-        except FileNotFoundError:
-            return out
-        now = time.time()
-        for name in names:
-            path = self.stop_dir / name
-            try:
-                posted = path.stat().st_mtime
-                if now - posted > STOP_TTL_S:
-                    path.unlink()
-                    continue
-                out.append((name, posted))
-            except OSError:
-                continue
-        return out
-
-    def close(self) -> None:
-        if self.owned:  # the launcher removes its own directory
-            shutil.rmtree(self.stop_dir, ignore_errors=True)
 
 
 class Metrics:
@@ -379,7 +175,7 @@ class TritonPythonModel:
 
     # ---- requests ----------------------------------------------------------------------------
     def _start(self, request, sender) -> None:
-        parsed = parse_request(request)
+        parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()})
         client_id = request.request_id() or ""
         if parsed.stop_request:
             self._stop(client_id, sender)

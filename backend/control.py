@@ -1,0 +1,113 @@
+"""The file board shared by the `llm` model's instances and the launcher (splitfuse.server).
+
+Each `llm` instance is its own stub process, so a stop request may land on an instance other
+than the one running the generation, and the launcher must tell every instance to drain
+before Triton shuts down. Files under one directory carry both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+# The launcher puts the board's directory in the stubs' environment under this name.
+ENV = "SPLITFUSE_CONTROL_DIR"
+DRAIN, ABORT, IDLE = "drain", "abort", "idle"
+# A stop request for an id that no instance holds is forgotten after this long.
+STOP_TTL_S = 10.0
+
+
+# ---- launcher side ------------------------------------------------------------------------
+def request_drain(base: Path) -> None:
+    """Instances refuse new requests from now on."""
+    (base / DRAIN).touch()
+
+
+def request_abort(base: Path) -> None:
+    """Instances refuse new requests and abort every generation in flight."""
+    (base / DRAIN).touch()
+    (base / ABORT).touch()
+
+
+def num_idle(base: Path) -> int:
+    """Instances that are draining with nothing in flight."""
+    idle = base / IDLE
+    return len(os.listdir(idle)) if idle.is_dir() else 0
+
+
+# ---- instance side ------------------------------------------------------------------------
+class Control:
+    """Files shared by the instances of this model and by the launcher (splitfuse.server).
+
+        <dir>/<model>/stop/<key>  explicit stops: a stop request lands on any instance, but the
+                                  generation may live in another (each instance is a process)
+        <dir>/drain               launcher: refuse new requests, the server is shutting down
+        <dir>/abort               launcher: abort every generation in flight
+        <dir>/idle/<instance>     this instance: draining, and nothing is in flight
+
+    The launcher exists because Triton 2.51 cannot unload a decoupled Python model that had
+    a request in flight when shutdown began; it stops generations before sending SIGTERM.
+    """
+
+    def __init__(self, model_name: str, instance: str) -> None:
+        env = os.environ.get(ENV)
+        # Without the launcher: a directory scoped to this server (the stubs' parent process).
+        self.base = Path(env) if env else Path(tempfile.gettempdir()) / f"splitfuse-{os.getppid()}"
+        self.owned = not env
+        self.stop_dir = self.base / model_name / "stop"
+        self.stop_dir.mkdir(parents=True, exist_ok=True)
+        self.idle_file = self.base / IDLE / instance
+        self._idle = False
+
+    def draining(self) -> bool:
+        return (self.base / DRAIN).exists()
+
+    def aborting(self) -> bool:
+        return (self.base / ABORT).exists()
+
+    def set_idle(self, idle: bool) -> None:
+        if idle == self._idle:
+            return
+        self._idle = idle
+        if idle:
+            self.idle_file.parent.mkdir(parents=True, exist_ok=True)
+            self.idle_file.touch()
+        else:
+            self.idle_file.unlink(missing_ok=True)
+
+    @staticmethod
+    def key(client_id: str) -> str:
+        # A digest: request ids may be long or hold characters a file name cannot.
+        return hashlib.sha256(client_id.encode("utf-8")).hexdigest()[:32]
+
+    def post_stop(self, client_id: str) -> None:
+        self.stop_dir.mkdir(parents=True, exist_ok=True)
+        (self.stop_dir / self.key(client_id)).touch()
+
+    def read_stops(self) -> list[tuple[str, float]]:
+        """(key, time posted) of each recent stop; drops stale ones."""
+        out = []
+        try:
+            names = os.listdir(self.stop_dir)
+        except FileNotFoundError:
+            return out
+        now = time.time()
+        for name in names:
+            path = self.stop_dir / name
+            try:
+                posted = path.stat().st_mtime
+                if now - posted > STOP_TTL_S:
+                    path.unlink()
+                    continue
+                out.append((name, posted))
+            except OSError:
+                continue
+        return out
+
+    def close(self) -> None:
+        if self.owned:  # the launcher removes its own directory
+            shutil.rmtree(self.stop_dir, ignore_errors=True)

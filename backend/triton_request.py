@@ -1,0 +1,138 @@
+"""Parse one Triton request (TensorRT-LLM ensemble tensor names) into a prompt and SamplingParams.
+
+Pure numpy over a mapping of input name -> array, so it is tested without a server; the
+`llm` model's model.py builds that mapping from the Triton request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from splitfuse.sequence import SamplingParams
+
+
+class InputError(ValueError):
+    """A request the client must fix; its message goes back in the error response."""
+
+
+# --------------------------------------------------------------------------- request parsing
+
+
+def _tensor(request: Mapping[str, np.ndarray], name: str) -> np.ndarray | None:
+    return request.get(name)
+
+
+def _scalar(request, name: str, kind: type) -> Any:
+    arr = _tensor(request, name)
+    if arr is None:
+        return None
+    if arr.size != 1:
+        raise InputError(f"{name} must hold one value per request (shape [1, 1]), got shape {list(arr.shape)}")
+    value = arr.reshape(-1)[0]
+    if kind is str:
+        return _utf8(name, value)
+    return kind(value)
+
+
+def _utf8(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{name} is not valid UTF-8: {e}") from None
+
+
+def _first(request, names: tuple[str, ...], kind: type) -> Any:
+    """The value of the first of several accepted names (e.g. min_tokens / min_length)."""
+    for name in names:
+        value = _scalar(request, name, kind)
+        if value is not None:
+            return value
+    return None
+
+
+@dataclass
+class Parsed:
+    stop_request: bool = False
+    prompt: str | list[int] = ""
+    prompt_text: str | None = None
+    params: SamplingParams | None = None
+    stream: bool = False
+    exclude_input: bool = True
+    return_log_probs: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+
+def parse_request(request: Mapping[str, np.ndarray]) -> Parsed:
+    """Input tensors by name -> prompt + SamplingParams, raising InputError/ValueError."""
+    batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
+             if a is not None and a.ndim > 0]
+    bad = [b for b in batch if b != 1]
+    if bad:
+        raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
+    if _scalar(request, "stop", bool):
+        return Parsed(stop_request=True)
+
+    text = _scalar(request, "text_input", str)
+    ids_arr = _tensor(request, "input_ids")
+    prompt: str | list[int]
+    if ids_arr is not None:
+        ids = ids_arr.reshape(-1).tolist()
+        length = _scalar(request, "input_lengths", int)
+        if length is not None:
+            if not 0 <= length <= len(ids):
+                raise InputError(f"input_lengths ({length}) must be in [0, {len(ids)}]")
+            ids = ids[:length]
+        if not ids:
+            raise InputError("input_ids is empty")
+        prompt = ids
+    elif text is not None:
+        if not text:
+            raise InputError("text_input is empty")
+        prompt = text
+    else:
+        raise InputError("text_input (or input_ids) is required")
+
+    max_tokens = _scalar(request, "max_tokens", int)
+    if max_tokens is None:
+        raise InputError("max_tokens is required")
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("repetition_penalty", float),
+                       ("presence_penalty", float), ("frequency_penalty", float), ("ignore_eos", bool)):
+        value = _scalar(request, name, kind)
+        if value is not None:
+            kwargs[name] = value
+    min_tokens = _first(request, ("min_tokens", "min_length"), int)
+    if min_tokens is not None:
+        kwargs["min_tokens"] = min_tokens
+    seed = _first(request, ("seed", "random_seed"), int)
+    if seed is not None:
+        kwargs["seed"] = seed
+    words = _tensor(request, "stop_words")
+    if words is not None:
+        # Empty entries are padding in TensorRT-LLM-style clients, not stop strings.
+        kwargs["stop"] = [w for w in (_utf8("stop_words", v) for v in words.reshape(-1)) if w]
+    end_id = _scalar(request, "end_id", int)
+    if end_id is not None and end_id >= 0:
+        kwargs["stop_token_ids"] = [end_id]
+    return_log_probs = bool(_scalar(request, "return_log_probs", bool))
+    kwargs["logprobs"] = return_log_probs
+    params = SamplingParams(**kwargs)  # ValueError names the field
+
+    exclude = _scalar(request, "exclude_input_in_output", bool)
+    return Parsed(
+        prompt=prompt,
+        prompt_text=text,
+        params=params,
+        stream=bool(_scalar(request, "stream", bool)),
+        exclude_input=True if exclude is None else exclude,
+        return_log_probs=return_log_probs,
+        return_num_input_tokens=bool(_scalar(request, "return_num_input_tokens", bool)),
+        return_num_output_tokens=bool(_scalar(request, "return_num_output_tokens", bool)),
+    )

@@ -1,0 +1,65 @@
+"""Parsing of Triton request tensors (TensorRT-LLM names) and the instances' control board."""
+
+import numpy as np
+import pytest
+
+from splitfuse import control
+from splitfuse.control import Control
+from splitfuse.triton_request import InputError, parse_request
+
+
+def t(value, dtype):
+    return np.array([[value]], dtype=dtype)
+
+
+BASE = {"text_input": t(b"hello", np.object_), "max_tokens": t(8, np.int32)}
+
+
+def test_names_and_aliases_map_onto_sampling_params():
+    p = parse_request({**BASE, "temperature": t(0.5, np.float32), "top_k": t(4, np.int32),
+                       "min_length": t(2, np.int32), "random_seed": t(7, np.uint64),
+                       "stop_words": np.array([[b"end", b""]], dtype=np.object_), "end_id": t(3, np.int32),
+                       "stream": t(True, np.bool_), "return_log_probs": t(True, np.bool_)})
+    assert p.prompt == "hello" and p.stream and p.exclude_input and p.return_log_probs
+    sp = p.params
+    assert (sp.max_tokens, sp.temperature, sp.top_k, sp.min_tokens, sp.seed) == (8, 0.5, 4, 2, 7)
+    assert sp.stop == ["end"] and sp.stop_token_ids == [3] and sp.logprobs
+
+
+def test_input_ids_with_lengths():
+    p = parse_request({"input_ids": np.array([[5, 6, 7, 0]], np.int32), "input_lengths": t(3, np.int32),
+                       "max_tokens": t(4, np.int32)})
+    assert p.prompt == [5, 6, 7]
+
+
+@pytest.mark.parametrize("inputs,words", [
+    ({"max_tokens": t(8, np.int32)}, "text_input"),
+    ({"text_input": t(b"hi", np.object_)}, "max_tokens"),
+    ({**BASE, "text_input": t(b"", np.object_)}, "empty"),
+    ({**BASE, "text_input": t(b"\xff\xfe", np.object_)}, "UTF-8"),
+    ({**BASE, "max_tokens": np.array([[1], [2]], np.int32)}, "batch size"),
+    ({**BASE, "temperature": t(-1.0, np.float32)}, "temperature"),
+    ({**BASE, "top_p": np.array([[0.5, 0.6]], np.float32)}, "top_p"),
+])
+def test_bad_inputs_raise_value_errors_naming_the_input(inputs, words):
+    with pytest.raises(ValueError, match=words):
+        parse_request(inputs)
+
+
+def test_stop_request_needs_no_prompt():
+    assert parse_request({"stop": t(True, np.bool_)}).stop_request
+    assert issubclass(InputError, ValueError)
+
+
+def test_control_board_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv(control.ENV, str(tmp_path))
+    a, b = Control("llm", "llm_0"), Control("llm", "llm_1")
+    assert not a.draining() and control.num_idle(tmp_path) == 0
+    control.request_drain(tmp_path)
+    assert a.draining() and b.draining() and not a.aborting()
+    a.set_idle(True)
+    assert control.num_idle(tmp_path) == 1
+    control.request_abort(tmp_path)
+    assert b.aborting()
+    a.post_stop("request-1")
+    assert [key for key, _ in b.read_stops()] == [Control.key("request-1")]
