@@ -7,7 +7,6 @@ The Triton model's `config.pbtxt` `parameters` map onto these fields one to one
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -77,22 +76,25 @@ class EngineConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
+    def check_names(cls, names) -> None:
+        """Raise ValueError for names that are not fields (typos in config.pbtxt or --param)."""
+        known = cls.field_names()
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(known)}")
+
+    @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
         """Build from string values (Triton `parameters`), converting by field type.
 
         Unknown names are an error so that a typo in config.pbtxt is not silently ignored.
         """
+        cls.check_names(values)
         types = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(types))
-        if unknown:
-            raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(types)}")
         kwargs: dict[str, Any] = {}
         for name, raw in values.items():
             kwargs[name] = _convert(name, str(types[name]), raw)
         return cls(**kwargs)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
 
 
 def _convert(name: str, type_name: str, raw: str) -> Any:

@@ -55,10 +55,6 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def num_pending(self) -> int:
-        with self._lock:
-            return len(self._callbacks)
-
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting, abort what is in flight (callbacks see finish_reason "abort")."""
         with self._lock:

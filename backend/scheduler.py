@@ -71,9 +71,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence from wherever it is and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:

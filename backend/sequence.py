@@ -137,10 +137,6 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def append_token(self, token_id: int, logprob: float | None = None) -> None:
         self.token_ids.append(token_id)
         if logprob is not None:

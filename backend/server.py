@@ -167,15 +167,8 @@ def parse_params(items: list[str] | None) -> dict[str, str]:
         if not sep or not name:
             raise ValueError(f"--param expects NAME=VALUE, got {item!r}")
         out[name] = value
-    check_engine_params(out)
+    EngineConfig.check_names(out)
     return out
-
-
-def check_engine_params(params: Mapping[str, str]) -> None:
-    known = set(EngineConfig.field_names())
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(known)}")
 
 
 def render_model_repository(
@@ -203,7 +196,7 @@ def render_model_repository(
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
     params = dict(params or {})
-    check_engine_params(params)
+    EngineConfig.check_names(params)
     params["model"] = str(model_path)
     if params.get("tokenizer"):
         params["tokenizer"] = str(Path(params["tokenizer"]).resolve())
