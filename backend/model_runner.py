@@ -60,7 +60,9 @@ class ModelRunner:
         cos, sin = rope_cos_sin(inv_freq, self.max_model_len)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.num_kv_blocks = self._num_kv_blocks()
-        shape = (self.num_kv_blocks, config.block_size, self.args.num_kv_heads, self.args.head_dim)
+        # Each backend lays out its blocks as its kernels read them best.
+        shape = self.kernels.attention.cache_shape(self.num_kv_blocks, config.block_size, self.args.num_kv_heads,
+                                                   self.args.head_dim)
         # Zeroed so padded block slots read by batched kernels are finite.
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -84,6 +86,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch) -> torch.Tensor:
         """Run the model over the batch; return float32 logits of the sampling rows [S, V]."""
-        self.kernels.attention.prepare(batch.attn, batch.query_lens, batch.seq_lens)
+        self.kernels.attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, self.args.num_kv_heads)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin)
         return self.model.compute_logits(hidden.index_select(0, batch.sample_rows)).float()

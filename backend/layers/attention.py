@@ -19,6 +19,11 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
+# Decode K/V are gathered this many bytes at a time, small enough to still be in a server
+# CPU's last-level cache when SDPA reads them (measured on a 32 MiB L3: 8 MiB sub-batches ran
+# decode attention 1.6x faster than gathering the whole batch at once).
+_DECODE_GATHER_BYTES = 8 << 20
+
 
 @dataclass
 class PrefillSpan:
@@ -27,7 +32,8 @@ class PrefillSpan:
     row_start: int
     row_end: int
     seq_len: int
-    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]
+    gather_start: int  # first of its (head, block) rows in the step's gathered K/V
+    num_blocks: int
 
 
 @dataclass
@@ -39,72 +45,130 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    # Torch path: the batch split into a batched decode group and per-sequence prompt chunks,
-    # computed once per step and shared by all layers.
+    # Torch path, computed once per step and shared by all layers: where each new token's K/V
+    # go, which (block, head) rows to gather, and the batch split into one batched decode
+    # group and per-sequence prompt chunks.
+    write_rows: torch.Tensor | None = None  # int64 [T * Hkv], rows of the cache viewed [-1, D]
+    gather_rows: torch.Tensor | None = None  # int64 [R], rows of the cache viewed [-1, block_size, D]
     decode_rows: torch.Tensor | None = None  # int64 [Bd]
-    decode_block_tables: torch.Tensor | None = None  # int64 [Bd, Md]
+    decode_num_blocks: int = 0
     decode_seq_lens: torch.Tensor | None = None  # int64 [Bd]
     prefills: list[PrefillSpan] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
 
 class TorchAttention:
-    """Plain torch: one batched SDPA call for all decodes, one per prompt chunk."""
+    """Plain torch, for CPUs: gather each sequence's blocks into a reused workspace, then
+    batched SDPA calls for the decodes (in cache-sized sub-batches) and one per prompt chunk.
+
+    The cache is head-major inside a block, [num_blocks, Hkv, block_size, D], so gathering
+    (block, head) rows yields K/V already in SDPA's [B, Hkv, L, D] layout. Measured on a 2-core
+    CPU (32 decodes x 608 tokens, 4 KV heads, D 64): gathering into fresh tensors cost 6x more
+    than into a reused buffer (page faults), strided K/V ran SDPA 1.7x slower, and 3-D inputs
+    send SDPA to its math path at half the speed of its flash kernel; hence 4-D, contiguous,
+    reused.
+    """
 
     name = "torch"
 
-    def prepare(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int]) -> None:
-        bt = meta.block_tables
+    def __init__(self) -> None:
+        self._k_buf: torch.Tensor | None = None
+        self._v_buf: torch.Tensor | None = None
+
+    @staticmethod
+    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def prepare(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int], num_kv_heads: int) -> None:
+        bs = meta.block_size
+        device = meta.block_tables.device
+        heads = torch.arange(num_kv_heads, dtype=torch.int64, device=device)
+        slots = meta.slot_mapping
+        # Row of token t, head h in the cache viewed [num_blocks * Hkv * block_size, D].
+        meta.write_rows = ((slots // bs * num_kv_heads)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
+        meta.write_rows = meta.write_rows.flatten()
+
+        bt = meta.block_tables.to(torch.int64)
+        gather: list[torch.Tensor] = []
         decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
         if decode_idx:
-            qsl = meta.query_start_loc
-            idx = torch.tensor(decode_idx, dtype=torch.int64, device=bt.device)
-            max_blocks = -(-max(seq_lens[i] for i in decode_idx) // meta.block_size)
-            meta.decode_rows = qsl[:-1].to(torch.int64)[idx]
-            meta.decode_block_tables = bt[idx, :max_blocks].to(torch.int64)
+            idx = torch.tensor(decode_idx, dtype=torch.int64, device=device)
+            meta.decode_num_blocks = -(-max(seq_lens[i] for i in decode_idx) // bs)
+            meta.decode_rows = meta.query_start_loc[:-1].to(torch.int64)[idx]
             meta.decode_seq_lens = meta.seq_lens.to(torch.int64)[idx]
+            blocks = bt[idx, : meta.decode_num_blocks]  # [Bd, Md]
+            gather.append((blocks[:, None, :] * num_kv_heads + heads[None, :, None]).flatten())
+        start = sum(g.numel() for g in gather)
         qsl_list = meta.query_start_loc.tolist() if len(decode_idx) < len(query_lens) else None
         for i, n in enumerate(query_lens):
             if n > 1:
-                num_blocks = -(-seq_lens[i] // meta.block_size)
-                meta.prefills.append(
-                    PrefillSpan(qsl_list[i], qsl_list[i + 1], seq_lens[i], bt[i, :num_blocks].to(torch.int64))
-                )
+                num_blocks = -(-seq_lens[i] // bs)
+                rows = (bt[i, :num_blocks][None, :] * num_kv_heads + heads[:, None]).flatten()  # [Hkv, nb]
+                meta.prefills.append(PrefillSpan(qsl_list[i], qsl_list[i + 1], seq_lens[i], start, num_blocks))
+                gather.append(rows)
+                start += rows.numel()
+        meta.gather_rows = gather[0] if len(gather) == 1 else torch.cat(gather)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        head_dim = k.shape[-1]
+        k_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, k.reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, v.reshape(-1, head_dim))
+
+    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor):
+        _, _, bs, head_dim = k_cache.shape
+        need = rows.numel() * bs * head_dim
+        buf = self._k_buf
+        if buf is None or buf.numel() < need or buf.dtype != k_cache.dtype or buf.device != k_cache.device:
+            # Grow with headroom so a slowly growing batch does not reallocate every step.
+            size = need + need // 4
+            self._k_buf = torch.empty(size, dtype=k_cache.dtype, device=k_cache.device)
+            self._v_buf = torch.empty_like(self._k_buf)
+        k = self._k_buf[:need].view(rows.numel(), bs, head_dim)
+        v = self._v_buf[:need].view(rows.numel(), bs, head_dim)
+        torch.index_select(k_cache.view(-1, bs, head_dim), 0, rows, out=k)
+        torch.index_select(v_cache.view(-1, bs, head_dim), 0, rows, out=v)
+        return k, v
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, sliding_window: int | None) -> torch.Tensor:
         out = torch.empty_like(q)
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        gqa = q.shape[1] != num_kv_heads
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, bs = k_cache.shape[1], k_cache.shape[2]
+        group = num_heads // num_kv_heads
         if meta.decode_rows is not None:
-            bt = meta.decode_block_tables
-            batch = bt.shape[0]
-            # [Bd, L, Hkv, D] -> [Bd, Hkv, L, D]
-            # index_select copies whole blocks ~2.5x faster than advanced indexing on CPU.
-            flat = bt.flatten()
-            k = k_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v = v_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-            mask = self._decode_mask(meta, k.shape[2], sliding_window)
-            qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # [Bd, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out.index_copy_(0, meta.decode_rows, o.squeeze(2))
+            batch = meta.decode_rows.shape[0]
+            length = meta.decode_num_blocks * bs
+            rows_per_seq = num_kv_heads * meta.decode_num_blocks
+            # A decode's query heads sharing a KV head become that head's "query rows" (no GQA expand).
+            qd = q.index_select(0, meta.decode_rows).view(batch, num_kv_heads, group, head_dim)
+            mask = self._decode_mask(meta, length, sliding_window)
+            # Sub-batches whose gathered K/V stay in the last-level cache until SDPA reads them.
+            seq_bytes = 2 * rows_per_seq * bs * head_dim * q.element_size()
+            step = max(1, _DECODE_GATHER_BYTES // seq_bytes)
+            outs = []
+            for s in range(0, batch, step):
+                e = min(batch, s + step)
+                k, v = self._gather(k_cache, v_cache, meta.gather_rows[s * rows_per_seq : e * rows_per_seq])
+                k = k.view(e - s, num_kv_heads, length, head_dim)
+                v = v.view(e - s, num_kv_heads, length, head_dim)
+                outs.append(F.scaled_dot_product_attention(qd[s:e], k, v, attn_mask=mask[s:e], scale=scale))
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+            out.index_copy_(0, meta.decode_rows, o.reshape(batch, num_heads, head_dim))
         for span in meta.prefills:
-            k = k_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.seq_len].transpose(0, 1)
-            v = v_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[: span.seq_len].transpose(0, 1)
-            qp = q[span.row_start : span.row_end].transpose(0, 1)  # [Hq, n, D]
+            end = span.gather_start + num_kv_heads * span.num_blocks
+            length = span.num_blocks * bs
+            k, v = self._gather(k_cache, v_cache, meta.gather_rows[span.gather_start : end])
+            k = k.view(1, num_kv_heads, length, head_dim)[:, :, : span.seq_len]
+            v = v.view(1, num_kv_heads, length, head_dim)[:, :, : span.seq_len]
+            qp = q[span.row_start : span.row_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             q_len = span.row_end - span.row_start
             if q_len == span.seq_len and sliding_window is None:
-                o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
             else:
                 mask = self._prefill_mask(meta, span, sliding_window, q.device)
-                o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out[span.row_start : span.row_end] = o.transpose(0, 1)
+                o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+            out[span.row_start : span.row_end] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
@@ -144,7 +208,11 @@ class TritonAttention:
         self._attention = paged_attention
         self._write = write_kv_cache
 
-    def prepare(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int]) -> None:
+    @staticmethod
+    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def prepare(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int], num_kv_heads: int) -> None:
         pass
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
