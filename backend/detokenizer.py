@@ -19,13 +19,26 @@ text as decoding them together. We only cut
 
 New text that ends in U+FFFD may be an incomplete multi-byte character, so it is held
 back until a later token completes it or the request finishes.
+
+Fast path: byte-level BPE tokenizers (GPT-2 style, as in Llama 3 and Qwen2) decode by
+concatenating each token's fixed bytes and decoding UTF-8 with U+FFFD for bad bytes. For
+them a per-token byte table replaces the decoder calls: bytes are cut only at token
+boundaries after a complete UTF-8 sequence, where decoding resynchronises, so the result
+is the same text. The table is checked against the real decoder when it is built, and a
+request that meets an added token (whose text is not bytes of the table) goes on with the
+decoder from its last cut.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+import weakref
 from dataclasses import dataclass
 
 from splitfuse.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
 # Pending tokens we tolerate behind an unfinished character before looking for an
@@ -63,6 +76,9 @@ class IncrementalDetokenizer:
         self._skipped_ids: frozenset[int] = (
             frozenset(_special_ids(tokenizer)) if self._skip_special else frozenset()
         )
+        self._byte_table = byte_level_table(tokenizer)
+        self._pending = bytearray()  # fast path: bytes of tokens ids[read_offset:]
+        self._pending_ends: list[int] = []  # end of each pending token's bytes in _pending
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -111,6 +127,10 @@ class IncrementalDetokenizer:
 
     def _decode_committable(self, finished: bool) -> str:
         """Text of pending tokens that is final; advances the offsets past it."""
+        if self._byte_table is not None:
+            text = self._decode_bytes(finished)
+            if text is not None:
+                return text
         ids, prefix, read = self._ids, self._prefix_offset, self._read_offset
         if read == len(ids):
             return ""
@@ -133,6 +153,39 @@ class IncrementalDetokenizer:
                 self._advance(cut)
                 return head[len(prefix_text) :]
         return ""
+
+    def _decode_bytes(self, finished: bool) -> str | None:
+        """Fast path; None once an id has no table entry (the decoder takes over from here)."""
+        table, ids = self._byte_table, self._ids
+        first_new = self._read_offset + len(self._pending_ends)
+        new = ids[first_new:]
+        if any(i >= len(table) or table[i] is None for i in new):
+            # Tokens before read_offset end at a complete character: an exact cut.
+            self._byte_table = None
+            self._prefix_offset = self._read_offset
+            self._pending.clear()
+            self._pending_ends.clear()
+            return None
+        buf, ends = self._pending, self._pending_ends
+        for i in new:
+            buf += table[i]
+            ends.append(len(buf))
+        if not ends:
+            return ""
+        # The last pending token after which the bytes end in a complete UTF-8 sequence.
+        count = len(ends)
+        if not finished:
+            while count and not _utf8_complete(buf, ends[count - 1]):
+                count -= 1
+            if count == 0:
+                return ""
+        end = ends[count - 1]
+        text = buf[:end].decode("utf-8", errors="replace")
+        del buf[:end]
+        self._pending_ends = [e - end for e in ends[count:]]
+        self._read_offset += count
+        self._prefix_offset = self._read_offset
+        return text
 
     def _advance(self, new_read: int) -> None:
         """Commit tokens up to `new_read` (an exact cut) and pick the next context start."""
@@ -177,3 +230,83 @@ def _special_ids(tokenizer) -> set[int]:
     if added:  # fast tokenizers skip exactly the added tokens flagged special
         return {i for i, tok in added.items() if getattr(tok, "special", False)}
     return set(getattr(tokenizer, "all_special_ids", ()))
+
+
+def _utf8_complete(buf: bytearray, end: int) -> bool:
+    """Do the bytes before `end` end where UTF-8 decoding restarts, whatever follows?
+
+    They do unless they end inside a multi-byte sequence that later bytes could still
+    complete (or turn invalid): a lead byte followed by fewer continuation bytes than it
+    announces. Holding back too much is harmless; cutting too early is not.
+    """
+    i, continuation = end - 1, 0
+    while i >= 0 and continuation < 4 and buf[i] & 0xC0 == 0x80:
+        i -= 1
+        continuation += 1
+    if i < 0 or continuation == 4:
+        return True
+    lead = buf[i]
+    need = 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4 if lead < 0xF8 else 1
+    return continuation + 1 >= need
+
+
+# tokenizer -> its byte table (None when the fast path does not apply); built once per tokenizer.
+_BYTE_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def byte_level_table(tokenizer) -> list[bytes | None] | None:
+    """Bytes of every regular token id of a byte-level BPE tokenizer, or None."""
+    try:
+        return _BYTE_TABLES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    table = _build_byte_table(tokenizer)
+    try:
+        _BYTE_TABLES[tokenizer] = table
+    except TypeError:  # not weak-referenceable: build per request
+        pass
+    return table
+
+
+def _gpt2_byte_chars() -> dict[str, int]:
+    """The byte-level alphabet: printable Latin-1 bytes stand for themselves, the other
+    bytes for the code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _build_byte_table(tokenizer) -> list[bytes | None] | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    if type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    char_to_byte = _gpt2_byte_chars()
+    vocab = backend.get_vocab(with_added_tokens=False)
+    added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+    table: list[bytes | None] = [None] * (max(vocab.values(), default=-1) + 1)
+    for token, i in vocab.items():
+        if i in added:
+            continue
+        try:
+            table[i] = bytes(char_to_byte[c] for c in token)
+        except KeyError:
+            return None
+    # Check against the real decoder on random sequences biased to multi-byte tokens.
+    regular = [i for i, b in enumerate(table) if b is not None]
+    multibyte = [i for i in regular if max(table[i], default=0) >= 0x80] or regular
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.choice(multibyte if rng.random() < 0.7 else regular) for _ in range(rng.randint(1, 8))]
+        ours = b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+        if ours != backend.decode(ids, skip_special_tokens=False):
+            log.info("detokenizer: byte table disagrees with the tokenizer's decoder; not used")
+            return None
+    return table

@@ -1,4 +1,7 @@
-"""IncrementalDetokenizer against the real byte-level BPE tokenizer of the demo model."""
+"""IncrementalDetokenizer against the real byte-level BPE tokenizer of the demo model.
+
+Every test runs twice: with the byte-table fast path and with the tokenizer's decoder.
+"""
 
 import random
 
@@ -6,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import splitfuse.detokenizer as detokenizer_module
 from splitfuse.demo_model import build_tokenizer
-from splitfuse.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from splitfuse.detokenizer import DetokenizerStep, IncrementalDetokenizer, byte_level_table
 from splitfuse.sequence import SamplingParams
 
 FFFD = "\ufffd"
@@ -18,6 +22,13 @@ HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthChe
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=512)
+
+
+@pytest.fixture(autouse=True, params=["byte_table", "decoder"])
+def decode_path(request, monkeypatch):
+    if request.param == "decoder":
+        monkeypatch.setattr(detokenizer_module, "byte_level_table", lambda tokenizer: None)
+    return request.param
 
 
 def run(tok, ids, chunks=None, **params):
@@ -119,6 +130,31 @@ def test_special_tokens_skipped_or_kept(tok):
     split = encode(tok, "你")
     ids = split[:1] + [2] + split[1:]
     assert "".join(run(tok, ids)[0]) == tok.decode(ids, skip_special_tokens=True) == "你"
+
+
+def test_kept_special_token_inside_a_character_hands_over_to_the_decoder(tok):
+    # The fast path meets an added token while bytes of "你" are pending and must give the
+    # rest to the decoder from its last exact cut.
+    split = encode(tok, "ok 你好")
+    at = next(i for i in range(1, len(split)) if FFFD in tok.decode(split[:i]))
+    ids = split[:at] + [2] + split[at:] + encode(tok, " more 世界")
+    expected = tok.decode(ids, skip_special_tokens=False)
+    assert FFFD in expected
+    for chunks in (None, [at, 1, len(ids) - at - 1], [at + 1, len(ids) - at - 1]):
+        assert "".join(run(tok, ids, chunks, skip_special_tokens=False)[0]) == expected
+
+
+def test_byte_table_built_for_byte_level_tokenizers(tok, tiny_llama, decode_path):
+    if decode_path == "decoder":
+        pytest.skip("the fast path is switched off in this mode")
+    from transformers import AutoTokenizer
+
+    for tokenizer in (tok, AutoTokenizer.from_pretrained(tiny_llama)):
+        table = byte_level_table(tokenizer)
+        assert table is not None and byte_level_table(tokenizer) is table  # built once
+        assert table[1] is None and table[2] is None  # <s>, </s>: added tokens
+        ids = encode(tokenizer, "héllo 你好 😀")
+        assert b"".join(table[i] for i in ids) == "héllo 你好 😀".encode()
 
 
 def test_abort_with_empty_final_step_flushes_held_bytes(tok):
