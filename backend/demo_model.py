@@ -16,7 +16,13 @@ import os
 import random
 from pathlib import Path
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "mixtral")
+
+# Per-architecture config defaults on top of a size (overrides still win): a tiny MoE
+# with 4 experts and top-2 routing, so some experts get no tokens in small batches.
+ARCH_DEFAULTS: dict[str, dict] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
 
 # Model shapes. "tiny" keeps tests fast; "bench" is the ~30M-parameter CPU benchmark
 # model (hidden 512, 8 layers) on which prefill is compute-bound and decode memory-bound.
@@ -110,6 +116,7 @@ def build_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shape = dict(SIZES[size])
+    shape.update(ARCH_DEFAULTS.get(arch, {}))
     shape.update(overrides)
     tokenizer = build_tokenizer(out, shape["vocab_size"], seed)
     shape["vocab_size"] = len(tokenizer)
@@ -117,6 +124,7 @@ def build_model(
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
+        "mixtral": transformers.MixtralConfig,
     }[arch]
     # A wider init than the default 0.02 keeps random logits peaked, so greedy argmax is
     # decided by clear margins rather than by float rounding.
@@ -133,6 +141,7 @@ def build_model(
         "llama": transformers.LlamaForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
     }[arch]
     model = model_cls(config).to(getattr(torch, dtype)).eval()
     if arch == "qwen2":

@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2), chosen by the checkpoint's config.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Mixtral), chosen by the checkpoint's config.
 
 Module names follow the HF checkpoints except for two fusions that save matmuls:
 q/k/v -> `qkv_proj` and gate/up -> `gate_up_proj` (the loader concatenates them).
+Mixtral differs only in its MLP: a sparse mixture of experts (`layers.moe`) under the
+name `mlp`, with the experts' weights stacked.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from torch import nn
 
 from splitfuse.layers.attention import AttentionMetadata
 from splitfuse.layers.kernels import KernelSet
+from splitfuse.layers.moe import SparseMoeBlock
+
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
 
 @dataclass
@@ -37,12 +42,14 @@ class ModelArgs:
     sliding_windows: list[int | None]  # per layer
     eos_token_ids: list[int]
     checkpoint_dtype: str | None
+    num_experts: int = 0  # 0: dense MLP; else a sparse MoE MLP (Mixtral)
+    num_experts_per_tok: int = 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {model_type!r}: llama, mistral and qwen2 are supported")
+        if model_type not in _MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}: {', '.join(_MODEL_TYPES)} are supported")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (silu only)")
         num_heads = cfg["num_attention_heads"]
@@ -56,6 +63,9 @@ class ModelArgs:
         windows = _sliding_windows(cfg, model_type, num_layers)
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        num_experts, top_k = 0, 0
+        if model_type == "mixtral":
+            num_experts, top_k = int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"])
         return cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
@@ -76,6 +86,8 @@ class ModelArgs:
             sliding_windows=windows,
             eos_token_ids=eos_ids,
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
         )
 
 
@@ -84,7 +96,7 @@ def _sliding_windows(cfg: dict, model_type: str, num_layers: int) -> list[int | 
     layer_types = cfg.get("layer_types")
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):  # every layer; HF's default window is None
         return [window] * num_layers
     if model_type == "qwen2" and cfg.get("use_sliding_window"):
         first = cfg.get("max_window_layers", num_layers)
@@ -146,7 +158,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, ops: KernelSet) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer_idx, ops)
-        self.mlp = MLP(args, ops)
+        self.mlp: nn.Module
+        if args.num_experts:
+            self.mlp = SparseMoeBlock(args.hidden_size, args.intermediate_size, args.num_experts,
+                                      args.num_experts_per_tok, ops)
+        else:
+            self.mlp = MLP(args, ops)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -18,6 +19,9 @@ _FUSED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
+# Mixtral's classic per-expert weights; newer checkpoints store `experts.gate_up_proj` [E, 2I, H]
+# and `experts.down_proj` [E, H, I] already stacked, as our parameters are, and load as they are.
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -64,28 +68,55 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
 
 
 def _load_one(params: dict, name: str, tensor: torch.Tensor, args: ModelArgs, loaded: set[str]) -> None:
+    hf_name = name
+    # Mixtral checkpoints name the MoE block `block_sparse_moe`; ours (like HF's model) is `mlp`.
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    expert = _EXPERT.search(name)
+    if expert:
+        # Per-expert w1 (gate), w3 (up), w2 (down) go into the stacked expert weights.
+        j, w = int(expert[1]), expert[2]
+        inter, n = args.intermediate_size, args.num_experts
+        if j >= n:
+            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint (num_local_experts={n})")
+        prefix = name[: expert.start()] + ".experts."
+        if w == "w2":
+            _load_part(params, prefix + "down_proj", (j,), tensor, j, n, hf_name, loaded)
+        else:
+            rows = slice(0, inter) if w == "w1" else slice(inter, 2 * inter)
+            _load_part(params, prefix + "gate_up_proj", (j, rows), tensor, 2 * j + (w == "w3"), 2 * n, hf_name,
+                       loaded)
+        return
     for hf_part, (ours, shard) in _FUSED.items():
         if hf_part in name:
-            target_name = name.replace(hf_part, ours)
-            target = params[target_name]
             if ours == ".qkv_proj.":
                 q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
                 offsets = [0, q, q + kv, q + 2 * kv]
             else:
                 offsets = [0, args.intermediate_size, 2 * args.intermediate_size]
-            with torch.no_grad():
-                target.data[offsets[shard] : offsets[shard + 1]].copy_(tensor)
-            # A fused parameter counts as loaded once every shard has been seen.
-            loaded.add(f"{target_name}#{shard}")
-            shards = 3 if ours == ".qkv_proj." else 2
-            if all(f"{target_name}#{i}" in loaded for i in range(shards)):
-                loaded.add(target_name)
+            region = (slice(offsets[shard], offsets[shard + 1]),)
+            _load_part(params, name.replace(hf_part, ours), region, tensor, shard, len(offsets) - 1, hf_name, loaded)
             return
     if name not in params:
-        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
     target = params[name]
     if target.shape != tensor.shape:
-        raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+        raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
     with torch.no_grad():
         target.data.copy_(tensor)
     loaded.add(name)
+
+
+def _load_part(params: dict, target_name: str, region: tuple, tensor: torch.Tensor, shard: int, num_shards: int,
+               hf_name: str, loaded: set[str]) -> None:
+    """Copy one checkpoint tensor into `region` of a fused/stacked parameter."""
+    if target_name not in params:
+        raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+    dest = params[target_name].data[region]
+    if dest.shape != tensor.shape:
+        raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(tensor)
+    # A fused parameter counts as loaded once every shard has been seen.
+    loaded.add(f"{target_name}#{shard}")
+    if all(f"{target_name}#{i}" in loaded for i in range(num_shards)):
+        loaded.add(target_name)

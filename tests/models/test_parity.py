@@ -42,6 +42,7 @@ CASES = {
     "mistral": dict(arch="mistral"),
     "qwen2": dict(arch="qwen2"),
     "llama3-rope-tied": dict(arch="llama", tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+    "mixtral": dict(arch="mixtral"),  # sparse MoE MLP: 4 experts, top-2 (demo_model.ARCH_DEFAULTS)
 }
 
 

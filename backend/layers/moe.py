@@ -1,0 +1,66 @@
+"""Sparse mixture-of-experts MLP (Mixtral): top-k routing over SiLU-gated expert MLPs.
+
+Plain torch, for a ragged batch of T tokens: each expert that received any tokens runs
+one fused gate/up matmul and one down matmul on just those rows, so the work is
+T * top_k expert-MLP rows instead of T * num_experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitfuse.layers.kernels import KernelSet
+
+
+class Experts(nn.Module):
+    """All experts' weights stacked, laid out as HF's fused `experts.gate_up_proj` /
+    `experts.down_proj` (gate rows first, then up rows) so those load as they are."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 ops: KernelSet) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.ops = ops
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [T, k] and their renormalised fp32 weights [T, k]."""
+        # Softmax in fp32 as HF does, so bf16 routing picks the same experts.
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return ids, weights / weights.sum(dim=-1, keepdim=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        # Group the T*k (token, slot) assignments by expert: after a stable sort each
+        # expert's assignments are one contiguous slice, in token order.
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        tokens = order // self.top_k
+        slot_weights = weights.flatten()[order, None]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync
+        out = torch.zeros_like(x)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue  # no tokens for this expert: skip its weights entirely
+            rows = tokens[start:start + n]
+            h = self.ops.silu_and_mul(F.linear(x.index_select(0, rows), gate_up[e]))
+            h = F.linear(h, down[e]) * slot_weights[start:start + n]  # fp32 scale, as HF
+            out.index_add_(0, rows, h.to(out.dtype))
+            start += n
+        return out
