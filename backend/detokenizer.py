@@ -85,6 +85,7 @@ class IncrementalDetokenizer:
         self._unemitted = ""  # decoded text held back for stop-string matching
         self._pieces: list[str] = []
         self._text_cache: str | None = ""
+        self.text_length = 0  # len(self.text), kept without joining
         self._done = False
 
     @property
@@ -98,12 +99,17 @@ class IncrementalDetokenizer:
         if self._done:  # already stopped or finished: nothing more is emitted
             return DetokenizerStep("", False)
         skipped = self._skipped_ids
-        self._ids.extend(t for t in new_token_ids if t not in skipped)
+        if skipped:
+            self._ids.extend(t for t in new_token_ids if t not in skipped)
+        else:
+            self._ids.extend(new_token_ids)
         new_text = self._decode_committable(finished)
         if finished:
             self._done = True
         if not new_text and not finished:
             return DetokenizerStep("", False)
+        if not self._stop:  # nothing to match or hold back
+            return DetokenizerStep(self._emit(new_text), False)
 
         candidate = self._unemitted + new_text
         match = self._find_stop(candidate)
@@ -156,17 +162,23 @@ class IncrementalDetokenizer:
 
     def _decode_bytes(self, finished: bool) -> str | None:
         """Fast path; None once an id has no table entry (the decoder takes over from here)."""
-        table, ids = self._byte_table, self._ids
-        first_new = self._read_offset + len(self._pending_ends)
+        table, ids, ends = self._byte_table, self._ids, self._pending_ends
+        first_new = self._read_offset + len(ends)
+        if first_new == len(ids) - 1 and not ends:
+            # The common step: one new token and nothing pending.
+            b = table[ids[-1]] if ids[-1] < len(table) else None
+            if b is not None and (b[-1] < 0x80 or finished or _utf8_complete(b, len(b))):
+                self._read_offset = self._prefix_offset = len(ids)
+                return b.decode("utf-8", errors="replace")
         new = ids[first_new:]
         if any(i >= len(table) or table[i] is None for i in new):
             # Tokens before read_offset end at a complete character: an exact cut.
             self._byte_table = None
             self._prefix_offset = self._read_offset
             self._pending.clear()
-            self._pending_ends.clear()
+            ends.clear()
             return None
-        buf, ends = self._pending, self._pending_ends
+        buf = self._pending
         for i in new:
             buf += table[i]
             ends.append(len(buf))
@@ -221,6 +233,7 @@ class IncrementalDetokenizer:
         if delta:
             self._pieces.append(delta)
             self._text_cache = None
+            self.text_length += len(delta)
         return delta
 
 
@@ -232,7 +245,7 @@ def _special_ids(tokenizer) -> set[int]:
     return set(getattr(tokenizer, "all_special_ids", ()))
 
 
-def _utf8_complete(buf: bytearray, end: int) -> bool:
+def _utf8_complete(buf: bytes | bytearray, end: int) -> bool:
     """Do the bytes before `end` end where UTF-8 decoding restarts, whatever follows?
 
     They do unless they end inside a multi-byte sequence that later bytes could still

@@ -203,22 +203,25 @@ class LLMEngine:
         else:
             delta = already_detokenized
         del self._seqs[seq.request_id]
-        return self._output(seq, new_tokens, delta, reason, detok.text)
+        return self._output(seq, new_tokens, delta, reason, detok)
 
     def _output(self, seq: Sequence, new_tokens: list[int], delta_text: str, reason: FinishReason | None,
-                text: str | None = None) -> RequestOutput:
+                detokenizer: IncrementalDetokenizer | None = None) -> RequestOutput:
         want_logprobs = seq.params.logprobs
+        detok = detokenizer or self._detokenizers[seq.request_id]
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=text if text is not None else self._detokenizers[seq.request_id].text,
             delta_token_ids=new_tokens,
             delta_text=delta_text,
             finished=reason is not None,
             finish_reason=reason.value if reason is not None else None,
-            logprobs=list(seq.output_logprobs) if want_logprobs else None,
             delta_logprobs=seq.output_logprobs[-len(new_tokens):] if want_logprobs and new_tokens else None,
+            seq_token_ids=seq.token_ids,
+            num_tokens=len(seq.token_ids),
+            seq_logprobs=seq.output_logprobs if want_logprobs else None,
+            text_source=detok,
+            text_len=detok.text_length,
         )
 
     def check_invariants(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -145,18 +146,40 @@ class Sequence:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request (and everything so far)."""
+    """What one step produced for one request, and everything so far.
+
+    `token_ids`, `text` and `logprobs` (everything so far) are read from the request's
+    growing state, cut at this step's length, when asked for: a step costs the new tokens,
+    not a copy of the whole output (a stream reads only the deltas).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    """All output tokens so far."""
-    text: str
-    """All output text so far (stop strings removed)."""
     delta_token_ids: list[int]
     delta_text: str
     finished: bool
     finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    """Log-prob of each output token so far, when asked for."""
     delta_logprobs: list[float] | None = None
+    # Snapshot of the request's state: lists and text only ever grow, so lengths suffice.
+    seq_token_ids: list[int] = field(default_factory=list, repr=False)
+    num_tokens: int = 0
+    seq_logprobs: list[float] | None = field(default=None, repr=False)
+    text_source: Any = field(default=None, repr=False)  # has a `.text` str (the detokenizer)
+    text_len: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All output tokens up to this step."""
+        return self.seq_token_ids[len(self.prompt_token_ids) : self.num_tokens]
+
+    @property
+    def text(self) -> str:
+        """All output text up to this step (stop strings removed)."""
+        return self.text_source.text[: self.text_len] if self.text_source is not None else ""
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        """Log-prob of each output token up to this step, when asked for."""
+        if self.seq_logprobs is None:
+            return None
+        return self.seq_logprobs[: self.num_tokens - len(self.prompt_token_ids)]

@@ -148,6 +148,23 @@ def test_multibyte_text_is_byte_exact(engine):
             assert "\ufffd" not in d or "\ufffd" in tok.decode(out.token_ids)
 
 
+def test_each_output_keeps_its_step_snapshot(tiny_llama):
+    """Outputs read the request's growing state lazily; an early output must still show only
+    what existed at its own step, after later steps (and after the request finished)."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama, token_budget=32, block_size=4, num_kv_blocks=64))
+    engine.add_request("snap", [1, 5, 9, 13], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                             logprobs=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    for n, out in enumerate(outs, start=1):
+        assert len(out.token_ids) == n and len(out.logprobs) == n
+        assert out.token_ids == [o.delta_token_ids[0] for o in outs[:n]]
+        assert out.logprobs == [o.delta_logprobs[0] for o in outs[:n]]
+        assert out.text == "".join(o.delta_text for o in outs[:n])
+    assert outs[-1].finished and outs[-1].text == engine.tokenizer.decode(outs[-1].token_ids, skip_special_tokens=True)
+
+
 def test_logprobs_are_log_softmax_of_chosen_tokens(tiny_llama):
     llm = LLM(tiny_llama)
     out = llm.generate("hello", SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, ignore_eos=True))[0]
