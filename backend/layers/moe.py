@@ -8,10 +8,10 @@ T * top_k expert-MLP rows instead of T * num_experts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitfuse.layers.kernels import KernelSet
+from splitfuse.layers.linear import linear
 
 
 class Experts(nn.Module):
@@ -59,8 +59,8 @@ class SparseMoeBlock(nn.Module):
             if n == 0:
                 continue  # no tokens for this expert: skip its weights entirely
             rows = tokens[start:start + n]
-            h = self.ops.silu_and_mul(F.linear(x.index_select(0, rows), gate_up[e]))
-            h = F.linear(h, down[e]) * slot_weights[start:start + n]  # fp32 scale, as HF
+            h = self.ops.silu_and_mul(linear(x.index_select(0, rows), gate_up[e]))
+            h = linear(h, down[e]) * slot_weights[start:start + n]  # fp32 scale, as HF
             out.index_add_(0, rows, h.to(out.dtype))
             start += n
         return out
