@@ -35,7 +35,7 @@ def _reference(path, prompts, dtype=torch.float32, device="cpu"):
 
 @pytest.mark.interpreter
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])
 def test_triton_backend_matches_hf_on_cpu_interpreter(tiny_model_factory, arch):
     if torch.cuda.is_available():
         pytest.skip("covered natively by the CUDA test")
@@ -49,7 +49,7 @@ def test_triton_backend_matches_hf_on_cpu_interpreter(tiny_model_factory, arch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_cuda_engine_matches_hf(tiny_model_factory, arch, backend):
     if not torch.cuda.is_available():
