@@ -156,6 +156,8 @@ sweep() {
       local range tag
       if [[ "$lvl" == range:* ]]; then range="${lvl#range:}"; tag="c${range//:/-}"; else range="$lvl"; tag="c$lvl"; fi
       log "model=$model concurrency=$range requests/level=$REQUESTS"
+      # perf_analyzer refuses to overwrite a profile export: a re-run replaces the old level.
+      rm -f "$OUT/${model}_${tag}.csv" "$OUT/${model}_${tag}_profile.json"
       # count_windows with a fixed request count keeps each level bounded: perf_analyzer needs
       # 3 windows to call a result stable, and a 999% threshold accepts the first 3 (a streaming
       # LLM load never settles within the default 10%). So each level measures 3 x --requests.
