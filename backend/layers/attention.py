@@ -143,9 +143,10 @@ class TorchAttention:
             # A decode's query heads sharing a KV head become that head's "query rows" (no GQA expand).
             qd = q.index_select(0, meta.decode_rows).view(batch, num_kv_heads, group, head_dim)
             mask = self._decode_mask(meta, length, sliding_window)
-            # Sub-batches whose gathered K/V stay in the last-level cache until SDPA reads them.
+            # On CPU, sub-batches whose gathered K/V stay in the last-level cache until SDPA
+            # reads them; a GPU gets the whole batch in one call.
             seq_bytes = 2 * rows_per_seq * bs * head_dim * q.element_size()
-            step = max(1, _DECODE_GATHER_BYTES // seq_bytes)
+            step = max(1, _DECODE_GATHER_BYTES // seq_bytes) if q.device.type == "cpu" else batch
             outs = []
             for s in range(0, batch, step):
                 e = min(batch, s + step)
