@@ -32,8 +32,8 @@ class PrefillSpan:
     row_start: int
     row_end: int
     seq_len: int
-    gather_start: int  # first of its (head, block) rows in the step's gathered K/V
     num_blocks: int
+    gather_rows: torch.Tensor  # int64 [Hkv * num_blocks]: rows of the cache viewed [-1, block_size, D]
 
 
 @dataclass
@@ -49,8 +49,8 @@ class AttentionMetadata:
     # go, which (block, head) rows to gather, and the batch split into one batched decode
     # group and per-sequence prompt chunks.
     write_rows: torch.Tensor | None = None  # int64 [T * Hkv], rows of the cache viewed [-1, D]
-    gather_rows: torch.Tensor | None = None  # int64 [R], rows of the cache viewed [-1, block_size, D]
     decode_rows: torch.Tensor | None = None  # int64 [Bd]
+    decode_gather_rows: torch.Tensor | None = None  # int64 [Bd * Hkv * Md], like PrefillSpan.gather_rows
     decode_num_blocks: int = 0
     decode_seq_lens: torch.Tensor | None = None  # int64 [Bd]
     prefills: list[PrefillSpan] = field(default_factory=list)
@@ -85,11 +85,10 @@ class TorchAttention:
         heads = torch.arange(num_kv_heads, dtype=torch.int64, device=device)
         slots = meta.slot_mapping
         # Row of token t, head h in the cache viewed [num_blocks * Hkv * block_size, D].
-        meta.write_rows = ((slots // bs * num_kv_heads)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
-        meta.write_rows = meta.write_rows.flatten()
+        rows = ((slots // bs * num_kv_heads)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
+        meta.write_rows = rows.flatten()
 
         bt = meta.block_tables.to(torch.int64)
-        gather: list[torch.Tensor] = []
         decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
         if decode_idx:
             idx = torch.tensor(decode_idx, dtype=torch.int64, device=device)
@@ -97,17 +96,13 @@ class TorchAttention:
             meta.decode_rows = meta.query_start_loc[:-1].to(torch.int64)[idx]
             meta.decode_seq_lens = meta.seq_lens.to(torch.int64)[idx]
             blocks = bt[idx, : meta.decode_num_blocks]  # [Bd, Md]
-            gather.append((blocks[:, None, :] * num_kv_heads + heads[None, :, None]).flatten())
-        start = sum(g.numel() for g in gather)
+            meta.decode_gather_rows = (blocks[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
         qsl_list = meta.query_start_loc.tolist() if len(decode_idx) < len(query_lens) else None
         for i, n in enumerate(query_lens):
             if n > 1:
                 num_blocks = -(-seq_lens[i] // bs)
                 rows = (bt[i, :num_blocks][None, :] * num_kv_heads + heads[:, None]).flatten()  # [Hkv, nb]
-                meta.prefills.append(PrefillSpan(qsl_list[i], qsl_list[i + 1], seq_lens[i], start, num_blocks))
-                gather.append(rows)
-                start += rows.numel()
-        meta.gather_rows = gather[0] if len(gather) == 1 else torch.cat(gather)
+                meta.prefills.append(PrefillSpan(qsl_list[i], qsl_list[i + 1], seq_lens[i], num_blocks, rows))
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -150,16 +145,15 @@ class TorchAttention:
             outs = []
             for s in range(0, batch, step):
                 e = min(batch, s + step)
-                k, v = self._gather(k_cache, v_cache, meta.gather_rows[s * rows_per_seq : e * rows_per_seq])
+                k, v = self._gather(k_cache, v_cache, meta.decode_gather_rows[s * rows_per_seq : e * rows_per_seq])
                 k = k.view(e - s, num_kv_heads, length, head_dim)
                 v = v.view(e - s, num_kv_heads, length, head_dim)
                 outs.append(F.scaled_dot_product_attention(qd[s:e], k, v, attn_mask=mask[s:e], scale=scale))
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             out.index_copy_(0, meta.decode_rows, o.reshape(batch, num_heads, head_dim))
         for span in meta.prefills:
-            end = span.gather_start + num_kv_heads * span.num_blocks
             length = span.num_blocks * bs
-            k, v = self._gather(k_cache, v_cache, meta.gather_rows[span.gather_start : end])
+            k, v = self._gather(k_cache, v_cache, span.gather_rows)
             k = k.view(1, num_kv_heads, length, head_dim)[:, :, : span.seq_len]
             v = v.view(1, num_kv_heads, length, head_dim)[:, :, : span.seq_len]
             qp = q[span.row_start : span.row_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
