@@ -181,8 +181,8 @@ def paged_cache(torch, num_seqs: int, seq_len: int, hkv: int, d: int, page: int,
 def run_decode(b: Bench) -> None:
     torch, a, dev = b.torch, b.args, b.device
     from splitfuse.kernels import paged_attention
-    from splitfuse.kernels._common import num_sms
-    from splitfuse.kernels.paged_attention_split_kv import choose_num_splits
+    from splitfuse.kernels.triton_lang._common import num_sms
+    from splitfuse.kernels import choose_num_splits
 
     fa_fn, fa_paged = _flash_attn(b)
     hq, hkv, d, page = a.num_heads, a.num_kv_heads, a.head_dim, a.block_size
@@ -361,7 +361,7 @@ def _flash_attn(b: Bench):
         from flash_attn import flash_attn_with_kvcache
     except Exception:
         return None, None
-    from splitfuse.kernels.flash_attn_backend import flash_attn_paged_attention, flash_attn_supported
+    from splitfuse.kernels.triton_lang.flash_attn_backend import flash_attn_paged_attention, flash_attn_supported
 
     ok, _ = flash_attn_supported(b.dtype, 256, b.device, b.args.head_dim)
     return flash_attn_with_kvcache, (flash_attn_paged_attention if ok else None)

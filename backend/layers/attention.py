@@ -227,7 +227,7 @@ class FlashAttnAttention(TritonAttention):
 
     def __init__(self) -> None:
         super().__init__()
-        from splitfuse.kernels.flash_attn_backend import paged_attention_flash
+        from splitfuse.kernels.triton_lang.flash_attn_backend import paged_attention_flash
 
         self._attention = paged_attention_flash
 
@@ -238,7 +238,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, bl
     if requested == "auto":
         if device.type == "cuda":
             if importlib.util.find_spec("flash_attn") is not None:
-                from splitfuse.kernels.flash_attn_backend import flash_attn_supported
+                from splitfuse.kernels.triton_lang.flash_attn_backend import flash_attn_supported
 
                 ok, reason = flash_attn_supported(dtype, block_size, device)
                 if ok:
@@ -250,7 +250,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, bl
     if requested in ("triton", "flash_attn") and not triton_ok:
         raise ValueError(f"attention_backend={requested!r} needs the `triton` package")
     if requested == "flash_attn":
-        from splitfuse.kernels.flash_attn_backend import flash_attn_supported
+        from splitfuse.kernels.triton_lang.flash_attn_backend import flash_attn_supported
 
         ok, reason = flash_attn_supported(dtype, block_size, device)
         if not ok:

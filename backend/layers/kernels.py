@@ -10,19 +10,11 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
 
+from splitfuse.kernels.reference import apply_rotary_reference, rms_norm_reference, silu_and_mul_reference
 from splitfuse.layers.attention import make_backend
-from splitfuse.layers.norm import rms_norm_torch
-from splitfuse.layers.rotary import apply_rotary_torch
 
 log = logging.getLogger(__name__)
-
-
-def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 @dataclass
@@ -37,7 +29,7 @@ class KernelSet:
     def create(cls, attention_backend: str) -> "KernelSet":
         attention = make_backend(attention_backend)
         if attention_backend == "torch":
-            return cls(attention_backend, attention, rms_norm_torch, apply_rotary_torch, silu_and_mul_torch)
+            return cls(attention_backend, attention, rms_norm_reference, apply_rotary_reference, silu_and_mul_reference)
         # The Triton-lang backends also take the fused elementwise kernels.
         from splitfuse.kernels import apply_rotary, rms_norm, silu_and_mul
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding tables and the rotate-half application (HF Llama convention)."""
+"""Rotary position embedding tables (HF Llama convention); the kernels apply them."""
 
 from __future__ import annotations
 
@@ -37,19 +37,3 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tens
     """cos and sin tables [max_positions, head_dim/2] in float32."""
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
     return freqs.cos(), freqs.sin()
-
-
-def apply_rotary_torch(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hkv, D]: x*cos + rotate_half(x)*sin, computed in x's dtype."""
-    c = cos[positions].to(q.dtype)
-    s = sin[positions].to(q.dtype)
-    c = torch.cat((c, c), dim=-1).unsqueeze(1)
-    s = torch.cat((s, s), dim=-1).unsqueeze(1)
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -28,9 +28,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-# Modules by import_module: the package binds names like `rms_norm` to the functions.
 activation, kv_cache, paged_attention, paged_attention_split_kv, rms_norm, rotary = (
-    importlib.import_module(f"splitfuse.kernels.{m}")
+    importlib.import_module(f"splitfuse.kernels.triton_lang.{m}")
     for m in ("activation", "kv_cache", "paged_attention", "paged_attention_split_kv", "rms_norm", "rotary"))
 MODULES = (activation, kv_cache, paged_attention, paged_attention_split_kv, rms_norm, rotary)
 

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitfuse.kernels._common import interpreting  # noqa: E402
+from splitfuse.kernels.triton_lang._common import interpreting  # noqa: E402
 
 # (device, dtype) pairs: the interpreter has no bf16, so CPU runs fp32/fp16.
 DEVICE_DTYPES = [

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE_DTYPES, require_device
 
-from splitfuse.kernels.activation import silu_and_mul, silu_and_mul_reference
+from splitfuse.kernels import silu_and_mul, silu_and_mul_reference
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)

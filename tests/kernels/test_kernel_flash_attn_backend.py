@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_test_utils import make_paged_batch, tolerances
 
-from splitfuse.kernels.flash_attn_backend import flash_attn_paged_attention, flash_attn_supported, paged_attention_flash
-from splitfuse.kernels.paged_attention import paged_attention_reference
+from splitfuse.kernels.triton_lang.flash_attn_backend import flash_attn_paged_attention, flash_attn_supported, paged_attention_flash
+from splitfuse.kernels import paged_attention_reference
 
 
 def test_supported_reports_a_reason():

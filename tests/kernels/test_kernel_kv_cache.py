@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE_DTYPES, require_device
 
-from splitfuse.kernels.kv_cache import write_kv_cache, write_kv_cache_reference
+from splitfuse.kernels import write_kv_cache, write_kv_cache_reference
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)

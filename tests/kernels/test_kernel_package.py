@@ -18,8 +18,8 @@ EXPECTED = {
 
 def test_exports_are_the_functions_not_the_modules():
     assert EXPECTED <= set(kernels.__all__)
-    import splitfuse.kernels.paged_attention  # noqa: F401  (binding the submodule must not shadow the function)
-    import splitfuse.kernels.rms_norm  # noqa: F401
+    import splitfuse.kernels.triton_lang.paged_attention  # noqa: F401
+    import splitfuse.kernels.triton_lang.rms_norm  # noqa: F401
 
     for name in EXPECTED - {"HAS_TRITON"}:
         assert callable(getattr(kernels, name)), name
@@ -63,6 +63,17 @@ def test_references_work_without_triton():
             assert "triton is not installed" in str(exc)
         else:
             raise AssertionError("launcher ran without triton")
+        print("ok")
+    """)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_split_kv_module_imports_on_its_own():
+    """No import circle: the split-KV kernel's module imports without paged_attention's."""
+    proc = _run("""
+        import sys
+        import splitfuse.kernels.triton_lang.paged_attention_split_kv
+        assert "splitfuse.kernels.triton_lang.paged_attention" not in sys.modules
         print("ok")
     """)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr

@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE_DTYPES, make_paged_batch, require_device, tolerances
 
-from splitfuse.kernels.paged_attention import paged_attention, paged_attention_reference
-from splitfuse.kernels.paged_attention_split_kv import choose_num_splits, paged_decode_attention_split_kv
+from splitfuse.kernels import paged_attention, paged_attention_reference
+from splitfuse.kernels import choose_num_splits, paged_decode_attention_split_kv
 
 # (new tokens, cached tokens) per sequence: prompt chunks with and without a cached prefix,
 # decodes, and a first prompt chunk, in one step.
@@ -105,7 +105,7 @@ def test_auto_split_choice_matches_reference(device, dtype):
     require_device(device)
     batch = make_paged_batch([(1, 2047), (1, 1500)], num_kv_heads=1, group=2, head_dim=16, block_size=16,
                              dtype=dtype, device=device)
-    from splitfuse.kernels._common import num_sms
+    from splitfuse.kernels.triton_lang._common import num_sms
 
     assert choose_num_splits(2, 1, batch.max_seq_len, num_sms(batch.q.device)) > 1  # the split path runs
     check(batch, dtype)

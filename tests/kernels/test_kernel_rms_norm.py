@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE_DTYPES, require_device
 
-from splitfuse.kernels.rms_norm import rms_norm, rms_norm_reference
+from splitfuse.kernels import rms_norm, rms_norm_reference
 
 
 def _tol(dtype: torch.dtype) -> dict[str, float]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE_DTYPES, require_device
 
-from splitfuse.kernels.rotary import apply_rotary, apply_rotary_reference
+from splitfuse.kernels import apply_rotary, apply_rotary_reference
 
 
 def _tables(max_pos: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

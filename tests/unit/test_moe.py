@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from splitfuse.layers.kernels import KernelSet, silu_and_mul_torch
+from splitfuse.kernels import silu_and_mul_reference
+from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.moe import SparseMoeBlock
 from splitfuse.models.llama import ModelArgs
 from splitfuse.models.loader import load_model, read_hf_config
 
-OPS = SimpleNamespace(silu_and_mul=silu_and_mul_torch)
+OPS = SimpleNamespace(silu_and_mul=silu_and_mul_reference)
 
 
 def _block(hidden: int, inter: int, num_experts: int, top_k: int, seed: int = 0) -> SparseMoeBlock:

@@ -13,8 +13,8 @@ import splitfuse.layers.attention as attention_module
 from splitfuse.layers.attention import AttentionMetadata, TorchAttention
 
 pytest.importorskip("triton")
-from splitfuse.kernels.kv_cache import write_kv_cache_reference  # noqa: E402
-from splitfuse.kernels.paged_attention import paged_attention_reference  # noqa: E402
+from splitfuse.kernels import write_kv_cache_reference  # noqa: E402
+from splitfuse.kernels import paged_attention_reference  # noqa: E402
 
 # (new tokens, cached tokens): prompt chunks with and without history, and decodes.
 MIXED = [(332, 628), (1, 718), (1, 323), (180, 5), (224, 0), (1, 1), (1, 40), (1, 17)]

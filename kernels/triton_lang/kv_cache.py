@@ -65,14 +65,3 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1],
         num_warps=4,
     )
-
-
-def write_kv_cache_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             slot_mapping: torch.Tensor) -> None:
-    """Plain torch index_put of the same scatter."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    page_size = k_cache.shape[1]
-    blk, off = slots // page_size, slots % page_size
-    k_cache[blk, off] = k[keep].to(k_cache.dtype)
-    v_cache[blk, off] = v[keep].to(v_cache.dtype)

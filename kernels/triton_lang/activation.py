@@ -37,8 +37,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(t, cdiv(inter, block))](out, x, x.stride(0), out.stride(0), inter, BLOCK=block,
                                                        num_warps=4)
     return out
-
-
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    inter = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[..., :inter]) * x[..., inter:]

@@ -85,5 +85,42 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  sliding_window: int | None) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"head_dim mismatch: q {d}, cache {k_cache.shape[3]}")
+    if d > 256:
+        raise ValueError(f"head_dim {d} > 256 is not supported")
+    if hq % hkv != 0:
+        raise ValueError(f"num_heads {hq} must be a multiple of num_kv_heads {hkv}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension")
+    b = seq_lens.shape[0]
+    if query_start_loc.shape[0] != b + 1 or block_tables.dim() != 2 or block_tables.shape[0] != b:
+        raise ValueError("query_start_loc must be [B+1] and block_tables [B, max_blocks] for seq_lens [B]")
+    if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
+        raise ValueError("query_start_loc, seq_lens and block_tables rows must be contiguous")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32: three TF32 passes give ~fp32 accuracy on tensor cores (plain "ieee" FMA dots spill
+    # registers badly); fp16/bf16 ignore the setting.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def pick_num_warps(block_m: int, block_d: int, dtype: torch.dtype) -> int:
+    # 4 warps spill registers on sm80 from a 64 x 128 tile up (checked with ptxas -v); fp32 needs 8 too.
+    return 8 if block_m * block_d >= 64 * 128 or dtype == torch.float32 else 4
+
+
 __all__ = ["HAS_TRITON", "triton", "tl", "interpreting", "triton_runnable", "check_launch", "cdiv", "next_pow2",
-           "num_sms"]
+           "num_sms",
+           "check_attention_inputs", "dot_precision", "pick_num_warps"]

@@ -74,20 +74,3 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
             num_warps=4 if block_hq * half <= 4096 else 8,
         )
     return q, k
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF Llama's apply_rotary_pos_emb on gathered tables; returns new tensors."""
-    cos_full = torch.cat((cos, cos), dim=-1)[positions][:, None, :]
-    sin_full = torch.cat((sin, sin), dim=-1)[positions][:, None, :]
-
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        return x * cos_full.to(x.dtype) + _rotate_half(x) * sin_full.to(x.dtype)
-
-    return rot(q), rot(k)

@@ -66,14 +66,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             num_warps=min(max(block // 256, 1), 16),
         )
     return out if residual is None else (out, sum_out)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """HF LlamaRMSNorm, with the unfused residual add in front when `residual` is given."""
-    if residual is not None:
-        x = x + residual
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    normed = weight * h.to(x.dtype)
-    return normed if residual is None else (normed, x)

@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from ._common import cdiv, check_launch, next_pow2, num_sms, tl, triton
+from ._common import (check_attention_inputs, check_launch, dot_precision, next_pow2, num_sms, pick_num_warps, tl,
+                      triton)
 from .paged_attention_split_kv import choose_num_splits, paged_decode_attention_split_kv
 
 
@@ -130,42 +131,6 @@ def _paged_attention_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                  sliding_window: int | None) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)}")
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k_cache.shape[2]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"head_dim mismatch: q {d}, cache {k_cache.shape[3]}")
-    if d > 256:
-        raise ValueError(f"head_dim {d} > 256 is not supported")
-    if hq % hkv != 0:
-        raise ValueError(f"num_heads {hq} must be a multiple of num_kv_heads {hkv}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension")
-    b = seq_lens.shape[0]
-    if query_start_loc.shape[0] != b + 1 or block_tables.dim() != 2 or block_tables.shape[0] != b:
-        raise ValueError("query_start_loc must be [B+1] and block_tables [B, max_blocks] for seq_lens [B]")
-    if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
-        raise ValueError("query_start_loc, seq_lens and block_tables rows must be contiguous")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32: three TF32 passes give ~fp32 accuracy on tensor cores (plain "ieee" FMA dots spill
-    # registers badly); fp16/bf16 ignore the setting.
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
-def _num_warps(block_m: int, block_d: int, dtype: torch.dtype) -> int:
-    # 4 warps spill registers on sm80 from a 64 x 128 tile up (checked with ptxas -v); fp32 needs 8 too.
-    return 8 if block_m * block_d >= 64 * 128 or dtype == torch.float32 else 4
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -189,7 +154,7 @@ def paged_attention(
     `choose_num_splits`); 1 always uses the single-pass kernel; > 1 forces split-KV (the batch
     must then be decode-only). `block_m` / `block_n` override the tile sizes (tuning and tests).
     """
-    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window)
+    check_attention_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window)
     check_launch("paged_attention", q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     t, hq, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape
@@ -230,45 +195,7 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, BLOCK_D=block_d, PAGE_SIZE=page_size, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=_num_warps(block_m, block_d, q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=pick_num_warps(block_m, block_d, q.dtype),
     )
-    return out
-
-
-def paged_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain torch, one sequence at a time: gather K/V through the block table, masked softmax in fp32."""
-    t, hq, d = q.shape
-    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    if out is None:
-        out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for b, seq_len in enumerate(lens):
-        s, e = starts[b], starts[b + 1]
-        q_len = e - s
-        blocks = block_tables[b, :cdiv(seq_len, page_size)].long()
-        k = k_cache[blocks].reshape(-1, hkv, d)[:seq_len].float().repeat_interleave(group, dim=1)
-        v = v_cache[blocks].reshape(-1, hkv, d)[:seq_len].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]
-        if sliding_window is not None:
-            allowed &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

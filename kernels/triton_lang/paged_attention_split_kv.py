@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from ._common import cdiv, check_launch, next_pow2, num_sms, tl, triton
+from ._common import (cdiv, check_attention_inputs, check_launch, dot_precision, next_pow2, num_sms, pick_num_warps, tl,
+                      triton)
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -145,9 +146,8 @@ def paged_decode_attention_split_kv(
     Same tensor conventions as `paged_attention`; `num_splits=None` uses `choose_num_splits`
     (at least 2 here, since the caller asked for splitting).
     """
-    from .paged_attention import _check_inputs, _dot_precision, _num_warps  # shared; avoids an import cycle
 
-    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window)
+    check_attention_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window)
     check_launch("paged_decode_attention_split_kv", q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     t, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -180,8 +180,8 @@ def paged_decode_attention_split_kv(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, BLOCK_D=block_d, PAGE_SIZE=page_size,
-        USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=_num_warps(block_m, block_d, q.dtype),
+        USE_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=pick_num_warps(block_m, block_d, q.dtype),
     )
     _split_kv_merge_kernel[(b, hq)](
         out, part_out, part_ml, query_start_loc, num_splits,

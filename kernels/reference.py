@@ -1,0 +1,98 @@
+"""Plain-torch references of every kernel, on any device, with or without triton.
+
+Each Triton-lang kernel (`triton_lang/`) and each C++ CPU kernel (`cpu/`) is tested against
+the function of the same name here; the engine's `torch` path runs these functions directly.
+Conventions (the engine's): q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] (token-major);
+sequence b owns rows query_start_loc[b]:query_start_loc[b+1]; seq_lens[b] counts its context
+including this step's tokens; slot = block * block_size + offset (slots < 0 are skipped).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One sequence at a time: gather K/V through the block table, masked softmax in fp32.
+    New token i of a q_len-token chunk sits at position seq_len - q_len + i and sees keys up to
+    it (with `sliding_window` W, only keys less than W positions back)."""
+    t, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        q_len = e - s
+        blocks = block_tables[b, :-(-seq_len // page_size)].long()
+        k = k_cache[blocks].reshape(-1, hkv, d)[:seq_len].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].reshape(-1, hkv, d)[:seq_len].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            allowed &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
+
+
+def write_kv_cache_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> None:
+    """Scatter each new token's K/V [T, Hkv, D] into its cache slot."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    page_size = k_cache.shape[1]
+    blk, off = slots // page_size, slots % page_size
+    k_cache[blk, off] = k[keep].to(k_cache.dtype)
+    v_cache[blk, off] = v[keep].to(v_cache.dtype)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF LlamaRMSNorm: h = x.float(); h * rsqrt(mean(h^2) + eps), cast back, times weight.
+    With `residual`: (normed(x + residual), x + residual), the add rounded to x's dtype."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    normed = weight * h.to(x.dtype)
+    return normed if residual is None else (normed, x)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF Llama's rotate-half rotary embedding: q [T, Hq, D], k [T, Hkv, D], tables
+    [max_positions, D/2]; x * cos + rotate_half(x) * sin in x's dtype; returns new tensors."""
+    c = cos[positions].to(q.dtype)
+    s = sin[positions].to(q.dtype)
+    c = torch.cat((c, c), dim=-1).unsqueeze(1)
+    s = torch.cat((s, s), dim=-1).unsqueeze(1)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: silu(x[..., :I]) * x[..., I:] for x [..., 2I]."""
+    inter = x.shape[-1] // 2
+    return F.silu(x[..., :inter]) * x[..., inter:]
