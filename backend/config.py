@@ -13,6 +13,7 @@ from typing import Any
 
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -38,6 +39,9 @@ class EngineConfig:
     """float32 | bfloat16 | float16 | auto (checkpoint dtype on GPU, float32 on CPU)."""
     attention_backend: str = "auto"
     """auto | torch | triton | flash_attn."""
+    linear_backend: str = "auto"
+    """auto | onednn | torch: how projections multiply (auto: oneDNN with weights packed at
+    load on CPUs where torch supports it for the dtype, else F.linear)."""
     scheduler_policy: str = "splitfuse"
     """splitfuse | prefill_first | orca (the last two are benchmark baselines)."""
     device: str = "auto"
@@ -65,6 +69,7 @@ class EngineConfig:
             _check_positive("max_model_len", self.max_model_len)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

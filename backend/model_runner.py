@@ -9,6 +9,7 @@ import torch
 from splitfuse.config import EngineConfig
 from splitfuse.layers.attention import resolve_backend
 from splitfuse.layers.kernels import KernelSet
+from splitfuse.layers.linear import resolve_linear_backend
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
 from splitfuse.models.llama import ModelArgs
 from splitfuse.models.loader import load_model, read_hf_config
@@ -50,10 +51,14 @@ class ModelRunner:
             torch.set_flush_denormal(True)
         self.dtype = resolve_dtype(config.dtype, self.args, self.device)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
-        log.info("splitfuse: device=%s dtype=%s attention_backend=%s (requested %s)", self.device,
-                 str(self.dtype).removeprefix("torch."), self.attention_backend, config.attention_backend)
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        log.info("splitfuse: device=%s dtype=%s attention_backend=%s (requested %s) linear_backend=%s "
+                 "(requested %s) threads=%d", self.device, str(self.dtype).removeprefix("torch."),
+                 self.attention_backend, config.attention_backend, self.linear_backend, config.linear_backend,
+                 torch.get_num_threads())
         self.kernels = KernelSet.create(self.attention_backend)
         self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device)
+        self.model.prepare_linears(self.linear_backend)
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
         inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)

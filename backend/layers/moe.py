@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from splitfuse.layers.kernels import KernelSet
-from splitfuse.layers.linear import linear
+from splitfuse.layers.linear import Linear, LinearKernel, OneDnnLinear, make_linear_kernel
 
 
 class Experts(nn.Module):
@@ -22,6 +22,22 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up: list[LinearKernel] = []
+        self.down: list[LinearKernel] = []
+
+    def prepare(self, backend: str) -> None:
+        """One linear kernel per expert and projection. Packed kernels hold their own copy,
+        so the stacked weights' storage is released then, as `Linear.prepare` does."""
+        self.gate_up = [make_linear_kernel(w, None, backend) for w in self.gate_up_proj]
+        self.down = [make_linear_kernel(w, None, backend) for w in self.down_proj]
+        if isinstance(self.gate_up[0], OneDnnLinear):
+            for p in (self.gate_up_proj, self.down_proj):
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def kernels(self) -> tuple[list[LinearKernel], list[LinearKernel]]:
+        if not self.gate_up:  # not prepared (a block built on its own): plain torch
+            self.prepare("torch")
+        return self.gate_up, self.down
 
 
 class SparseMoeBlock(nn.Module):
@@ -32,7 +48,7 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.num_experts = num_experts
         self.top_k = top_k
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.gate = Linear(hidden_size, num_experts, bias=False)  # the router
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.ops = ops
 
@@ -53,14 +69,14 @@ class SparseMoeBlock(nn.Module):
         slot_weights = weights.flatten()[order, None]
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync
         out = torch.zeros_like(x)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        gate_up, down = self.experts.kernels()
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue  # no tokens for this expert: skip its weights entirely
             rows = tokens[start:start + n]
-            h = self.ops.silu_and_mul(linear(x.index_select(0, rows), gate_up[e]))
-            h = linear(h, down[e]) * slot_weights[start:start + n]  # fp32 scale, as HF
+            h = self.ops.silu_and_mul(gate_up[e](x.index_select(0, rows)))
+            h = down[e](h) * slot_weights[start:start + n]  # fp32 scale, as HF
             out.index_add_(0, rows, h.to(out.dtype))
             start += n
         return out

@@ -15,8 +15,8 @@ from torch import nn
 
 from splitfuse.layers.attention import AttentionMetadata
 from splitfuse.layers.kernels import KernelSet
-from splitfuse.layers.linear import Linear, linear
-from splitfuse.layers.moe import SparseMoeBlock
+from splitfuse.layers.linear import Linear
+from splitfuse.layers.moe import Experts, SparseMoeBlock
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
@@ -206,4 +206,12 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight)
+        return self.lm_head(hidden)
+
+    def prepare_linears(self, backend: str) -> None:
+        """Give every projection its kernel for `backend` (after the weights are loaded)."""
+        for module in self.modules():
+            if module is self.lm_head:  # a tied head shares its weight with the embedding
+                module.prepare(backend, release_weight=not self.args.tie_word_embeddings)
+            elif isinstance(module, (Linear, Experts)):
+                module.prepare(backend)

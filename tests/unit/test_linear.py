@@ -1,10 +1,10 @@
-"""The few-rows CPU formulation of `linear` against F.linear."""
+"""Both linear backends against F.linear: the few-rows CPU formulation and oneDNN with packed weights."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from splitfuse.layers.linear import Linear, linear
+from splitfuse.layers.linear import Linear, OneDnnLinear, linear, onednn_supported, resolve_linear_backend
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 65, 200])
@@ -27,3 +27,54 @@ def test_linear_module_keeps_nn_linear_parameters():
     assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
     x = torch.randn(5, 8)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+ONEDNN_OK, ONEDNN_WHY = onednn_supported(torch.device("cpu"), torch.float32)
+needs_onednn = pytest.mark.skipif(not ONEDNN_OK, reason=f"oneDNN linear unavailable: {ONEDNN_WHY}")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    w = torch.randn(160, 96, generator=gen)
+    b = torch.randn(160, generator=gen) if bias else None
+    out = OneDnnLinear(w, b)(x)
+    assert out.shape == (rows, 160) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_prepare_packs_and_releases_the_plain_weight():
+    layer = Linear(32, 48, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.prepare("onednn")
+    assert isinstance(layer.kernel, OneDnnLinear) and layer.weight.numel() == 0
+    x = torch.randn(7, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+    shared = Linear(32, 48, bias=False)
+    shared.prepare("onednn", release_weight=False)  # e.g. an LM head tied to the embedding
+    assert shared.weight.shape == (48, 32)
+
+
+def test_torch_backend_keeps_the_weight():
+    layer = Linear(32, 48, bias=False)
+    layer.prepare("torch")
+    assert layer.weight.shape == (48, 32)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+def test_resolve_linear_backend():
+    cpu = torch.device("cpu")
+    assert resolve_linear_backend("torch", cpu, torch.float32) == "torch"
+    assert resolve_linear_backend("auto", cpu, torch.float32) == ("onednn" if ONEDNN_OK else "torch")
+    if not onednn_supported(cpu, torch.bfloat16)[0]:  # e.g. AVX2-only CPUs
+        assert resolve_linear_backend("auto", cpu, torch.bfloat16) == "torch"
+        with pytest.raises(ValueError, match="cannot run here"):
+            resolve_linear_backend("onednn", cpu, torch.bfloat16)

@@ -1,0 +1,155 @@
+"""Compile the C++ CPU kernels on this machine and load them.
+
+All `csrc/*.cpp` files build into one shared library with the system C++ compiler and
+`-march=native`, so the code is vectorised for the instruction set of the machine it runs on
+(AVX-512 where the CPU has it, AVX2 elsewhere) without shipping per-ISA binaries. The library
+goes to a cache directory under a name derived from the sources, the flags, the compiler and the
+CPU's flags: a changed source, compiler or machine gets a new build, an unchanged one loads at
+once. `make install` builds it ahead (`python -m splitfuse.kernels.cpu.build`); otherwise the
+first `library()` call does.
+
+No compiler, or a failed build, is not an error: `library()` returns None with a log line and
+the engine runs its plain torch path.
+
+The kernels use OpenMP. torch ships its own `libgomp.so.1`; importing torch first makes the
+library bind to that same runtime, so the kernels and torch's ops share one thread pool (and
+`torch.set_num_threads` governs both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp before the library binds to one)
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno",
+         "-Wall", "-Wno-unknown-pragmas"]
+_lock = threading.Lock()
+_cached: tuple[ctypes.CDLL | None, str] | None = None
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use: $CXX, else g++ or c++ on PATH."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def isa() -> str:
+    """The widest vector instruction set this CPU reports, for logs and results."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512" + ("+bf16" if "avx512_bf16" in flags else "")
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "generic"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPLITFUSE_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitfuse" / "cpu_kernels"
+
+
+def _build_key(cxx: str) -> str:
+    h = hashlib.sha256()
+    for src in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    h.update(" ".join(FLAGS).encode())
+    try:
+        h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.encode())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:  # -march=native code is only valid on CPUs with the same flags
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                h.update(line.encode())
+                break
+    except OSError:
+        pass
+    return h.hexdigest()[:16]
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library if needed and return its path. Raises RuntimeError on failure."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    out = cache_dir() / f"libsplitfuse_cpu-{_build_key(cxx)}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sources = [str(s) for s in sorted(CSRC.glob("*.cpp"))]
+    # Build under a temporary name and rename: concurrent builders (Triton instances, test
+    # workers) never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, "-I", str(CSRC), *sources, "-o", tmp]
+    log.info("splitfuse: building CPU kernels (%s): %s", isa(), " ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"CPU kernel build failed ({cxx}):\n{proc.stderr[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (with the reason logged once) when it cannot be built.
+
+    SPLITFUSE_CPU_KERNELS=0 disables it (the engine then runs its torch path)."""
+    global _cached
+    with _lock:
+        if _cached is None:
+            _cached = _load()
+        return _cached[0]
+
+
+def unavailable_reason() -> str:
+    library()
+    return _cached[1] if _cached else ""
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("SPLITFUSE_CPU_KERNELS", "1") == "0":
+        return None, "disabled by SPLITFUSE_CPU_KERNELS=0"
+    try:
+        path = build()
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as e:
+        reason = str(e).splitlines()[0]
+        log.warning("splitfuse: C++ CPU kernels unavailable, using the torch path: %s", reason)
+        return None, reason
+    log.info("splitfuse: C++ CPU kernels loaded (%s, %s)", isa(), path.name)
+    return lib, ""
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(build(force="--force" in sys.argv))
+    except RuntimeError as e:
+        # `make install` must not fail on a machine without a compiler: the torch path runs.
+        print(f"splitfuse: CPU kernels not built, the torch path will be used: {e}", file=sys.stderr)

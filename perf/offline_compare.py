@@ -1,0 +1,176 @@
+"""Offline throughput, side by side: our `LLM.generate` vs vLLM-CPU's `LLM.generate` on the
+same requests, each in its own process, in one run; plus the machine's GEMM peak (oneDNN, the
+same run) to say what share of the compute roofline each reaches.
+
+    .venv/bin/python perf/offline_compare.py                      # 48 requests, prompts ~N(600, 30%)
+    .venv/bin/python perf/offline_compare.py --systems ours --param token_budget=256
+
+Prompts are random token ids (no shared prefixes), every request generates exactly its drawn
+length (greedy, ignore_eos). Writes perf/results/offline/<name>.json with the machine, CPU flags,
+commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from fastgen_bench import draw_lengths  # noqa: E402
+from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
+
+RESULTS = HERE / "results" / "offline"
+
+
+def make_requests(model_dir: str, n: int, prompt_mean: float, gen_mean: float, seed: int) -> list[dict]:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = int(cfg["vocab_size"])
+    rng = random.Random(seed)
+    prompts = draw_lengths(n, prompt_mean, 0.3, 8, 1800, rng)
+    gens = draw_lengths(n, gen_mean, 0.3, 2, 200, rng)
+    # Ids above the few special tokens; random, so no two prompts share a prefix.
+    return [{"prompt": [rng.randrange(4, vocab) for _ in range(p)], "max_tokens": g} for p, g in zip(prompts, gens)]
+
+
+def flops_per_request(model_dir: str, prompt_len: int, gen_len: int) -> float:
+    """Matmul FLOPs of one request (weights 2*params per token, attention 4*ctx*H per layer,
+    the LM head on sampled tokens only)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    d = c.get("head_dim") or h // heads
+    per_token = 2 * layers * (h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter)
+    tokens = prompt_len + gen_len
+    attn = 4 * layers * heads * d * (prompt_len * prompt_len / 2 + gen_len * (prompt_len + gen_len / 2))
+    return per_token * tokens + attn + 2 * h * c["vocab_size"] * gen_len
+
+
+def gemm_peak_gflops(threads: int) -> float:
+    """Best oneDNN fp32 GEMM rate over a few large shapes (the compute roofline of this run)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    best = 0.0
+    for n, k, m in [(1536, 512, 512), (2048, 2048, 512), (4096, 1024, 256)]:
+        w = torch.randn(n, k)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        x = torch.randn(m, k)
+        for _ in range(3):
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        reps = 10
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        best = max(best, 2 * n * k * m * reps / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def run_ours(model_dir: str, reqs: list[dict], params: dict[str, str]) -> dict:
+    """In a child process, so each system starts from a clean interpreter and thread pool."""
+    with tempfile.TemporaryDirectory() as tmp:
+        req_path, out_path = Path(tmp) / "req.json", Path(tmp) / "out.json"
+        req_path.write_text(json.dumps(reqs))
+        code = (
+            "import json,sys,time\n"
+            "from splitfuse import LLM, SamplingParams\n"
+            "reqs=json.load(open(sys.argv[1])); kw=json.loads(sys.argv[3])\n"
+            "from splitfuse.config import EngineConfig\n"
+            "cfg=EngineConfig.from_strings({'model': sys.argv[4], **kw})\n"
+            "llm=LLM(**{k: getattr(cfg, k) for k in ['model', *kw]})\n"
+            "llm.generate([reqs[0]['prompt'][:16]], SamplingParams(max_tokens=4, temperature=0.0))\n"
+            "ps=[SamplingParams(max_tokens=r['max_tokens'], temperature=0.0, ignore_eos=True) for r in reqs]\n"
+            "t=time.perf_counter(); outs=llm.generate([r['prompt'] for r in reqs], ps); wall=time.perf_counter()-t\n"
+            "backend=llm.engine.runner.attention_backend\n"
+            "json.dump({'wall_s': wall, 'attention_backend': backend,"
+            " 'outputs': [list(o.token_ids) for o in outs]}, open(sys.argv[2],'w'))\n"
+        )
+        subprocess.run([sys.executable, "-c", code, str(req_path), str(out_path), json.dumps(params), model_dir],
+                       check=True)
+        return json.loads(out_path.read_text())
+
+
+def run_vllm(model_dir: str, reqs: list[dict], vllm_python: str, threads_bind: str | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        req_path, out_path = Path(tmp) / "req.json", Path(tmp) / "out.json"
+        req_path.write_text(json.dumps(reqs))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+        if threads_bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+        subprocess.run([vllm_python, str(HERE / "vllm_offline.py"), str(req_path), str(out_path),
+                        "--model", str(Path(model_dir).resolve())], check=True, env=env)
+        return json.loads(out_path.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=str(HERE / ".cache" / "bench-llama"))
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--prompt-mean", type=float, default=600)
+    ap.add_argument("--gen-mean", type=float, default=60)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", default="ours,vllm_2c", help="comma list of ours, vllm (its own binding), vllm_2c")
+    ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="our engine parameter")
+    ap.add_argument("--vllm-python", default=str(HERE / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--name", default="offline")
+    args = ap.parse_args()
+
+    if not Path(args.model_dir, "config.json").exists():
+        from splitfuse.demo_model import build_model
+
+        build_model(args.model_dir, arch="llama", size="bench")
+    reqs = make_requests(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)
+    params = dict(p.split("=", 1) for p in args.param)
+    flops = sum(flops_per_request(args.model_dir, len(r["prompt"]), r["max_tokens"]) for r in reqs)
+    peak = gemm_peak_gflops(os.cpu_count() or 1)
+    results: dict[str, dict] = {}
+    for system in args.systems.split(","):
+        print(f"[offline] {system} ...", flush=True)
+        if system == "ours":
+            r = run_ours(args.model_dir, reqs, params)
+        elif system in ("vllm", "vllm_2c"):
+            r = run_vllm(args.model_dir, reqs, args.vllm_python, "0-1" if system == "vllm_2c" else None)
+        else:
+            raise SystemExit(f"unknown system {system!r}")
+        outputs = r.pop("outputs")
+        r["req_per_s"] = len(reqs) / r["wall_s"]
+        r["tokens_generated"] = sum(len(o) for o in outputs)
+        r["roofline_share"] = flops / r["wall_s"] / 1e9 / peak
+        results[system] = r
+        print(f"[offline] {system}: {r['wall_s']:.2f} s, {r['req_per_s']:.3f} req/s, "
+              f"{100 * r['roofline_share']:.1f}% of the GEMM peak", flush=True)
+    ratios = {}
+    if "ours" in results:
+        for peer in ("vllm", "vllm_2c"):
+            if peer in results:
+                ratios[f"ours/{peer}"] = results["ours"]["req_per_s"] / results[peer]["req_per_s"]
+    out = {
+        "benchmark": "offline LLM.generate",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "cpu_flags": cpu_flags()},
+        "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "workload": {"num_requests": len(reqs), "prompt_mean": args.prompt_mean, "gen_mean": args.gen_mean,
+                     "seed": args.seed, "prompt_tokens": sum(len(r["prompt"]) for r in reqs),
+                     "gen_tokens": sum(r["max_tokens"] for r in reqs)},
+        "our_params": params,
+        "gemm_peak_gflops": peak,
+        "workload_gflop": flops / 1e9,
+        "results": results,
+        "ratios": ratios,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{args.name}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({"ratios": ratios, "gemm_peak_gflops": round(peak, 1)}), f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()
