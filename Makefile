@@ -11,7 +11,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast demo-model bench clean
+.PHONY: install kernels serve test test-fast demo-model bench clean
 
 install: $(VENV)/.installed
 
@@ -22,18 +22,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[triton,serve,dev]'
+	$(MAKE) kernels
 	touch $@
+
+# The C++ CPU kernels, compiled for this machine's CPU (-march=native) into a cache keyed by
+# sources, compiler and CPU flags; also built on first use. No compiler: the torch path runs.
+kernels:
+	$(PY) -m splitfuse.kernels.cpu.build
 
 $(DEMO_MODEL)/config.json: | install
 	$(PY) -m splitfuse.demo_model $(DEMO_MODEL) --arch llama --size tiny
 
 demo-model: $(DEMO_MODEL)/config.json
 
-serve: install $(if $(MODEL),,$(DEMO_MODEL)/config.json)
+serve: install kernels $(if $(MODEL),,$(DEMO_MODEL)/config.json)
 	$(PY) -m splitfuse.server --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
-test: install
+test: install kernels
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
 
 bench: install

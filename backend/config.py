@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -38,7 +38,8 @@ class EngineConfig:
     dtype: str = "auto"
     """float32 | bfloat16 | float16 | auto (checkpoint dtype on GPU, float32 on CPU)."""
     attention_backend: str = "auto"
-    """auto | torch | triton | flash_attn."""
+    """auto | cpu | torch | triton | flash_attn (auto: flash_attn or triton on GPUs; on CPUs the
+    C++ `cpu` kernels when they build on the machine, else torch)."""
     linear_backend: str = "auto"
     """auto | onednn | torch: how projections multiply (auto: oneDNN with weights packed at
     load on CPUs where torch supports it for the dtype, else F.linear)."""
@@ -49,7 +50,7 @@ class EngineConfig:
     kv_watermark: float = 0.01
     """Share of KV blocks kept free when admitting new prompts, so decodes can grow."""
     num_threads: int = 0
-    """torch intra-op threads on CPU; 0 keeps torch's default."""
+    """OpenMP threads on CPU for torch and the C++ kernels; 0 keeps torch's default (one per core)."""
     seed: int = 0
     """Seed for requests that give none."""
 

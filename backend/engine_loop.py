@@ -65,6 +65,7 @@ class EngineLoop:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        self.engine.runner.bind_thread()
         while True:
             with self._lock:
                 while not self._inbox and not self._stopping and not self.engine.has_unfinished_requests():

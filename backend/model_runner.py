@@ -75,6 +75,13 @@ class ModelRunner:
             for _ in range(self.args.num_layers)
         ]
 
+    def bind_thread(self) -> None:
+        """Call on a thread that will step the engine (servers run it on their own thread).
+        OpenMP's thread count is a per-thread setting: torch passes its own count to each
+        parallel region, but the C++ kernels' regions read the calling thread's, which a new
+        thread takes from the process default rather than from `num_threads`."""
+        torch.set_num_threads(torch.get_num_threads())
+
     def kv_bytes_per_block(self) -> int:
         a = self.args
         itemsize = torch.empty((), dtype=self.dtype).element_size()

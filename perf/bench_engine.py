@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ import torch
 from splitfuse import EngineConfig, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_model, mem_gib  # noqa: E402
+from machine import cpu_flags, cpu_model, git_commit, mem_gib  # noqa: E402
 
 from splitfuse.demo_model import build_model
 from splitfuse.engine import LLMEngine
@@ -37,16 +36,8 @@ def machine() -> dict:
     cpu = cpu_model()
     mem_gb = mem_gib()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gb": round(mem_gb, 1), "device": device,
+    return {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": cpu_flags(), "mem_gb": round(mem_gb, 1), "device": device,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0]}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -105,7 +96,7 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--attention-backend", default="torch")
+    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args()

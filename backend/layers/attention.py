@@ -4,40 +4,31 @@ A step's batch mixes prompt chunks (many new tokens) and decodes (one new token)
 new tokens' K/V are first written into the cache by slot; attention then reads every key
 of the sequence from the cache through its block table.
 
-Backends: `torch` (CPU and anywhere), `triton` (Triton-lang kernels in splitfuse.kernels),
-`flash_attn` (flash-attn's paged varlen API). `resolve_backend` picks one for `auto`.
+Every backend has the same four methods:
+    cache_shape(num_blocks, block_size, num_kv_heads, head_dim)   its KV layout (one shape for K and V)
+    prepare(meta, query_lens, seq_lens, num_kv_heads)             once per step, before the layers
+    write_kv(k, v, k_cache, v_cache, meta)                        the new tokens' K/V into the cache
+    attend(q, k_cache, v_cache, meta, scale, sliding_window)      -> [T, Hq, D]
+Backends: `cpu` (C++ kernels compiled on the machine, attention_cpu.py), `torch` (gather + SDPA,
+attention_torch.py; the fallback anywhere), `triton` and `flash_attn` (GPU, attention_triton.py).
+`resolve_backend` picks one for `auto`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
-
-# Decode K/V are gathered this many bytes at a time, small enough to still be in a server
-# CPU's last-level cache when SDPA reads them (measured on a 32 MiB L3: 8 MiB sub-batches ran
-# decode attention 1.6x faster than gathering the whole batch at once).
-_DECODE_GATHER_BYTES = 8 << 20
-
-
-@dataclass
-class PrefillSpan:
-    """One sequence with several new tokens, for the torch path."""
-
-    row_start: int
-    row_end: int
-    seq_len: int
-    num_blocks: int
-    gather_rows: torch.Tensor  # int64 [Hkv * num_blocks]: rows of the cache viewed [-1, block_size, D]
 
 
 @dataclass
 class AttentionMetadata:
+    """The step's batch as every backend sees it (built by RaggedBatch, read-only after)."""
+
     slot_mapping: torch.Tensor  # int64 [T]
     query_start_loc: torch.Tensor  # int32 [B+1]
     seq_lens: torch.Tensor  # int32 [B], context length including this step's tokens
@@ -45,191 +36,13 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    # Torch path, computed once per step and shared by all layers: where each new token's K/V
-    # go, which (block, head) rows to gather, and the batch split into one batched decode
-    # group and per-sequence prompt chunks.
-    write_rows: torch.Tensor | None = None  # int64 [T * Hkv], rows of the cache viewed [-1, D]
-    decode_rows: torch.Tensor | None = None  # int64 [Bd]
-    decode_gather_rows: torch.Tensor | None = None  # int64 [Bd * Hkv * Md], like PrefillSpan.gather_rows
-    decode_num_blocks: int = 0
-    decode_seq_lens: torch.Tensor | None = None  # int64 [Bd]
-    prefills: list[PrefillSpan] = field(default_factory=list)
-    _masks: dict = field(default_factory=dict)
 
 
-class TorchAttention:
-    """Plain torch, for CPUs: gather each sequence's blocks into a reused workspace, then
-    batched SDPA calls for the decodes (in cache-sized sub-batches) and one per prompt chunk.
+def cpu_kernels_available() -> tuple[bool, str]:
+    from splitfuse.kernels.cpu import paged_attention as cpu_attention
+    from splitfuse.kernels.cpu.build import unavailable_reason
 
-    The cache is head-major inside a block, [num_blocks, Hkv, block_size, D], so gathering
-    (block, head) rows yields K/V already in SDPA's [B, Hkv, L, D] layout. Measured on a 2-core
-    CPU (32 decodes x 608 tokens, 4 KV heads, D 64): gathering into fresh tensors cost 6x more
-    than into a reused buffer (page faults), strided K/V ran SDPA 1.7x slower, and 3-D inputs
-    send SDPA to its math path at half the speed of its flash kernel; hence 4-D, contiguous,
-    reused.
-    """
-
-    name = "torch"
-
-    def __init__(self) -> None:
-        self._k_buf: torch.Tensor | None = None
-        self._v_buf: torch.Tensor | None = None
-
-    @staticmethod
-    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_blocks, num_kv_heads, block_size, head_dim)
-
-    def prepare(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int], num_kv_heads: int) -> None:
-        bs = meta.block_size
-        device = meta.block_tables.device
-        heads = torch.arange(num_kv_heads, dtype=torch.int64, device=device)
-        slots = meta.slot_mapping
-        # Row of token t, head h in the cache viewed [num_blocks * Hkv * block_size, D].
-        rows = ((slots // bs * num_kv_heads)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
-        meta.write_rows = rows.flatten()
-
-        bt = meta.block_tables.to(torch.int64)
-        decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
-        if decode_idx:
-            idx = torch.tensor(decode_idx, dtype=torch.int64, device=device)
-            meta.decode_num_blocks = -(-max(seq_lens[i] for i in decode_idx) // bs)
-            meta.decode_rows = meta.query_start_loc[:-1].to(torch.int64)[idx]
-            meta.decode_seq_lens = meta.seq_lens.to(torch.int64)[idx]
-            blocks = bt[idx, : meta.decode_num_blocks]  # [Bd, Md]
-            meta.decode_gather_rows = (blocks[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
-        qsl_list = meta.query_start_loc.tolist() if len(decode_idx) < len(query_lens) else None
-        for i, n in enumerate(query_lens):
-            if n > 1:
-                num_blocks = -(-seq_lens[i] // bs)
-                rows = (bt[i, :num_blocks][None, :] * num_kv_heads + heads[:, None]).flatten()  # [Hkv, nb]
-                meta.prefills.append(PrefillSpan(qsl_list[i], qsl_list[i + 1], seq_lens[i], num_blocks, rows))
-
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        head_dim = k.shape[-1]
-        k_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, k.reshape(-1, head_dim))
-        v_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, v.reshape(-1, head_dim))
-
-    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor):
-        _, _, bs, head_dim = k_cache.shape
-        need = rows.numel() * bs * head_dim
-        buf = self._k_buf
-        if buf is None or buf.numel() < need or buf.dtype != k_cache.dtype or buf.device != k_cache.device:
-            # Grow with headroom so a slowly growing batch does not reallocate every step.
-            size = need + need // 4
-            self._k_buf = torch.empty(size, dtype=k_cache.dtype, device=k_cache.device)
-            self._v_buf = torch.empty_like(self._k_buf)
-        k = self._k_buf[:need].view(rows.numel(), bs, head_dim)
-        v = self._v_buf[:need].view(rows.numel(), bs, head_dim)
-        torch.index_select(k_cache.view(-1, bs, head_dim), 0, rows, out=k)
-        torch.index_select(v_cache.view(-1, bs, head_dim), 0, rows, out=v)
-        return k, v
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, sliding_window: int | None) -> torch.Tensor:
-        out = torch.empty_like(q)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads, bs = k_cache.shape[1], k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        if meta.decode_rows is not None:
-            batch = meta.decode_rows.shape[0]
-            length = meta.decode_num_blocks * bs
-            rows_per_seq = num_kv_heads * meta.decode_num_blocks
-            # A decode's query heads sharing a KV head become that head's "query rows" (no GQA expand).
-            qd = q.index_select(0, meta.decode_rows).view(batch, num_kv_heads, group, head_dim)
-            mask = self._decode_mask(meta, length, sliding_window)
-            # On CPU, sub-batches whose gathered K/V stay in the last-level cache until SDPA
-            # reads them; a GPU gets the whole batch in one call.
-            seq_bytes = 2 * rows_per_seq * bs * head_dim * q.element_size()
-            step = max(1, _DECODE_GATHER_BYTES // seq_bytes) if q.device.type == "cpu" else batch
-            outs = []
-            for s in range(0, batch, step):
-                e = min(batch, s + step)
-                k, v = self._gather(k_cache, v_cache, meta.decode_gather_rows[s * rows_per_seq : e * rows_per_seq])
-                k = k.view(e - s, num_kv_heads, length, head_dim)
-                v = v.view(e - s, num_kv_heads, length, head_dim)
-                outs.append(F.scaled_dot_product_attention(qd[s:e], k, v, attn_mask=mask[s:e], scale=scale))
-            o = outs[0] if len(outs) == 1 else torch.cat(outs)
-            out.index_copy_(0, meta.decode_rows, o.reshape(batch, num_heads, head_dim))
-        for span in meta.prefills:
-            length = span.num_blocks * bs
-            k, v = self._gather(k_cache, v_cache, span.gather_rows)
-            k = k.view(1, num_kv_heads, length, head_dim)[:, :, : span.seq_len]
-            v = v.view(1, num_kv_heads, length, head_dim)[:, :, : span.seq_len]
-            qp = q[span.row_start : span.row_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            q_len = span.row_end - span.row_start
-            if q_len == span.seq_len and sliding_window is None:
-                o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
-            else:
-                mask = self._prefill_mask(meta, span, sliding_window, q.device)
-                o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-            out[span.row_start : span.row_end] = o[0].transpose(0, 1)
-        return out
-
-    @staticmethod
-    def _decode_mask(meta: AttentionMetadata, length: int, window: int | None) -> torch.Tensor:
-        key = ("decode", window)
-        if key not in meta._masks:
-            pos = torch.arange(length, device=meta.decode_seq_lens.device)
-            lens = meta.decode_seq_lens[:, None]
-            mask = pos[None, :] < lens
-            if window is not None:
-                mask &= pos[None, :] > lens - 1 - window
-            meta._masks[key] = mask[:, None, None, :]
-        return meta._masks[key]
-
-    @staticmethod
-    def _prefill_mask(meta: AttentionMetadata, span: PrefillSpan, window: int | None, device) -> torch.Tensor:
-        key = ("prefill", span.row_start, window)
-        if key not in meta._masks:
-            q_len = span.row_end - span.row_start
-            q_pos = torch.arange(span.seq_len - q_len, span.seq_len, device=device)[:, None]
-            k_pos = torch.arange(span.seq_len, device=device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= q_pos - k_pos < window
-            meta._masks[key] = mask
-        return meta._masks[key]
-
-
-class TritonAttention:
-    """Triton-lang kernels: one launch for the whole ragged batch."""
-
-    name = "triton"
-
-    def __init__(self) -> None:
-        from splitfuse.kernels import paged_attention, write_kv_cache
-
-        self._attention = paged_attention
-        self._write = write_kv_cache
-
-    @staticmethod
-    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, head_dim)
-
-    def prepare(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int], num_kv_heads: int) -> None:
-        pass
-
-    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
-
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
-        return self._attention(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            meta.max_query_len, meta.max_seq_len, sliding_window=sliding_window,
-        )
-
-
-class FlashAttnAttention(TritonAttention):
-    """flash-attn's paged varlen kernel for attention; the KV write stays a Triton kernel."""
-
-    name = "flash_attn"
-
-    def __init__(self) -> None:
-        super().__init__()
-        from splitfuse.kernels.triton_lang.flash_attn_backend import paged_attention_flash
-
-        self._attention = paged_attention_flash
+    return cpu_attention.available(), unavailable_reason()
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
@@ -246,7 +59,21 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, bl
                 log.info("flash-attn not used: %s", reason)
             if triton_ok:
                 return "triton"
+            return "torch"
+        ok, reason = cpu_kernels_available()
+        if ok and dtype == torch.float32:
+            return "cpu"
+        log.warning("splitfuse: C++ CPU attention not used (%s); using the torch path",
+                    reason or f"dtype {dtype} (the C++ kernels run fp32)")
         return "torch"
+    if requested == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' needs device cpu, got {device}")
+        ok, reason = cpu_kernels_available()
+        if not ok:
+            raise ValueError(f"attention_backend='cpu' cannot run here: {reason}")
+        if dtype != torch.float32:
+            raise ValueError(f"attention_backend='cpu' runs float32, got {dtype}")
     if requested in ("triton", "flash_attn") and not triton_ok:
         raise ValueError(f"attention_backend={requested!r} needs the `triton` package")
     if requested == "flash_attn":
@@ -259,4 +86,14 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, bl
 
 
 def make_backend(name: str):
-    return {"torch": TorchAttention, "triton": TritonAttention, "flash_attn": FlashAttnAttention}[name]()
+    if name == "torch":
+        from splitfuse.layers.attention_torch import TorchAttention
+
+        return TorchAttention()
+    if name == "cpu":
+        from splitfuse.layers.attention_cpu import CpuAttention
+
+        return CpuAttention()
+    from splitfuse.layers.attention_triton import FlashAttnAttention, TritonAttention
+
+    return {"triton": TritonAttention, "flash_attn": FlashAttnAttention}[name]()

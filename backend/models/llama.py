@@ -138,8 +138,8 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = self.ops.apply_rotary(q, k, positions, cos, sin)
         attn = self.ops.attention
-        attn.write_kv(k, v.contiguous(), k_cache, v_cache, meta)
-        o = attn.attend(q.contiguous(), k_cache, v_cache, meta, self.scale, self.sliding_window)
+        attn.write_kv(k, v, k_cache, v_cache, meta)
+        o = attn.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(tokens, self.q_size))
 
 

@@ -1,4 +1,6 @@
-"""Greedy output must be token-identical to HF transformers generate(do_sample=False), fp32 CPU."""
+"""Greedy output must be token-identical to HF transformers generate(do_sample=False), fp32 CPU,
+through both CPU paths: the fast one (C++ attention kernels + oneDNN linear layers) and the
+fallback (torch attention + F.linear) that runs where no compiler is present."""
 
 import json
 import random
@@ -8,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from splitfuse import LLM, SamplingParams
+from splitfuse.kernels.cpu import paged_attention as cpu_attention
 
 PROMPT_LENGTHS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 64, 100, 130]
 LLAMA3_ROPE = {
@@ -55,8 +58,22 @@ def case(request, tiny_model_factory):
     return request.param, path, prompts, _hf_reference(path, prompts)
 
 
-def _run(path, prompts, **config):
-    llm = LLM(path, dtype="float32", attention_backend="torch", **config)
+CPU_PATHS = {
+    "fast": dict(attention_backend="cpu", linear_backend="auto"),
+    "fallback": dict(attention_backend="torch", linear_backend="torch"),
+}
+
+
+@pytest.fixture(params=list(CPU_PATHS))
+def cpu_path(request):
+    if request.param == "fast" and not cpu_attention.available():
+        pytest.skip("C++ CPU kernels unavailable (no compiler?)")
+    return CPU_PATHS[request.param]
+
+
+def _run(path, prompts, backends, **config):
+    llm = LLM(path, dtype="float32", **backends, **config)
+    assert llm.engine.runner.attention_backend == backends["attention_backend"]
     params = [SamplingParams(max_tokens=_max_tokens(i), temperature=0.0) for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
     llm.engine.check_invariants()
@@ -66,24 +83,24 @@ def _run(path, prompts, **config):
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("token_budget", [7, 64, 512])
-def test_splitfuse_greedy_matches_hf(case, token_budget, block_size):
+def test_splitfuse_greedy_matches_hf(case, cpu_path, token_budget, block_size):
     name, path, prompts, refs = case
-    got, _ = _run(path, prompts, token_budget=token_budget, block_size=block_size)
+    got, _ = _run(path, prompts, cpu_path, token_budget=token_budget, block_size=block_size)
     for i, (g, r) in enumerate(zip(got, refs)):
         assert g == r, f"{name} budget={token_budget} block={block_size} prompt#{i} (len {len(prompts[i])})"
 
 
 @pytest.mark.parametrize("policy", ["prefill_first", "orca"])
-def test_baseline_policies_match_hf(case, policy):
+def test_baseline_policies_match_hf(case, cpu_path, policy):
     name, path, prompts, refs = case
-    got, _ = _run(path, prompts, token_budget=64, block_size=16, scheduler_policy=policy)
+    got, _ = _run(path, prompts, cpu_path, token_budget=64, block_size=16, scheduler_policy=policy)
     assert got == refs, f"{name} {policy}"
 
 
-def test_parity_under_preemption(case):
+def test_parity_under_preemption(case, cpu_path):
     """A KV pool far smaller than the load forces preemption and recomputation."""
     name, path, prompts, refs = case
-    got, llm = _run(path, prompts, token_budget=32, block_size=4, num_kv_blocks=38, kv_watermark=0.0)
+    got, llm = _run(path, prompts, cpu_path, token_budget=32, block_size=4, num_kv_blocks=38, kv_watermark=0.0)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     assert got == refs, name
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import splitfuse.layers.attention as attention_module
-from splitfuse.layers.attention import AttentionMetadata, TorchAttention
-
-pytest.importorskip("triton")
-from splitfuse.kernels import write_kv_cache_reference  # noqa: E402
-from splitfuse.kernels import paged_attention_reference  # noqa: E402
+import splitfuse.layers.attention_torch as attention_module
+from splitfuse.kernels.reference import paged_attention_reference, write_kv_cache_reference
+from splitfuse.layers.attention import AttentionMetadata
+from splitfuse.layers.attention_torch import TorchAttention
 
 # (new tokens, cached tokens): prompt chunks with and without history, and decodes.
 MIXED = [(332, 628), (1, 718), (1, 323), (180, 5), (224, 0), (1, 1), (1, 40), (1, 17)]

@@ -1,0 +1,34 @@
+"""Attention through the C++ CPU kernels (splitfuse.kernels.cpu.paged_attention).
+
+One kernel call per layer covers the whole ragged batch, reading K/V blocks in place through
+the block tables (no gather, no padding to the longest sequence); one more writes the new
+tokens' K/V. The layout is the kernel's own (`cache_shape`: K transposed inside a block).
+Nothing to plan per step: the kernel splits its work itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitfuse.kernels.cpu import paged_attention as kernels
+from splitfuse.layers.attention import AttentionMetadata
+
+
+class CpuAttention:
+    name = "cpu"
+
+    @staticmethod
+    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return kernels.cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def prepare(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int], num_kv_heads: int) -> None:
+        pass
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, sliding_window: int | None) -> torch.Tensor:
+        return kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                       scale, sliding_window)

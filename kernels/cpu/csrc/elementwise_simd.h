@@ -1,0 +1,99 @@
+// Vector helpers for elementwise.cpp (namespace sf_ew; nothing here is exported).
+//
+// GCC/Clang vector extensions sized for the widest ISA the compiler targets (-march=native):
+// 16 floats with AVX-512, 8 with AVX/AVX2, 4 otherwise (SSE / NEON / generic). The operators
+// compile to the ISA's vector instructions; no intrinsics, so one source serves every machine.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace sf_ew {
+
+#if defined(__AVX512F__)
+#define SF_EW_NATIVE_VW 16
+#elif defined(__AVX__)
+#define SF_EW_NATIVE_VW 8
+#else
+#define SF_EW_NATIVE_VW 4
+#endif
+#if !defined(SF_EW_VW)  // test override: -DSF_EW_VW=4/8/16 exercises other widths on this machine
+#define SF_EW_VW SF_EW_NATIVE_VW
+#endif
+constexpr int VW = SF_EW_VW;
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+// Unaligned, aliasing-safe variants for loads/stores through plain float pointers.
+typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+
+static inline vf loadu(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+static inline void storeu(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
+static inline vf splat(float a) { return vf{} + a; }
+
+static inline float hsum(vf v) {
+    // Pairwise halving: a fixed, data-independent order.
+    float t[VW];
+    std::memcpy(t, &v, sizeof(t));
+    for (int w = VW / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; ++i) t[i] += t[i + w];
+    return t[0];
+}
+
+// Materialise a value so the compiler cannot fuse the multiply that produced it into a following
+// add (GCC contracts a*b+c into an FMA in C++ by default). Used where the result must match
+// torch's separately rounded products bit for bit.
+static inline vf rounded(vf v) {
+#if SF_EW_VW > SF_EW_NATIVE_VW  // wider than a register (test builds only): through memory
+    asm("" : "+m"(v));
+#elif defined(__x86_64__) || defined(__i386__)
+    asm("" : "+v"(v));
+#else
+    asm("" : "+w"(v));
+#endif
+    return v;
+}
+static inline float rounded(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm("" : "+x"(v));
+#else
+    asm("" : "+w"(v));
+#endif
+    return v;
+}
+
+// exp(x), max error ~1 ulp (Cephes expf: Cody-Waite reduction, degree-6 polynomial), with
+// IEEE edge behaviour: x > log(FLT_MAX) -> +inf, gradual underflow to subnormals, 0 below
+// about -103.97, NaN -> NaN.
+static inline vf exp_v(vf x) {
+    vf xc = x > 88.72283935546875f ? splat(88.72283935546875f) : x;
+    xc = xc < -103.97f ? splat(-103.97f) : xc;
+    // n = round(x / ln2) by the 1.5*2^23 trick (|x/ln2| < 2^22 after clamping).
+    const vf magic = splat(12582912.0f);
+    vf n = (xc * 1.44269504088896341f + magic) - magic;
+    vf r = xc - n * 0.693359375f;  // ln2 split: the high part is exact in float
+    r = r - n * -2.12194440e-4f;
+    vf z = r * r;
+    vf p = splat(1.9875691500E-4f);
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    vf y = p * z + r + 1.0f;
+    // y * 2^n with n in [-150, 128], as two in-range powers 2^(n>>1) * 2^(n - (n>>1)).
+    vi ni = __builtin_convertvector(n, vi);
+    vi n1 = ni >> 1;
+    vi b1 = (n1 + 127) << 23, b2 = (ni - n1 + 127) << 23;
+    vf s1, s2;
+    std::memcpy(&s1, &b1, sizeof(s1));
+    std::memcpy(&s2, &b2, sizeof(s2));
+    y = (y * s1) * s2;  // above log(FLT_MAX) this overflows to +inf, as it should
+    y = x < -103.97f ? vf{} : y;
+    return y;
+}
+
+static inline float exp_s(float x) { return std::exp(x); }
+
+}  // namespace sf_ew

@@ -1,0 +1,840 @@
+// Paged attention over a ragged batch (prompt chunks + decodes in one call) and the KV-cache
+// write, for CPUs. fp32 in, fp32 accumulation. Called through ctypes from
+// splitfuse/kernels/cpu/paged_attention.py, which documents the API and validates arguments.
+//
+// Cache layout (one flat tile per (block, kv head)):
+//   k_cache, v_cache: [num_blocks][num_kv_heads][block_size * head_dim] floats
+//   V tile: row-major [block_size][head_dim].
+//   K tile: k_layout 1 (the default): transposed, [head_dim][block_size], so that Q.K^T reads a
+//           16-key row of K as one (or two) vector loads and needs no horizontal reduction;
+//           k_layout 0: row-major like V (kept for the layout measurement in the benchmark; the
+//           kernel then transposes each 16-key tile into an L1 buffer).
+//
+// Work decomposition: a work item is (sequence, kv head, tile of query tokens, KV split). The
+// GROUP = Hq / Hkv query heads sharing the kv head are rows of the same tile (row = token * G +
+// head), so each K/V load serves all of them. The item walks its key range in tiles of 16 keys
+// read in place through the block table (block_size a multiple of 16; smaller or odd block sizes
+// pack the 16 keys into an L1 buffer), and the rows in register strips of MR rows:
+//   S = Q.K^T (MR x 16 in registers) -> mask (causal offset, sliding window, tail) -> online
+//   softmax in base 2 (running max m, running sum l) -> O = alpha * O + P.V (MR x 16 columns of
+//   the head dim in registers per step).
+// Strips whose rows see none of a tile's keys are skipped, and masks are only computed where the
+// causal diagonal, the window edge or the sequence end crosses the tile.
+//
+// Scheduling: one OpenMP loop (schedule dynamic) over all items of the batch, largest first,
+// prompt-chunk items (compute-bound) interleaved with decode items (memory-bound). Decode strips
+// prefetch the K/V tile two tiles ahead (software prefetch; tiles of different blocks are in
+// different pages, where the hardware prefetchers stop).
+// Split-KV: when the items are too few or too uneven for the threads (one long decode with
+// few KV heads), the key range of the large items is cut into partitions; each writes its
+// unnormalised (O, m, l) to a workspace, and a second parallel loop merges them.
+//
+// The vector code is GCC vector extensions (attention_simd.h): the same source is AVX-512,
+// AVX2 or SSE code depending on -march; only register-blocking constants differ (MR below).
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "attention_simd.h"
+
+namespace sf_attn {
+namespace {
+
+// Rows per register strip (MR <= VL: a strip's per-row softmax statistics fit one vector) and
+// query rows (tokens x group heads) per work item.
+#if SF_ATTN_WIDTH == 16
+constexpr int MR = 12;            // 12 rows x 1 zmm = 12 accumulators of 32 zmm registers
+constexpr int ROWS_DEFAULT = 96;
+#elif SF_ATTN_WIDTH == 8
+constexpr int MR = 6;             // 6 rows x 2 ymm = 12 accumulators of 16 ymm registers
+constexpr int ROWS_DEFAULT = 48;
+#else
+constexpr int MR = 4;             // 4 rows x 4 xmm = 16 accumulators (no AVX: correctness path)
+constexpr int ROWS_DEFAULT = 32;
+#endif
+static_assert(MR <= VL, "a strip's row statistics must fit one vector");
+constexpr int PF_TILES = 2;     // software prefetch of K/V this many tiles ahead
+constexpr int MIN_SPLIT_TILES = 8;  // a KV split covers at least 8 x 16 = 128 keys
+
+struct Ctx {
+    const float* q;
+    int64_t q_st, q_sh;
+    float* out;
+    int64_t o_st, o_sh;
+    const float* kc;
+    const float* vc;
+    const int32_t* qsl;
+    const int32_t* seq_lens;
+    const int32_t* bt;
+    int64_t bt_st;
+    int Hq, Hkv, G, D, bs, window, k_layout;
+    float scale_log2;
+};
+
+struct Item {
+    int32_t b, h, t0, t1;  // sequence, kv head, query tokens [t0, t1) of the sequence
+    int32_t kt0, kt1;      // key tiles [kt0, kt1) (tile i = keys 16i .. 16i + 15)
+    int32_t nsplit;        // > 1: a KV partition, writes its partial result at `ws`
+    int32_t pad;
+    int64_t ws;
+    float cost;
+};
+
+struct Group {  // the partitions of one split (sequence, kv head, token tile): items ws.. ws + nsplit * stride
+    int32_t b, h, t0, t1, nsplit;
+    int64_t ws;
+};
+
+// Keep a loaded vector in a register: without this GCC folds the load into every FMA that uses
+// it (one load per use), and the decode kernels (few rows per load) become load-port bound.
+static inline void in_reg(vf& v) {
+#if (defined(__x86_64__) || defined(__i386__)) && \
+    (SF_ATTN_WIDTH == 4 || (SF_ATTN_WIDTH == 8 && defined(__AVX__)) || (SF_ATTN_WIDTH == 16 && defined(__AVX512F__)))
+    __asm__("" : "+x"(v));  // (only when vf is one register of this ISA)
+#else
+    (void)v;
+#endif
+}
+
+// Independent accumulator sets for strips of few rows (decode): R rows x NV vectors per set plus
+// the NV loaded vectors of each set must stay within the vector registers (16, or 32 with AVX-512).
+constexpr int NREG = VL == 16 ? 32 : 16;
+constexpr int ilp_factor(int R) { return std::max(1, std::min(4, (NREG - 1) / (NV * (R + 1)))); }
+
+static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static inline size_t round16(size_t n) { return (n + 15) & ~size_t(15); }
+
+// Grow-only 64-byte aligned per-thread scratch (the OpenMP pool threads persist across calls,
+// so steady-state calls allocate nothing and touch no fresh pages).
+struct Scratch {
+    float* p = nullptr;
+    size_t cap = 0;
+    float* get(size_t n) {
+        if (n > cap) {
+            std::free(p);
+            size_t bytes = round16(n) * sizeof(float);
+            p = static_cast<float*>(std::aligned_alloc(64, bytes));
+            if (!p) { cap = 0; return nullptr; }
+            cap = round16(n);
+        }
+        return p;
+    }
+    ~Scratch() { std::free(p); }
+};
+static thread_local Scratch tls_scratch;
+static thread_local Scratch tls_workspace;
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels.
+
+// S[R][16] = Q . Kt[D][16] (Kt rows ldk apart), Q packed d-major for the strip: Q[d * R + i]
+// (one pointer, immediate offsets: no general register per row). Strips of few rows (decode:
+// R = group size) use ilp_factor(R) accumulator sets over d, so that enough independent FMA
+// chains fill both pipes.
+template <int R, bool PF>
+static inline void qk_strip(const float* __restrict Q, int D, const float* __restrict kt, int64_t ldk,
+                            const float* pf, vf (&s)[R][NV]) {
+    constexpr int U = ilp_factor(R);  // accumulator sets over d
+    vf acc[U][R][NV];
+    for (int u = 0; u < U; ++u)
+        for (int i = 0; i < R; ++i)
+            for (int c = 0; c < NV; ++c) acc[u][i][c] = vf{};
+    int d = 0;
+    for (; d + U <= D; d += U) {
+        for (int u = 0; u < U; ++u) {
+            if (PF) __builtin_prefetch(pf + (d + u) * ldk);  // the same row of a later tile (64 bytes)
+            vf b[NV];
+            for (int c = 0; c < NV; ++c) { b[c] = loadu(kt + (d + u) * ldk + c * VL); in_reg(b[c]); }
+            for (int i = 0; i < R; ++i) {
+                const float a = Q[(d + u) * R + i];
+                for (int c = 0; c < NV; ++c) acc[u][i][c] += a * b[c];
+            }
+        }
+    }
+    for (; d < D; ++d) {
+        if (PF) __builtin_prefetch(pf + d * ldk);
+        vf b[NV];
+        for (int c = 0; c < NV; ++c) { b[c] = loadu(kt + d * ldk + c * VL); in_reg(b[c]); }
+        for (int i = 0; i < R; ++i) {
+            const float a = Q[d * R + i];
+            for (int c = 0; c < NV; ++c) acc[0][i][c] += a * b[c];
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int c = 0; c < NV; ++c) {
+            vf t = acc[0][i][c];
+            for (int u = 1; u < U; ++u) t += acc[u][i][c];
+            s[i][c] = t;
+        }
+}
+
+// CH consecutive 16-column chunks of O[R][..] = alpha * O + P[R][jlo:jhi] . V[jlo:jhi][..].
+template <int R, int CH, bool PF>
+static inline void pv_chunks(const float* __restrict P, const float* __restrict v, int64_t ldv, int jlo, int jhi,
+                             const float* alpha, float* __restrict O, int D, const float* pf, int d0) {
+    vf acc[R][CH * NV];
+    for (int i = 0; i < R; ++i) {
+        const vf a = splat(alpha[i]);
+        for (int c = 0; c < CH * NV; ++c) acc[i][c] = loadu(O + i * D + d0 + c * VL) * a;
+    }
+    if (PF)
+        for (int j = 0; j < TN; ++j)
+            for (int h = 0; h < CH; ++h) __builtin_prefetch(pf + j * ldv + d0 + h * TN);
+    for (int j = jlo; j < jhi; ++j) {
+        vf b[CH * NV];
+        for (int c = 0; c < CH * NV; ++c) { b[c] = loadu(v + j * ldv + d0 + c * VL); in_reg(b[c]); }
+        for (int i = 0; i < R; ++i) {
+            const float p = P[i * TN + j];
+            for (int c = 0; c < CH * NV; ++c) acc[i][c] += p * b[c];
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int c = 0; c < CH * NV; ++c) storeu(O + i * D + d0 + c * VL, acc[i][c]);
+}
+
+// O[R][D] = alpha * O + P[R][jlo:jhi] . V[jlo:jhi][D] (V rows ldv apart, P rows TN apart).
+// Few rows (decode) take several 16-column chunks per pass: more independent FMA chains and
+// one P broadcast per chunk group.
+template <int R, bool PF>
+static inline void pv_strip(const float* __restrict P, const float* __restrict v, int64_t ldv, int jlo, int jhi,
+                            const float* alpha, float* __restrict O, int D, const float* pf) {
+    constexpr int CH = ilp_factor(R);
+    int d0 = 0;
+    if (CH > 1)
+        for (; d0 + CH * TN <= D; d0 += CH * TN) pv_chunks<R, CH, PF>(P, v, ldv, jlo, jhi, alpha, O, D, pf, d0);
+    for (; d0 + TN <= D; d0 += TN) pv_chunks<R, 1, PF>(P, v, ldv, jlo, jhi, alpha, O, D, pf, d0);
+    if (d0 + 8 <= D) {
+        v8 acc[R];
+        for (int i = 0; i < R; ++i) acc[i] = loadu8(O + i * D + d0) * alpha[i];
+        for (int j = jlo; j < jhi; ++j) {
+            const v8 b = loadu8(v + j * ldv + d0);
+            for (int i = 0; i < R; ++i) acc[i] += P[i * TN + j] * b;
+        }
+        for (int i = 0; i < R; ++i) storeu8(O + i * D + d0, acc[i]);
+        d0 += 8;
+    }
+    for (; d0 < D; ++d0) {
+        for (int i = 0; i < R; ++i) {
+            float acc = O[i * D + d0] * alpha[i];
+            for (int j = jlo; j < jhi; ++j) acc += P[i * TN + j] * v[j * ldv + d0];
+            O[i * D + d0] = acc;
+        }
+    }
+}
+
+struct StripArgs {
+    const float* Q;  // the strip's R rows of the pre-scaled query tile, packed d-major [D][R]
+    const float* kt;
+    int64_t ldk;
+    const float* v;
+    int64_t ldv;
+    int D, n0, nv, jlo, jhi, window;
+    bool need_mask;
+    const int* pos;  // key position limit (= query position) of each row
+    float* m;
+    float* l;
+    float* O;
+    float* P;  // scratch [MR][TN]
+    const float* pf_k;  // a later tile's K (same ldk) and V (same ldv) to prefetch, or null
+    const float* pf_v;
+};
+
+// One register strip of R rows against one tile of 16 keys: scores, mask, online softmax, P.V.
+// The row statistics m (running max, base 2) and l (running sum) of the R rows are handled as
+// one vector (R <= VL); m and l point into buffers padded by VL floats.
+template <int R, bool PF>
+static void attend_strip(const StripArgs& a) {
+    vf s[R][NV];
+    qk_strip<R, PF>(a.Q, a.D, a.kt, a.ldk, a.pf_k, s);
+    if (a.need_mask) {
+        const vf ninf = splat(-INFINITY);
+        const vi lane = iota_vi();
+        for (int i = 0; i < R; ++i) {
+            for (int c = 0; c < NV; ++c) {
+                const vi key = lane + (a.n0 + c * VL);
+                // key < n0 + nv (past the sequence end: in-place tails hold stale data), causal,
+                // and inside the window.
+                vi ok = (key < a.n0 + a.nv) & (key <= a.pos[i]);
+                if (a.window > 0) ok &= (a.pos[i] - key) < a.window;
+                s[i][c] = ok ? s[i][c] : ninf;
+            }
+        }
+    }
+    vf rows[R];
+    for (int i = 0; i < R; ++i) {
+        rows[i] = s[i][0];
+        for (int c = 1; c < NV; ++c) rows[i] = vmax(rows[i], s[i][c]);
+    }
+    const vf m_old = loadu(a.m);
+    const vf m_new = vmax(m_old, reduce_rows<OpMax, R>(rows));
+    // A row that has seen no key yet (all masked so far) keeps m = -inf; exp2(-inf - 0) = 0
+    // then zeroes its P, alpha and l.
+    const vf m_use = m_new == splat(-INFINITY) ? vf{} : m_new;
+    const vf alpha = exp2v(m_old - m_use);
+    alignas(64) float mu[VL], al[VL], mn[VL], ln[VL];
+    storeu(mu, m_use);
+    storeu(al, alpha);
+    for (int i = 0; i < R; ++i) {
+        const vf mb = splat(mu[i]);
+        vf sum = vf{};
+        for (int c = 0; c < NV; ++c) {
+            const vf p = exp2v(s[i][c] - mb);
+            storeu(a.P + i * TN + c * VL, p);
+            sum += p;
+        }
+        rows[i] = sum;
+    }
+    const vf l_new = loadu(a.l) * alpha + reduce_rows<OpAdd, R>(rows);
+    storeu(mn, m_new);
+    storeu(ln, l_new);
+    for (int i = 0; i < R; ++i) {
+        a.m[i] = mn[i];
+        a.l[i] = ln[i];
+    }
+    pv_strip<R, PF>(a.P, a.v, a.ldv, a.jlo, a.jhi, al, a.O, a.D, a.pf_v);
+}
+
+typedef void (*StripFn)(const StripArgs&);
+
+// fns[PF][R - 1]: one kernel per row count 1..MR, without and with prefetch.
+template <int... Rs>
+struct StripTable {
+    static constexpr StripFn fns[2][sizeof...(Rs)] = {{&attend_strip<Rs, false>...}, {&attend_strip<Rs, true>...}};
+};
+template <int... Rs>
+constexpr StripFn StripTable<Rs...>::fns[2][sizeof...(Rs)];
+
+#if SF_ATTN_WIDTH == 16
+using Strips = StripTable<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
+#elif SF_ATTN_WIDTH == 8
+using Strips = StripTable<1, 2, 3, 4, 5, 6>;
+#else
+using Strips = StripTable<1, 2, 3, 4>;
+#endif
+static_assert(sizeof(Strips::fns[0]) / sizeof(StripFn) == MR, "one strip kernel per row count 1..MR");
+
+// dst[d * dst_ld + j] = src[j * src_ld + d] for j < n, d < D: 8 x 8 blocks through shuffles
+// (unpack / shuffle / lane permute on AVX), scalar edges. Used to transpose a row-major K tile
+// into the L1 buffer (k_layout 0) and to write a run of tokens into a transposed K tile.
+static void transpose_rows(const float* __restrict src, int64_t src_ld, int n, int D, float* __restrict dst,
+                           int64_t dst_ld) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const int n8 = n & ~7, D8 = D & ~7;
+    for (int j0 = 0; j0 < n8; j0 += 8) {
+        for (int d0 = 0; d0 < D8; d0 += 8) {
+            v8 r[8];
+            for (int j = 0; j < 8; ++j) r[j] = loadu8(src + (j0 + j) * src_ld + d0);
+            v8 t[8];
+            for (int j = 0; j < 8; j += 2) {
+                t[j] = __builtin_shuffle(r[j], r[j + 1], v8i{0, 8, 1, 9, 4, 12, 5, 13});
+                t[j + 1] = __builtin_shuffle(r[j], r[j + 1], v8i{2, 10, 3, 11, 6, 14, 7, 15});
+            }
+            v8 u[8];
+            for (int j = 0; j < 8; j += 4) {
+                u[j] = __builtin_shuffle(t[j], t[j + 2], v8i{0, 1, 8, 9, 4, 5, 12, 13});
+                u[j + 1] = __builtin_shuffle(t[j], t[j + 2], v8i{2, 3, 10, 11, 6, 7, 14, 15});
+                u[j + 2] = __builtin_shuffle(t[j + 1], t[j + 3], v8i{0, 1, 8, 9, 4, 5, 12, 13});
+                u[j + 3] = __builtin_shuffle(t[j + 1], t[j + 3], v8i{2, 3, 10, 11, 6, 7, 14, 15});
+            }
+            for (int j = 0; j < 4; ++j) {
+                storeu8(dst + (d0 + j) * dst_ld + j0, __builtin_shuffle(u[j], u[j + 4], v8i{0, 1, 2, 3, 8, 9, 10, 11}));
+                storeu8(dst + (d0 + j + 4) * dst_ld + j0,
+                        __builtin_shuffle(u[j], u[j + 4], v8i{4, 5, 6, 7, 12, 13, 14, 15}));
+            }
+        }
+        for (int d = D8; d < D; ++d)
+            for (int j = j0; j < j0 + 8; ++j) dst[d * dst_ld + j] = src[j * src_ld + d];
+    }
+    for (int d = 0; d < D; ++d)
+        for (int j = n8; j < n; ++j) dst[d * dst_ld + j] = src[j * src_ld + d];
+}
+
+// ---------------------------------------------------------------------------------------------
+// One work item.
+
+// Returns false when the thread's scratch could not be allocated (nothing written).
+static bool run_item(const Ctx& c, const Item& it, float* ws) {
+    const int G = c.G, D = c.D, bs = c.bs, Hkv = c.Hkv;
+    const int qs = c.qsl[it.b];
+    const int q_len = c.qsl[it.b + 1] - qs;
+    const int ctx = c.seq_lens[it.b] - q_len;  // tokens cached before this step's
+    const int R = (it.t1 - it.t0) * G;
+    const int base_pos = ctx + it.t0;
+    const int kv_hi = ctx + it.t1;  // keys [kv_lo, kv_hi) for the tile's tokens
+    const int kv_lo = c.window > 0 ? std::max(0, base_pos - c.window + 1) : 0;
+    const int64_t tile_elems = int64_t(bs) * D;
+
+    const size_t nQ = round16(size_t(R) * D), nM = round16(R + VL), nP = MR * TN, nK = round16(size_t(D) * TN);
+    float* buf = tls_scratch.get(2 * nQ + 2 * nM + nP + 2 * nK + 64);
+    if (!buf) return false;
+    float* Qs = buf;
+    float* O = Qs + nQ;
+    float* m = O + nQ;
+    float* l = m + nM;
+    float* P = l + nM;
+    float* Kt = P + nP;
+    float* Vt = Kt + nK;
+    int* pos = reinterpret_cast<int*>(Vt + nK);  // MR ints
+
+    // Strips of near-equal size (e.g. 8 rows -> 4 + 4 rather than 6 + 2); the query rows of a
+    // strip starting at row r0 with rn rows sit at Qs + r0 * D as [D][rn].
+    const int nstrips = (R + MR - 1) / MR;
+    const int sbase = R / nstrips, sextra = R % nstrips;
+    for (int si = 0, r0 = 0; si < nstrips; ++si) {
+        const int rn = sbase + (si < sextra ? 1 : 0);
+        float* dst = Qs + size_t(r0) * D;
+        for (int i = 0; i < rn; ++i) {
+            const int r = r0 + i, t = it.t0 + r / G, g = r % G;
+            const float* src = c.q + int64_t(qs + t) * c.q_st + int64_t(it.h * G + g) * c.q_sh;
+            for (int d = 0; d < D; ++d) dst[d * rn + i] = src[d] * c.scale_log2;
+        }
+        r0 += rn;
+    }
+    std::memset(O, 0, sizeof(float) * size_t(R) * D);
+    for (int r = 0; r < R; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int32_t* btr = c.bt + int64_t(it.b) * c.bt_st;
+    const bool inplace = bs % TN == 0;
+
+    // The first PF_TILES tiles: nothing earlier prefetched them (later ones are prefetched by
+    // the strips, PF_TILES tiles ahead).
+    if (inplace) {
+        for (int kt = it.kt0; kt < std::min(it.kt1, it.kt0 + PF_TILES); ++kt) {
+            const int n0 = kt * TN;
+            const int64_t base = (int64_t(btr[n0 / bs]) * Hkv + it.h) * tile_elems;
+            const float* k0 = c.kc + base + (c.k_layout == 1 ? n0 % bs : int64_t(n0 % bs) * D);
+            const float* v0 = c.vc + base + int64_t(n0 % bs) * D;
+            for (int d = 0; d < D; ++d) __builtin_prefetch(k0 + (c.k_layout == 1 ? int64_t(d) * bs : int64_t(d) * TN));
+            for (int e = 0; e < TN * D; e += 16) __builtin_prefetch(v0 + e);
+        }
+    }
+
+    StripArgs sa;
+    sa.D = D;
+    sa.window = c.window;
+    sa.pos = pos;
+    sa.P = P;
+    for (int kt = it.kt0; kt < it.kt1; ++kt) {
+        const int n0 = kt * TN;
+        const int nv = std::min(TN, kv_hi - n0);
+        if (inplace) {
+            const int64_t blk = btr[n0 / bs];
+            const int off = n0 % bs;
+            const int64_t base = (blk * Hkv + it.h) * tile_elems;
+            if (c.k_layout == 1) {
+                sa.kt = c.kc + base + off;
+                sa.ldk = bs;
+            } else {
+                transpose_rows(c.kc + base + int64_t(off) * D, D, nv, D, Kt, TN);
+                sa.kt = Kt;
+                sa.ldk = TN;
+            }
+            sa.v = c.vc + base + int64_t(off) * D;
+            sa.ldv = D;
+        } else {  // block size not a multiple of 16: gather the tile's keys into L1 buffers
+            // Keys before the item's first one (window) are masked and their blocks may be gone.
+            for (int j = std::max(0, kv_lo - n0); j < nv; ++j) {
+                const int p = n0 + j;
+                const int64_t base = (int64_t(btr[p / bs]) * Hkv + it.h) * tile_elems;
+                const int off = p % bs;
+                if (c.k_layout == 1) {
+                    const float* ks = c.kc + base + off;
+                    for (int d = 0; d < D; ++d) Kt[d * TN + j] = ks[int64_t(d) * bs];
+                } else {
+                    const float* ks = c.kc + base + int64_t(off) * D;
+                    for (int d = 0; d < D; ++d) Kt[d * TN + j] = ks[d];
+                }
+                std::memcpy(Vt + size_t(j) * D, c.vc + base + int64_t(off) * D, sizeof(float) * D);
+            }
+            sa.kt = Kt;
+            sa.ldk = TN;
+            sa.v = Vt;
+            sa.ldv = D;
+        }
+        sa.n0 = n0;
+        sa.nv = nv;
+        // Prefetch a later tile (in place only) while the first strip works on this one.
+        const float* pf_k = nullptr;
+        const float* pf_v = nullptr;
+        if (inplace && kt + PF_TILES < it.kt1) {
+            const int n2 = (kt + PF_TILES) * TN;
+            const int64_t base2 = (int64_t(btr[n2 / bs]) * Hkv + it.h) * tile_elems;
+            pf_k = c.kc + base2 + (c.k_layout == 1 ? n2 % bs : int64_t(n2 % bs) * D);
+            pf_v = c.vc + base2 + int64_t(n2 % bs) * D;
+        }
+        int r0 = 0;
+        for (int si = 0; si < nstrips; ++si) {
+            const int rn = sbase + (si < sextra ? 1 : 0);
+            const int pmin = base_pos + r0 / G, pmax = base_pos + (r0 + rn - 1) / G;
+            const int r_begin = r0;
+            r0 += rn;
+            if (n0 > pmax) continue;                                         // all keys in the future
+            if (c.window > 0 && pmin - (n0 + nv - 1) >= c.window) continue;  // all keys left the window
+            sa.need_mask = nv < TN || n0 + TN - 1 > pmin || (c.window > 0 && pmax - n0 >= c.window);
+            sa.jhi = std::min(nv, pmax - n0 + 1);
+            sa.jlo = c.window > 0 ? std::max(0, pmin - c.window + 1 - n0) : 0;
+            if (sa.need_mask)
+                for (int i = 0; i < rn; ++i) pos[i] = base_pos + (r_begin + i) / G;
+            sa.Q = Qs + size_t(r_begin) * D;
+            sa.m = m + r_begin;
+            sa.l = l + r_begin;
+            sa.O = O + size_t(r_begin) * D;
+            sa.pf_k = pf_k;
+            sa.pf_v = pf_v;
+            // (k_layout 0: qk reads the L1 tile with ldk 16, so its prefetch of pf_k + d * 16,
+            // d < D, covers the next row-major 16 x D K tile exactly.)
+            Strips::fns[pf_k != nullptr][rn - 1](sa);
+            pf_k = pf_v = nullptr;
+        }
+    }
+
+    if (it.nsplit == 1) {
+        for (int r = 0; r < R; ++r) {
+            const int t = it.t0 + r / G, g = r % G;
+            float* dst = c.out + int64_t(qs + t) * c.o_st + int64_t(it.h * G + g) * c.o_sh;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            const float* src = O + size_t(r) * D;
+            for (int d = 0; d < D; ++d) dst[d] = src[d] * inv;
+        }
+    } else {
+        float* w = ws + it.ws;
+        std::memcpy(w, O, sizeof(float) * size_t(R) * D);
+        std::memcpy(w + size_t(R) * D, m, sizeof(float) * R);
+        std::memcpy(w + size_t(R) * D + R, l, sizeof(float) * R);
+    }
+    return true;
+}
+
+static void merge_group(const Ctx& c, const Group& g, const float* ws) {
+    const int G = c.G, D = c.D;
+    const int qs = c.qsl[g.b];
+    const int R = (g.t1 - g.t0) * G;
+    const int64_t stride = int64_t(R) * D + 2 * R;
+    const float* base = ws + g.ws;
+    for (int r = 0; r < R; ++r) {
+        float M = -INFINITY;
+        for (int k = 0; k < g.nsplit; ++k) M = std::max(M, base[k * stride + int64_t(R) * D + r]);
+        float L = 0.0f;
+        const int t = g.t0 + r / G, hg = r % G;
+        float* dst = c.out + int64_t(qs + t) * c.o_st + int64_t(g.h * G + hg) * c.o_sh;
+        for (int d = 0; d < D; ++d) dst[d] = 0.0f;
+        for (int k = 0; k < g.nsplit; ++k) {
+            const float* part = base + k * stride;
+            const float mk = part[int64_t(R) * D + r];
+            const float lk = part[int64_t(R) * D + R + r];
+            if (mk == -INFINITY || lk == 0.0f) continue;  // this partition saw no key of the row
+            const float w = exp2s(mk - M);
+            L += lk * w;
+            const float* o = part + int64_t(r) * D;
+            for (int d = 0; d < D; ++d) dst[d] += w * o[d];
+        }
+        const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+        for (int d = 0; d < D; ++d) dst[d] *= inv;
+    }
+}
+
+}  // namespace
+}  // namespace sf_attn
+
+using namespace sf_attn;
+
+extern "C" {
+
+// Error codes (the Python wrapper turns them into ValueErrors).
+enum {
+    SF_ATTN_OK = 0,
+    SF_ATTN_BAD_QSL = -1,         // query_start_loc not non-decreasing from 0 to T
+    SF_ATTN_BAD_SEQ_LEN = -2,     // seq_lens[b] < query length of b
+    SF_ATTN_BAD_TABLE = -3,       // seq_lens[b] needs more blocks than the block table row has
+    SF_ATTN_BAD_BLOCK = -4,       // a block id (or a slot) outside the cache
+    SF_ATTN_BAD_SHAPE = -5,       // sizes out of range
+    SF_ATTN_NO_MEMORY = -6,
+};
+
+int sf_attn_simd_width() { return VL; }
+
+// stats (nullable, 4 int64): number of work items, number of split (sequence, head, tile)
+// groups, largest split count, rows per token tile. dry_run != 0: plan only (for tests).
+int sf_attn_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, float* out, int64_t o_st, int64_t o_sh,
+                                const float* k_cache, const float* v_cache, const int32_t* query_start_loc,
+                                const int32_t* seq_lens, const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks,
+                                int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
+                                int block_size, int64_t num_blocks, float scale, int window, int k_layout,
+                                int num_splits, int rows_target, int num_threads, int64_t* stats, int dry_run) {
+    if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim > 256 ||
+        block_size <= 0 || bt_stride < 0 || window < 0)
+        return SF_ATTN_BAD_SHAPE;
+    Ctx c;
+    c.q = q;
+    c.q_st = q_st;
+    c.q_sh = q_sh;
+    c.out = out;
+    c.o_st = o_st;
+    c.o_sh = o_sh;
+    c.kc = k_cache;
+    c.vc = v_cache;
+    c.qsl = query_start_loc;
+    c.seq_lens = seq_lens;
+    c.bt = block_tables;
+    c.bt_st = bt_stride;
+    c.Hq = num_heads;
+    c.Hkv = num_kv_heads;
+    c.G = num_heads / num_kv_heads;
+    c.D = head_dim;
+    c.bs = block_size;
+    c.window = window;
+    c.k_layout = k_layout;
+    c.scale_log2 = scale * 1.4426950408889634f;
+
+    const int nth = num_threads > 0 ? num_threads : omp_get_max_threads();
+    const int G = c.G;
+    if (rows_target <= 0) rows_target = ROWS_DEFAULT;
+    const int tile_tokens = std::max(1, rows_target / G);
+
+    // Validate the batch description and build the work items.
+    if (query_start_loc[0] != 0 || query_start_loc[num_seqs] != num_tokens) return SF_ATTN_BAD_QSL;
+    // Plan buffers of the calling thread, reused across calls (no allocation in steady state).
+    static thread_local std::vector<Item> items, work;
+    static thread_local std::vector<Group> groups;
+    static thread_local std::vector<int32_t> order;
+    static thread_local std::vector<uint8_t> key;
+    items.clear();
+    work.clear();
+    groups.clear();
+    double total = 0.0;
+    for (int b = 0; b < num_seqs; ++b) {
+        const int q_len = query_start_loc[b + 1] - query_start_loc[b];
+        if (q_len < 0) return SF_ATTN_BAD_QSL;
+        if (q_len == 0) continue;
+        const int seq_len = seq_lens[b];
+        if (seq_len < q_len) return SF_ATTN_BAD_SEQ_LEN;
+        if (cdiv(seq_len, block_size) > max_blocks) return SF_ATTN_BAD_TABLE;
+        const int ctx = seq_len - q_len;
+        const int first_key = window > 0 ? std::max(0, ctx - window + 1) : 0;
+        const int32_t* btr = block_tables + int64_t(b) * bt_stride;
+        for (int64_t i = first_key / block_size, e = cdiv(seq_len, block_size); i < e; ++i)
+            if (btr[i] < 0 || btr[i] >= num_blocks) return SF_ATTN_BAD_BLOCK;
+        for (int t0 = 0; t0 < q_len; t0 += tile_tokens) {
+            const int t1 = std::min(q_len, t0 + tile_tokens);
+            const int kv_hi = ctx + t1;
+            const int kv_lo = window > 0 ? std::max(0, ctx + t0 - window + 1) : 0;
+            Item it;
+            it.b = b;
+            it.t0 = t0;
+            it.t1 = t1;
+            it.kt0 = kv_lo / TN;
+            it.kt1 = int32_t(cdiv(kv_hi, TN));
+            it.nsplit = 1;
+            it.pad = 0;
+            it.ws = -1;
+            // Causal tiles see ~half of their diagonal part; rows + 16 weighs the streaming cost
+            // of few-row (decode) items.
+            it.cost = float(double((t1 - t0) * G + 16) * (kv_hi - kv_lo - (t1 - t0) / 2.0));
+            for (int h = 0; h < num_kv_heads; ++h) {
+                it.h = h;
+                items.push_back(it);
+                total += it.cost;
+            }
+        }
+    }
+
+    // KV splits: items bigger than a share of the work the threads can balance are partitioned.
+    int64_t ws_size = 0;
+    int max_split = 1;
+    const double target = total / (2.0 * nth);
+    for (const Item& it : items) {
+        const int ntiles = it.kt1 - it.kt0;
+        int s = 1;
+        if (num_splits > 0)  // forced (tests, tuning): down to one tile per partition
+            s = std::min(num_splits, ntiles);
+        else if (nth > 1 && it.cost > target)
+            s = std::min(int(std::ceil(it.cost / target)), ntiles / MIN_SPLIT_TILES);
+        s = std::max(1, s);
+        if (s == 1) {
+            work.push_back(it);
+            continue;
+        }
+        max_split = std::max(max_split, s);
+        const int R = (it.t1 - it.t0) * G;
+        const int64_t stride = int64_t(R) * head_dim + 2 * R;
+        Group g{it.b, it.h, it.t0, it.t1, s, ws_size};
+        groups.push_back(g);
+        for (int k = 0; k < s; ++k) {
+            Item p = it;
+            p.kt0 = it.kt0 + int32_t(int64_t(ntiles) * k / s);
+            p.kt1 = it.kt0 + int32_t(int64_t(ntiles) * (k + 1) / s);
+            p.nsplit = s;
+            p.ws = ws_size;
+            p.cost = it.cost / s;
+            ws_size += stride;
+            work.push_back(p);
+        }
+    }
+    if (stats) {
+        stats[0] = int64_t(work.size());
+        stats[1] = int64_t(groups.size());
+        stats[2] = max_split;
+        stats[3] = int64_t(tile_tokens) * G;
+    }
+    if (dry_run || work.empty()) return SF_ATTN_OK;
+
+    // Largest items first (dynamic scheduling then balances the tail): an O(n) bucket order by
+    // the cost's binary exponent, stable within a bucket. (Measured on the mixed batch of the
+    // benchmark, the interleave below: 2.6 -> 2.4 ms.)
+    const size_t n = work.size();
+    order.resize(n);
+    {
+        int cnt[64] = {0};
+        key.resize(n);
+        for (size_t i = 0; i < n; ++i) {
+            int e;
+            std::frexp(std::max(work[i].cost, 1.0f), &e);
+            key[i] = uint8_t(63 - std::min(std::max(e, 0), 63));
+            ++cnt[key[i]];
+        }
+        int acc = 0;
+        for (int i = 0; i < 64; ++i) {
+            const int t = cnt[i];
+            cnt[i] = acc;
+            acc += t;
+        }
+        for (size_t i = 0; i < n; ++i) order[cnt[key[i]]++] = int32_t(i);
+    }
+    // Interleave compute-bound items (several strips: prompt chunks) with memory-bound ones
+    // (one strip: decodes), each list still largest first, so that the threads stream K/V
+    // of decodes while others compute.
+    {
+        static thread_local std::vector<int32_t> a, b;
+        a.clear();
+        b.clear();
+        for (size_t i = 0; i < n; ++i) {
+            const Item& it = work[order[i]];
+            ((it.t1 - it.t0) * G > MR ? a : b).push_back(order[i]);
+        }
+        if (!a.empty() && !b.empty()) {
+            size_t ia = 0, ib = 0, o = 0;
+            const double ratio = double(b.size()) / double(a.size());
+            while (ia < a.size() || ib < b.size()) {
+                if (ia < a.size() && (ib >= b.size() || double(ib) >= double(ia) * ratio)) order[o++] = a[ia++];
+                else order[o++] = b[ib++];
+            }
+        }
+    }
+
+    float* ws = nullptr;
+    if (ws_size > 0) {
+        ws = tls_workspace.get(size_t(ws_size));
+        if (!ws) return SF_ATTN_NO_MEMORY;
+    }
+    const int ngroups = int(groups.size());
+    const int team = int(std::min<size_t>(size_t(nth), n));
+    // Plain pointers: inside the parallel region the thread_local names would mean the workers' own.
+    const Item* const W = work.data();
+    const int32_t* const ord = order.data();
+    const Group* const grp = groups.data();
+    int failed = 0;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (size_t i = 0; i < n; ++i)
+            if (!run_item(c, W[ord[i]], ws)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        if (ngroups > 0 && !__atomic_load_n(&failed, __ATOMIC_RELAXED)) {
+#pragma omp for schedule(dynamic, 1)
+            for (int gi = 0; gi < ngroups; ++gi) merge_group(c, grp[gi], ws);
+        }
+    }
+    return failed ? SF_ATTN_NO_MEMORY : SF_ATTN_OK;
+}
+
+// Scatter k/v [T][Hkv][D] (row strides k_st/v_st, head strides k_sh/v_sh, last dim contiguous)
+// into the caches at slot_mapping (slot = block * block_size + offset; < 0 skips the token).
+// Tokens with consecutive slots in one block (a prompt chunk) are written as a run: with the
+// transposed K tile each head-dim row of the run is then one contiguous store sequence rather
+// than one scattered 4-byte store per token.
+int sf_attn_write_kv_f32(const float* k, int64_t k_st, int64_t k_sh, const float* v, int64_t v_st, int64_t v_sh,
+                         float* k_cache, float* v_cache, const int64_t* slot_mapping, int num_tokens, int num_kv_heads,
+                         int head_dim, int block_size, int64_t num_blocks, int k_layout, int num_threads) {
+    if (num_tokens < 0 || num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0) return SF_ATTN_BAD_SHAPE;
+    const int64_t nslots = num_blocks * block_size;
+    for (int t = 0; t < num_tokens; ++t)
+        if (slot_mapping[t] >= nslots) return SF_ATTN_BAD_BLOCK;
+    const int D = head_dim, bs = block_size, Hkv = num_kv_heads;
+    const int64_t tile_elems = int64_t(bs) * D;
+
+    static thread_local std::vector<int32_t> runs;  // start token of each run, then num_tokens
+    runs.clear();
+    for (int t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        if (!runs.empty()) {
+            const int64_t prev = slot_mapping[t - 1];
+            if (t > 0 && prev >= 0 && slot == prev + 1 && slot % bs != 0 && t - runs.back() < bs) continue;
+        }
+        runs.push_back(t);
+    }
+    const int nruns = int(runs.size());
+    runs.push_back(num_tokens);
+    const int32_t* R = runs.data();
+
+    const int nth = num_threads > 0 ? num_threads : omp_get_max_threads();
+    const bool par = nth > 1 && int64_t(num_tokens) * Hkv * D >= (1 << 16) && nruns > 1;
+#pragma omp parallel for num_threads(nth) if (par) schedule(static)
+    for (int r = 0; r < nruns; ++r) {
+        const int t0 = R[r];
+        // The run ends at the next run's start or at the first skipped token before it.
+        int t1 = t0 + 1;
+        while (t1 < R[r + 1] && slot_mapping[t1] >= 0) ++t1;
+        const int64_t slot = slot_mapping[t0];
+        const int64_t blk = slot / bs;
+        const int off = int(slot % bs);
+        const int n = t1 - t0;
+        for (int h = 0; h < Hkv; ++h) {
+            const int64_t base = (blk * Hkv + h) * tile_elems;
+            const float* ks = k + t0 * k_st + h * k_sh;
+            const float* vs = v + t0 * v_st + h * v_sh;
+            if (k_layout == 1) {
+                transpose_rows(ks, k_st, n, D, k_cache + base + off, bs);
+            } else {
+                for (int i = 0; i < n; ++i)
+                    std::memcpy(k_cache + base + int64_t(off + i) * D, ks + i * k_st, sizeof(float) * D);
+            }
+            for (int i = 0; i < n; ++i)
+                std::memcpy(v_cache + base + int64_t(off + i) * D, vs + i * v_st, sizeof(float) * D);
+        }
+    }
+    return SF_ATTN_OK;
+}
+
+// Packed-argument entry points, what the ctypes wrapper calls: ctypes converts each argument
+// separately (~0.1-0.2 us apiece), so one preallocated int64 array filled by a slice assignment
+// costs a third of passing 28 arguments. Layouts (pointers as integers), in order:
+//   attention: q, q_st, q_sh, out, o_st, o_sh, k_cache, v_cache, query_start_loc, seq_lens,
+//              block_tables, bt_stride, max_blocks, num_seqs, num_tokens, num_heads, num_kv_heads,
+//              head_dim, block_size, num_blocks, window, k_layout, num_splits, rows_target,
+//              num_threads, stats, dry_run                                             (27)
+//   write:     k, k_st, k_sh, v, v_st, v_sh, k_cache, v_cache, slot_mapping, num_tokens,
+//              num_kv_heads, head_dim, block_size, num_blocks, k_layout, num_threads    (16)
+int sf_attn_paged_attention_f32_packed(const int64_t* p, float scale) {
+    return sf_attn_paged_attention_f32(
+        reinterpret_cast<const float*>(p[0]), p[1], p[2], reinterpret_cast<float*>(p[3]), p[4], p[5],
+        reinterpret_cast<const float*>(p[6]), reinterpret_cast<const float*>(p[7]),
+        reinterpret_cast<const int32_t*>(p[8]), reinterpret_cast<const int32_t*>(p[9]),
+        reinterpret_cast<const int32_t*>(p[10]), p[11], p[12], int(p[13]), int(p[14]), int(p[15]), int(p[16]),
+        int(p[17]), int(p[18]), p[19], scale, int(p[20]), int(p[21]), int(p[22]), int(p[23]), int(p[24]),
+        reinterpret_cast<int64_t*>(p[25]), int(p[26]));
+}
+
+int sf_attn_write_kv_f32_packed(const int64_t* p) {
+    return sf_attn_write_kv_f32(reinterpret_cast<const float*>(p[0]), p[1], p[2], reinterpret_cast<const float*>(p[3]),
+                                p[4], p[5], reinterpret_cast<float*>(p[6]), reinterpret_cast<float*>(p[7]),
+                                reinterpret_cast<const int64_t*>(p[8]), int(p[9]), int(p[10]), int(p[11]), int(p[12]),
+                                p[13], int(p[14]), int(p[15]));
+}
+
+}  // extern "C"

@@ -1,0 +1,290 @@
+"""Fused elementwise C++ CPU kernels (fp32): RMSNorm (+ residual add), rotary, SwiGLU gate.
+
+Thin ctypes wrappers over `csrc/elementwise.cpp` in the shared CPU kernel library (`build.py`).
+They compute what the torch references in `splitfuse.kernels.reference` compute (HF Llama
+numerics): the residual sum x + residual and the rotary outputs are bit-identical to torch;
+rms_norm differs by ~2 ulp (its sum of squares runs in another order than torch's mean);
+silu_and_mul by ~2 ulp (a vectorised exp within ~1 ulp). Each function says which tensors it
+writes; in-place and `out=` forms avoid allocations. Callers check `available()` first; the
+functions raise ValueError on inputs they do not take (dtype, device, shape, stride) and never
+fall back themselves.
+
+Only float32 CPU tensors. The calls release the GIL (ctypes) and run on the OpenMP pool shared
+with torch (`torch.set_num_threads` applies) once a call has enough work
+(`set_parallel_threshold`); smaller calls stay on the calling thread. Results do not depend on
+the thread count (rows are independent).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from .build import library
+
+__all__ = ["apply_rotary", "available", "get_parallel_threshold", "rms_norm", "set_parallel_threshold",
+           "silu_and_mul", "vector_width"]
+
+_F32 = torch.float32
+_I64 = torch.int64
+
+# Arguments travel packed (struct.pack -> bytes -> const int64_t*) to the *_packed entry points:
+# ctypes converts each argument of a call separately, which costs more than the kernels
+# themselves at decode sizes; one bytes object costs a fraction. bytes are immutable and made
+# per call, so concurrent calls from several threads are safe.
+_RMS_ARGS = struct.Struct("=11qd")
+_ROT_ARGS = struct.Struct("=22q")
+_SILU_ARGS = struct.Struct("=6q")
+
+_bound = False
+_rms = _rot = _silu = None
+_lib: ctypes.CDLL | None = None
+
+
+def _bind() -> bool:
+    """Look the symbols up once and set their signatures; False when the library is missing."""
+    global _bound, _rms, _rot, _silu, _lib
+    if _bound:
+        return _lib is not None
+    lib = library()
+    if lib is not None:
+        try:
+            rms, rot, silu = lib.sf_ew_rms_norm_f32_packed, lib.sf_ew_rotary_f32_packed, lib.sf_ew_silu_and_mul_f32_packed
+        except AttributeError:  # a library built without elementwise.cpp
+            lib = None
+    if lib is not None:
+        for fn, res in ((rms, None), (rot, ctypes.c_int64), (silu, None)):
+            fn.argtypes = [ctypes.c_char_p]
+            fn.restype = res
+        lib.sf_ew_set_parallel_threshold.argtypes = [ctypes.c_int64]
+        lib.sf_ew_set_parallel_threshold.restype = None
+        lib.sf_ew_get_parallel_threshold.argtypes = []
+        lib.sf_ew_get_parallel_threshold.restype = ctypes.c_int64
+        lib.sf_ew_vector_width.argtypes = []
+        lib.sf_ew_vector_width.restype = ctypes.c_int
+        _rms, _rot, _silu = rms, rot, silu
+    _lib = lib
+    _bound = True
+    return lib is not None
+
+
+def available() -> bool:
+    """True when the kernel library is loaded and has these kernels (builds it on first call)."""
+    return _bind()
+
+
+def _need() -> None:
+    if not _bind():
+        raise RuntimeError("splitfuse C++ CPU elementwise kernels are unavailable; check available() first")
+
+
+def set_parallel_threshold(elements: int) -> None:
+    """Calls with rows * row_length * op_cost >= `elements` split their rows (silu_and_mul: rows
+    and column chunks) over the OpenMP pool; op_cost is 1 for rms_norm (row_length H) and rotary
+    ((Hq+Hk)*D), 4 for silu_and_mul (row_length I). 0: always; a huge value: never.
+    Process-wide; default 16384."""
+    _need()
+    _lib.sf_ew_set_parallel_threshold(int(elements))
+
+
+def get_parallel_threshold() -> int:
+    _need()
+    return int(_lib.sf_ew_get_parallel_threshold())
+
+
+def vector_width() -> int:
+    """Floats per vector the library was compiled for: 16 (AVX-512), 8 (AVX2), 4 (other)."""
+    _need()
+    return int(_lib.sf_ew_vector_width())
+
+
+def _bad(name: str, what: str) -> ValueError:
+    return ValueError(f"{name}: {what}")
+
+
+def _rows(name: str, label: str, t: torch.Tensor, shape: torch.Size | tuple[int, ...] | None) -> tuple[int, int]:
+    """(data_ptr, row stride) of `t` seen as [rows, last dim], without a copy. `t` must be a
+    float32 CPU tensor (of `shape`, unless None) whose rows are evenly strided with a contiguous
+    last dim."""
+    if t.dtype is not _F32 or not t.is_cpu:
+        raise _bad(name, f"{label} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if shape is not None and t.shape != shape:
+        raise _bad(name, f"{label} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    st = t.stride()
+    if len(st) == 2:
+        if st[1] != 1 and t.shape[1] > 1:
+            raise _bad(name, f"{label} needs a contiguous last dimension (strides {st})")
+        return t.data_ptr(), st[0]
+    shape = t.shape
+    if len(st) == 1:
+        if st[0] != 1 and shape[0] > 1:
+            raise _bad(name, f"{label} needs a contiguous last dimension (strides {st})")
+        return t.data_ptr(), shape[0]
+    try:
+        v = t.view(-1, shape[-1])
+    except RuntimeError:
+        v = None
+    if v is None or (v.stride(1) != 1 and shape[-1] > 1):
+        raise _bad(name, f"{label} {tuple(shape)} (strides {st}) cannot be viewed as rows with a contiguous "
+                   "last dimension")
+    return v.data_ptr(), v.stride(0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+             out: torch.Tensor | None = None,
+             residual_out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF LlamaRMSNorm over the last dim of x [..., H] with weight [H] (all float32, CPU).
+
+    Without `residual`: writes and returns `out` = weight * normed(x).
+    With `residual` (shape of x): writes `residual_out` = x + residual, then
+    `out` = weight * normed(x + residual), and returns `(out, residual_out)`.
+    `out` / `residual_out` default to new contiguous tensors. In place is allowed: `out` may be
+    `x` (or `residual`), `residual_out` may be `residual` (or `x`); the zero-allocation form is
+    `rms_norm(x, w, eps, residual, out=x, residual_out=residual)` (x then holds the normed
+    output, residual the new residual stream). `out` and `residual_out` must be different tensors;
+    other (partial) overlaps between inputs and outputs are not checked and give undefined
+    results. Rows may be strided (e.g. slices); the last dim must be contiguous.
+    """
+    fn = _rms
+    if fn is None:
+        _need()
+        fn = _rms
+    shape = x.shape
+    if not shape or shape[-1] == 0:
+        raise _bad("rms_norm", f"x must be [..., H] with H > 0, got {tuple(shape)}")
+    h = shape[-1]
+    px, sx = _rows("rms_norm", "x", x, None)
+    rows = shape[0] if len(shape) == 2 else x.numel() // h
+    if weight.dtype is not _F32 or not weight.is_cpu or weight.shape != (h,) or weight.stride(0) != 1:
+        raise _bad("rms_norm", f"weight must be a contiguous float32 CPU tensor [{h}], got "
+                   f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if residual is not None:
+        pr, sr = _rows("rms_norm", "residual", residual, shape)
+    if out is None:
+        out = torch.empty(shape, dtype=_F32)
+        po, so = out.data_ptr(), h
+    elif out is x:
+        po, so = px, sx
+    elif out is residual:
+        po, so = pr, sr
+    else:
+        po, so = _rows("rms_norm", "out", out, shape)
+    if residual is None:
+        if residual_out is not None:
+            raise _bad("rms_norm", "residual_out given without residual")
+        fn(_RMS_ARGS.pack(px, sx, 0, 0, weight.data_ptr(), po, so, 0, 0, rows, h, eps))
+        return out
+    if residual_out is None:
+        residual_out = torch.empty(shape, dtype=_F32)
+        pro, sro = residual_out.data_ptr(), h
+    else:
+        if residual_out is residual:
+            pro, sro = pr, sr
+        elif residual_out is x:
+            pro, sro = px, sx
+        else:
+            pro, sro = _rows("rms_norm", "residual_out", residual_out, shape)
+        if pro == po:
+            raise _bad("rms_norm", "out and residual_out must be different tensors")
+    fn(_RMS_ARGS.pack(px, sx, pr, sr, weight.data_ptr(), po, so, pro, sro, rows, h, eps))
+    return out, residual_out
+
+
+def _heads(name: str, label: str, t: torch.Tensor, tokens: int, heads: int | None, d: int) -> tuple[int, int, int]:
+    """(data_ptr, token stride, head stride) of a float32 CPU [tokens, heads, d] tensor."""
+    if t.dtype is not _F32 or not t.is_cpu:
+        raise _bad(name, f"{label} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    shape = t.shape
+    if len(shape) != 3 or shape[0] != tokens or shape[2] != d or (heads is not None and shape[1] != heads):
+        want = f"[{tokens}, {'heads' if heads is None else heads}, {d}]"
+        raise _bad(name, f"{label} must be {want}, got {tuple(shape)}")
+    st = t.stride()
+    if st[2] != 1:
+        raise _bad(name, f"{label} needs a contiguous last (head_dim) dimension, strides {st}")
+    return t.data_ptr(), st[0], st[1]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 *, inplace: bool = False, q_out: torch.Tensor | None = None,
+                 k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF rotate-half rotary embedding of q [T, Hq, D] and k [T, Hk, D] at positions [T] (int64),
+    with cos/sin tables [max_pos, D/2] (all float32, CPU); returns the rotated (q, k).
+
+    q and k may be strided views (any token and head strides, e.g. slices of a fused qkv
+    projection output); only the last dim must be contiguous. Written tensors:
+    `inplace=True`: q and k themselves (and returned). Otherwise `q_out` / `k_out` (default: new
+    contiguous tensors; given ones may be strided the same way), which must not overlap q or k.
+    A position outside [0, max_pos) raises ValueError before anything is written.
+    """
+    fn = _rot
+    if fn is None:
+        _need()
+        fn = _rot
+    qs = q.shape
+    if len(qs) != 3:
+        raise _bad("apply_rotary", f"q must be [T, Hq, D], got {tuple(qs)}")
+    tokens, hq, d = qs
+    half = d >> 1
+    if d & 1:
+        raise _bad("apply_rotary", f"head_dim {d} must be even")
+    pq, sqt, sqh = _heads("apply_rotary", "q", q, tokens, None, d)
+    pk, skt, skh = _heads("apply_rotary", "k", k, tokens, None, d)
+    hk = k.shape[1]
+    cs, ss = cos.stride(), sin.stride()
+    if (cos.dtype is not _F32 or sin.dtype is not _F32 or not cos.is_cpu or not sin.is_cpu or len(cs) != 2
+            or cos.shape[1] != half or sin.shape != cos.shape or (cs[1] != 1 and half > 1)
+            or (ss[1] != 1 and half > 1)):
+        raise _bad("apply_rotary", f"cos/sin must be float32 CPU [max_pos, {half}] with a contiguous last dim, "
+                   f"got {cos.dtype} {tuple(cos.shape)} / {sin.dtype} {tuple(sin.shape)}")
+    if (positions.dtype is not _I64 or not positions.is_cpu or positions.shape != (tokens,)
+            or (positions.stride(0) != 1 and tokens > 1)):
+        raise _bad("apply_rotary", f"positions must be a contiguous int64 CPU tensor [{tokens}], got "
+                   f"{positions.dtype} {tuple(positions.shape)}")
+    if inplace:
+        if q_out is not None or k_out is not None:
+            raise _bad("apply_rotary", "q_out/k_out cannot be combined with inplace=True")
+        q_out, k_out = q, k
+        pqo, sqot, sqoh, pko, skot, skoh = pq, sqt, sqh, pk, skt, skh
+    else:
+        if q_out is None:
+            q_out = torch.empty((tokens, hq, d), dtype=_F32)
+            pqo, sqot, sqoh = q_out.data_ptr(), hq * d, d
+        else:
+            pqo, sqot, sqoh = _heads("apply_rotary", "q_out", q_out, tokens, hq, d)
+        if k_out is None:
+            k_out = torch.empty((tokens, hk, d), dtype=_F32)
+            pko, skot, skoh = k_out.data_ptr(), hk * d, d
+        else:
+            pko, skot, skoh = _heads("apply_rotary", "k_out", k_out, tokens, hk, d)
+    bad = fn(_ROT_ARGS.pack(pq, sqt, sqh, pk, skt, skh, pqo, sqot, sqoh, pko, skot, skoh, positions.data_ptr(),
+                            cos.data_ptr(), cs[0], sin.data_ptr(), ss[0], cos.shape[0], tokens, hq, hk, d))
+    if bad >= 0:
+        raise _bad("apply_rotary", f"positions[{bad}] = {int(positions[bad])} is outside the "
+                   f"cos/sin tables [0, {cos.shape[0]})")
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU gate of x [..., 2I] (float32, CPU): writes and returns `out` [..., I] =
+    silu(x[..., :I]) * x[..., I:] (default: a new contiguous tensor; a given one must not
+    overlap x). Rows may be strided; the last dim must be contiguous."""
+    fn = _silu
+    if fn is None:
+        _need()
+        fn = _silu
+    shape = x.shape
+    if not shape or shape[-1] & 1 or shape[-1] == 0:
+        raise _bad("silu_and_mul", f"x must be [..., 2I] with an even last dim > 0, got {tuple(shape)}")
+    n = shape[-1] >> 1
+    px, sx = _rows("silu_and_mul", "x", x, shape)
+    rows = shape[0] if len(shape) == 2 else x.numel() // (2 * n)
+    out_shape = shape[:-1] + (n,)
+    if out is None:
+        out = torch.empty(out_shape, dtype=_F32)
+        po, so = out.data_ptr(), n
+    else:
+        po, so = _rows("silu_and_mul", "out", out, out_shape)
+    fn(_SILU_ARGS.pack(px, sx, po, so, rows, n))
+    return out

@@ -1,0 +1,296 @@
+"""The C++ CPU paged attention + KV write (splitfuse.kernels.cpu.paged_attention) against the
+plain-torch references, fp32.
+
+Batches come from (new tokens, cached tokens) pairs over a shuffled block pool; every cache slot
+no sequence owns below its seq_len (spare blocks, block tails) holds NaN, so a kernel that lets
+a key past seq_len reach the output shows NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitfuse.kernels.cpu import paged_attention as cpu_pa
+
+if not cpu_pa.available():
+    from splitfuse.kernels.cpu.build import unavailable_reason
+
+    pytest.skip(f"C++ CPU kernels unavailable: {unavailable_reason()}", allow_module_level=True)
+
+from splitfuse.kernels import paged_attention_reference, write_kv_cache_reference
+
+TOL = {"atol": 2e-5, "rtol": 1e-4}
+
+
+class Batch:
+    def __init__(self, pairs, num_kv_heads, group, head_dim, block_size, seed=0, spare_blocks=3):
+        gen = torch.Generator().manual_seed(seed)
+        q_lens = [n for n, _ in pairs]
+        seq_lens = [n + c for n, c in pairs]
+        pages = [-(-s // block_size) for s in seq_lens]
+        num_blocks = sum(pages) + spare_blocks
+        perm = torch.randperm(num_blocks, generator=gen)  # non-contiguous, shuffled tables
+        bt = torch.zeros(len(pairs), max(pages) + 2, dtype=torch.int32)
+        k_ref = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+        v_ref = torch.full_like(k_ref, float("nan"))
+        used = 0
+        for b, (n_pages, seq_len) in enumerate(zip(pages, seq_lens)):
+            blocks = perm[used:used + n_pages]
+            used += n_pages
+            bt[b, :n_pages] = blocks.to(torch.int32)
+            # Padding beyond the used blocks: arbitrary valid ids (any block of the pool).
+            bt[b, n_pages:] = torch.randint(0, num_blocks, (bt.shape[1] - n_pages,), generator=gen).to(torch.int32)
+            pos = torch.arange(seq_len)
+            k_ref[blocks[pos // block_size], pos % block_size] = torch.randn(seq_len, num_kv_heads, head_dim,
+                                                                             generator=gen)
+            v_ref[blocks[pos // block_size], pos % block_size] = torch.randn(seq_len, num_kv_heads, head_dim,
+                                                                             generator=gen)
+        self.q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen)
+        self.k_ref, self.v_ref = k_ref, v_ref
+        self.k_cache, self.v_cache = cpu_pa.from_reference_layout(k_ref, v_ref)
+        self.qsl = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.block_tables = bt
+        self.scale = head_dim ** -0.5
+        self.block_size = block_size
+
+    def reference(self, sliding_window=None):
+        return paged_attention_reference(self.q, self.k_ref, self.v_ref, self.qsl, self.seq_lens, self.block_tables,
+                                         self.scale, sliding_window=sliding_window)
+
+    def run(self, sliding_window=None, **kw):
+        return cpu_pa.paged_attention(self.q, self.k_cache, self.v_cache, self.qsl, self.seq_lens, self.block_tables,
+                                      self.scale, sliding_window=sliding_window, **kw)
+
+    def plan(self, sliding_window=None, **kw):
+        return cpu_pa.plan(self.q, self.k_cache, self.v_cache, self.qsl, self.seq_lens, self.block_tables,
+                           sliding_window, **kw)
+
+
+# Prompt chunks at offset 0 and > 0 (chunked prefill) mixed with decodes, lengths that are not
+# multiples of the 16-key tile or the block size.
+MIXED = [(37, 0), (1, 50), (20, 45), (1, 1), (64, 130), (1, 17), (3, 0), (1, 160)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_batch(block_size, group, head_dim):
+    b = Batch(MIXED, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size)
+    ref = b.reference()
+    torch.testing.assert_close(b.run(), ref, **TOL)
+    torch.testing.assert_close(b.run(num_splits=1), ref, **TOL)
+
+
+@pytest.mark.parametrize("head_dim", [40, 80, 33, 256])
+def test_other_head_dims(head_dim):
+    b = Batch(MIXED[:5], num_kv_heads=2, group=2, head_dim=head_dim, block_size=16, seed=1)
+    torch.testing.assert_close(b.run(), b.reference(), **TOL)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 12, 32, 64])
+def test_other_block_sizes(block_size):
+    b = Batch(MIXED, num_kv_heads=2, group=2, head_dim=64, block_size=block_size, seed=2)
+    torch.testing.assert_close(b.run(), b.reference(), **TOL)
+
+
+@pytest.mark.parametrize("group,num_kv_heads", [(8, 1), (3, 2), (16, 1)])
+def test_gqa_mqa(group, num_kv_heads):
+    b = Batch([(50, 20), (1, 99), (1, 3), (17, 0)], num_kv_heads=num_kv_heads, group=group, head_dim=64,
+              block_size=16, seed=3)
+    torch.testing.assert_close(b.run(), b.reference(), **TOL)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 100])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_sliding_window(window, block_size):
+    # Contexts well past the window: whole blocks fall out of it and must be skipped or masked.
+    pairs = [(70, 0), (1, 300), (45, 150), (1, 20), (1, 64), (30, 200)]
+    b = Batch(pairs, num_kv_heads=2, group=2, head_dim=64, block_size=block_size, seed=4)
+    ref = b.reference(sliding_window=window)
+    torch.testing.assert_close(b.run(sliding_window=window), ref, **TOL)
+    torch.testing.assert_close(b.run(sliding_window=window, num_splits=3), ref, **TOL)
+
+
+def test_split_kv_long_decode():
+    # One sequence x one KV head x 3000 tokens: one work item, so two threads need a KV split.
+    b = Batch([(1, 2999)], num_kv_heads=1, group=1, head_dim=64, block_size=16, seed=5)
+    p = b.plan(num_threads=2)
+    assert p["split_groups"] == 1 and p["max_splits"] > 1 and p["items"] == p["max_splits"], p
+    assert b.plan(num_threads=1)["split_groups"] == 0  # a single thread gains nothing from splits
+    assert b.plan(num_threads=2, num_splits=1)["split_groups"] == 0
+    ref = b.reference()
+    torch.testing.assert_close(b.run(num_threads=2), ref, **TOL)
+    torch.testing.assert_close(b.run(num_splits=7), ref, **TOL)
+    torch.testing.assert_close(b.run(num_splits=1), ref, **TOL)
+    torch.testing.assert_close(b.run(num_splits=1000), ref, **TOL)  # capped at one 16-key tile each
+
+
+def test_split_kv_auto_many_threads():
+    # Few long decodes and a chunk: with 8 (virtual) threads the large items get split.
+    b = Batch([(1, 1500), (1, 900), (24, 1000)], num_kv_heads=2, group=4, head_dim=64, block_size=16, seed=6)
+    p = b.plan(num_threads=8)
+    assert p["split_groups"] > 0, p
+    torch.testing.assert_close(b.run(num_threads=8), b.reference(), **TOL)
+
+
+def test_split_kv_forced_chunks():
+    b = Batch(MIXED, num_kv_heads=2, group=2, head_dim=64, block_size=16, seed=7)
+    assert b.plan(num_splits=4)["split_groups"] > 0
+    torch.testing.assert_close(b.run(num_splits=4), b.reference(), **TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 13, 200])
+def test_rows_per_tile(rows):
+    b = Batch(MIXED, num_kv_heads=2, group=2, head_dim=64, block_size=16, seed=8)
+    assert b.plan(rows_per_tile=rows)["rows_per_tile"] == max(1, rows // 2) * 2
+    torch.testing.assert_close(b.run(rows_per_tile=rows), b.reference(), **TOL)
+
+
+def test_threads_deterministic():
+    b = Batch(MIXED, num_kv_heads=2, group=2, head_dim=64, block_size=16, seed=9)
+    one = b.run(num_threads=1)
+    two = b.run(num_threads=2)
+    assert torch.equal(one, two)  # each output row is computed by one thread in a fixed order
+
+
+def test_strided_q_and_out():
+    b = Batch(MIXED, num_kv_heads=2, group=2, head_dim=64, block_size=16, seed=10)
+    t, hq, d = b.q.shape
+    qkv = torch.randn(t, hq + 4, d)
+    qkv[:, :hq] = b.q
+    q = qkv[:, :hq]  # a view of a fused QKV output
+    assert not q.is_contiguous()
+    out_buf = torch.full((t, hq, d + 8), 7.0)
+    out = out_buf[:, :, :d]
+    res = cpu_pa.paged_attention(q, b.k_cache, b.v_cache, b.qsl, b.seq_lens, b.block_tables, b.scale, out=out)
+    assert res.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, b.reference(), **TOL)
+    assert (out_buf[:, :, d:] == 7.0).all()
+
+
+def test_empty_and_zero_length_sequences():
+    b = Batch([(5, 3)], num_kv_heads=1, group=2, head_dim=64, block_size=16)
+    q = b.q[:0]
+    out = cpu_pa.paged_attention(q, b.k_cache, b.v_cache, torch.zeros(1, dtype=torch.int32),
+                                 torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.int32), 1.0)
+    assert out.shape == (0, 2, 64)
+    # A sequence with no new tokens in the batch is skipped.
+    qsl = torch.tensor([0, 0, 5], dtype=torch.int32)
+    seq_lens = torch.tensor([4, 8], dtype=torch.int32)
+    bt = torch.cat([b.block_tables, b.block_tables])
+    out = cpu_pa.paged_attention(b.q, b.k_cache, b.v_cache, qsl, seq_lens, bt, b.scale)
+    torch.testing.assert_close(out, b.reference(), **TOL)
+
+
+@pytest.mark.parametrize("pattern", ["random", "chunks"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_write_kv_cache(block_size, pattern):
+    num_blocks, hkv, d, t = 12, 2, 64, 30
+    gen = torch.Generator().manual_seed(11)
+    k_ref = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    v_ref = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    k_cache, v_cache = cpu_pa.from_reference_layout(k_ref, v_ref)
+    assert k_cache.shape == cpu_pa.cache_shape(num_blocks, block_size, hkv, d)
+    # k, v as strided views of a fused QKV output; distinct slots, some -1 (padding).
+    qkv = torch.randn(t, 4 + 2 * hkv, d, generator=gen)
+    k, v = qkv[:, 4:4 + hkv], qkv[:, 4 + hkv:]
+    if pattern == "random":  # decode-like: one token per sequence, anywhere
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+        slots[::7] = -1
+    else:  # prompt chunks: consecutive positions from mid-block offsets over shuffled blocks
+        blocks = torch.randperm(num_blocks, generator=gen)
+        pos = torch.cat([torch.arange(3, 3 + 17), torch.arange(block_size - 1, block_size - 1 + 13)])
+        seq = torch.cat([torch.zeros(17, dtype=torch.long), torch.ones(13, dtype=torch.long)])
+        table = blocks.view(2, -1)  # two sequences' block tables
+        slots = table[seq, pos // block_size] * block_size + pos % block_size
+        slots[[5, 6, 25]] = -1
+    cpu_pa.write_kv_cache(k, v, k_cache, v_cache, slots)
+    write_kv_cache_reference(k, v, k_ref, v_ref, slots)
+    k_back, v_back = cpu_pa.to_reference_layout(k_cache, v_cache, block_size)
+    assert torch.equal(k_back, k_ref) and torch.equal(v_back, v_ref)
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(8, 72), (16, 64), (32, 36)])
+def test_k_row_major_layout(block_size, head_dim):
+    # The alternative layout (K tiles like V, transposed into L1 by the kernel), kept for the
+    # layout measurement in perf/bench_cpu_attention.py: same results through both functions.
+    b = Batch(MIXED, num_kv_heads=2, group=2, head_dim=head_dim, block_size=block_size, seed=13)
+    k, v = cpu_pa.from_reference_layout(b.k_ref, b.v_ref, k_layout=cpu_pa.K_ROW_MAJOR)
+    out = cpu_pa.paged_attention(b.q, k, v, b.qsl, b.seq_lens, b.block_tables, b.scale, k_layout=cpu_pa.K_ROW_MAJOR)
+    torch.testing.assert_close(out, b.reference(), **TOL)
+    nb, bs, hkv, d = b.k_ref.shape
+    for layout in (cpu_pa.K_ROW_MAJOR, cpu_pa.K_TRANSPOSED):
+        k_cache = torch.zeros(cpu_pa.cache_shape(nb, bs, hkv, d))
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.arange(5, nb * bs - 3)  # runs from mid-block offsets, across blocks
+        cpu_pa.write_kv_cache(b.k_ref.reshape(-1, hkv, d)[5:-3], b.v_ref.reshape(-1, hkv, d)[5:-3], k_cache, v_cache,
+                              slots, k_layout=layout)
+        k_back, v_back = cpu_pa.to_reference_layout(k_cache, v_cache, bs, k_layout=layout)
+        flat_k, flat_v = k_back.reshape(-1, hkv, d), v_back.reshape(-1, hkv, d)
+        torch.testing.assert_close(flat_k[5:-3], b.k_ref.reshape(-1, hkv, d)[5:-3], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(flat_v[5:-3], b.v_ref.reshape(-1, hkv, d)[5:-3], rtol=0, atol=0, equal_nan=True)
+        assert (flat_k[:5] == 0).all() and (flat_k[-3:] == 0).all()
+
+
+def test_allocate_cache():
+    c = cpu_pa.allocate_cache(300, 16, 2, 64)  # 2.4 MiB: at least one 2 MiB page when THP is on
+    assert c.shape == cpu_pa.cache_shape(300, 16, 2, 64) and c.dtype == torch.float32 and c.is_contiguous()
+    assert c.data_ptr() % (1 << 21) == 0 and not c.any()
+
+
+def test_write_then_attend():
+    # Fill an empty cache through write_kv_cache (as the engine does), then attend.
+    b = Batch(MIXED, num_kv_heads=2, group=2, head_dim=64, block_size=16, seed=12)
+    k_cache = torch.zeros(cpu_pa.cache_shape(b.k_ref.shape[0], 16, 2, 64))
+    v_cache = torch.zeros_like(k_cache)
+    nb, bs, hkv, d = b.k_ref.shape
+    slots = torch.arange(nb * bs)
+    k_all, v_all = b.k_ref.reshape(-1, hkv, d), b.v_ref.reshape(-1, hkv, d)
+    cpu_pa.write_kv_cache(k_all, v_all, k_cache, v_cache, slots)
+    out = cpu_pa.paged_attention(b.q, k_cache, v_cache, b.qsl, b.seq_lens, b.block_tables, b.scale)
+    torch.testing.assert_close(out, b.reference(), **TOL)
+
+
+def test_bad_inputs():
+    b = Batch([(5, 3), (1, 9)], num_kv_heads=2, group=2, head_dim=64, block_size=16)
+    args = {"q": b.q, "k_cache": b.k_cache, "v_cache": b.v_cache, "query_start_loc": b.qsl, "seq_lens": b.seq_lens,
+            "block_tables": b.block_tables, "scale": b.scale}
+
+    def call(**over):
+        cpu_pa.paged_attention(**{**args, **over})
+
+    call()
+    bad = [
+        {"q": b.q.double()},
+        {"q": b.q.half()},
+        {"k_cache": b.k_ref},  # reference layout (4-D)
+        {"v_cache": b.v_cache.double()},
+        {"k_cache": b.k_cache[:, :1]},  # 4 query heads over 1 kv head: different shape from v_cache
+        {"q": torch.randn(6, 3, 64)},  # 3 heads over 2 kv heads
+        {"q": torch.randn(6, 4, 48)},  # block_size * 48 does not divide the cache row
+        {"seq_lens": b.seq_lens.long()},
+        {"query_start_loc": b.qsl[:-1]},
+        {"block_tables": b.block_tables.long()},
+        {"block_tables": b.block_tables[:1]},
+        {"query_start_loc": torch.tensor([0, 5, 7], dtype=torch.int32)},  # does not end at T = 6
+        {"seq_lens": torch.tensor([4, 9], dtype=torch.int32)},  # 5 new tokens in a 4-token context
+        {"block_tables": torch.full_like(b.block_tables, 10_000)},  # block id outside the cache
+        {"block_tables": b.block_tables[:, :0]},  # too few columns for seq_len
+        {"sliding_window": 0},
+        {"out": torch.empty(6, 4, 32)},
+    ]
+    for over in bad:
+        with pytest.raises(ValueError):
+            call(**over)
+    big = torch.zeros(cpu_pa.cache_shape(4, 16, 2, 512))  # head_dim 512 > 256
+    with pytest.raises(ValueError, match="head_dim"):
+        call(q=torch.randn(6, 4, 512), k_cache=big, v_cache=big)
+    k = torch.randn(3, 2, 64)
+    slots = torch.tensor([0, 1, 2])
+    cpu_pa.write_kv_cache(k, k, b.k_cache.clone(), b.v_cache.clone(), slots)
+    for kk, sl in [(k.double(), slots), (k, slots.int()), (k, slots[:2]), (k[:, :1], slots),
+                   (k, torch.tensor([0, 1, 10_000]))]:
+        with pytest.raises(ValueError):
+            cpu_pa.write_kv_cache(kk, kk, b.k_cache.clone(), b.v_cache.clone(), sl)
