@@ -40,14 +40,17 @@ def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dty
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # Also on this thread's OpenMP setting, which the C++ kernels' parallel regions read
+        # (torch passes its own count to each of its regions); the engine steps on the thread
+        # that built it.
+        torch.set_num_threads(config.num_threads or torch.get_num_threads())
         self.hf_config = read_hf_config(config.model)
         self.args = ModelArgs.from_hf_config(self.hf_config)
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             # SiLU/exp on denormal floats is ~20x slower on x86; flushing them to zero changes
-            # nothing at the precision that matters (values below 1e-38).
+            # nothing at the precision that matters (values below 1e-38). A per-thread setting:
+            # the engine steps on the thread that built it.
             torch.set_flush_denormal(True)
         self.dtype = resolve_dtype(config.dtype, self.args, self.device)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
@@ -74,13 +77,6 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.args.num_layers)
         ]
-
-    def bind_thread(self) -> None:
-        """Call on a thread that will step the engine (servers run it on their own thread).
-        OpenMP's thread count is a per-thread setting: torch passes its own count to each
-        parallel region, but the C++ kernels' regions read the calling thread's, which a new
-        thread takes from the process default rather than from `num_threads`."""
-        torch.set_num_threads(torch.get_num_threads())
 
     def kv_bytes_per_block(self) -> int:
         a = self.args

@@ -182,10 +182,10 @@ def test_logprobs_are_log_softmax_of_chosen_tokens(tiny_llama):
 
 
 def test_engine_loop_threads_submit_abort_shutdown(tiny_llama):
-    engine = LLMEngine(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, attention_backend="torch"))
     steps = []
-    loop = EngineLoop(engine, on_step=steps.append)
-    loop.start()
+    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, attention_backend="torch"),
+                      on_step=steps.append)
+    engine = loop.start()
     results: dict[str, list] = {}
     done = threading.Event()
     lock = threading.Lock()

@@ -22,7 +22,6 @@ import triton_python_backend_utils as pb_utils
 
 from splitfuse.config import EngineConfig
 from splitfuse.control import Control
-from splitfuse.engine import LLMEngine
 from splitfuse.engine_loop import EngineLoop, StepStats
 from splitfuse.sequence import RequestOutput
 from splitfuse.triton_request import InputError, Parsed, parse_request
@@ -131,11 +130,12 @@ class TritonPythonModel:
         config = EngineConfig.from_strings(params)
         self.model_name = args["model_name"]
         self.instance = args["model_instance_name"]
-        self.engine = LLMEngine(config)
+        self.step_stats: deque[StepStats] = deque()
+        self.loop = EngineLoop(config, on_step=self.step_stats.append)
+        self.engine = self.loop.start()  # built on the engine's own thread
         self.tokenizer = self.engine.tokenizer
         labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
         self.metrics = Metrics(labels)
-        self.step_stats: deque[StepStats] = deque()
         self.first_token_latencies: deque[float] = deque()
         self.inter_token_latencies: deque[float] = deque()
         self.live: dict[str, Live] = {}
@@ -143,8 +143,6 @@ class TritonPythonModel:
         self.ids = itertools.count()
         self.control = Control(self.model_name, self.instance)
         self.draining = False
-        self.loop = EngineLoop(self.engine, on_step=self.step_stats.append)
-        self.loop.start()
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
