@@ -223,3 +223,11 @@ def test_engine_loop_threads_submit_abort_shutdown(tiny_llama):
     assert engine.blocks.num_used_blocks == 0
     with pytest.raises(RuntimeError):
         loop.submit("after", "hello", SamplingParams(), on_output)
+
+
+def test_engine_loop_start_raises_what_building_the_engine_raised(tiny_llama):
+    """The engine is built on the loop's thread; what fails there reaches start()'s caller."""
+    loop = EngineLoop(EngineConfig(model=tiny_llama, device="cpu", attention_backend="flash_attn"))
+    with pytest.raises(ValueError, match="flash_attn"):
+        loop.start()
+    loop.shutdown(timeout=5)
