@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from splitfuse.config import EngineConfig
@@ -150,7 +151,11 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
-        pb_utils.Logger.log_info(f"{self.instance}: splitfuse engine ready: {config}")
+        runner = self.engine.runner
+        pb_utils.Logger.log_info(
+            f"{self.instance}: splitfuse engine ready: device={runner.device} "
+            f"dtype={str(runner.dtype).removeprefix('torch.')} attention_backend={runner.attention_backend} "
+            f"linear_backend={runner.linear_backend} threads={torch.get_num_threads()}; {config}")
 
     def execute(self, requests: list) -> None:
         for request in requests:
