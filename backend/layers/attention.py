@@ -38,11 +38,16 @@ class AttentionMetadata:
     block_size: int
 
 
-def cpu_kernels_available() -> tuple[bool, str]:
+def cpu_attention_problem(dtype: torch.dtype) -> str | None:
+    """Why the C++ CPU attention cannot run here, or None when it can."""
     from splitfuse.kernels.cpu import paged_attention as cpu_attention
     from splitfuse.kernels.cpu.build import unavailable_reason
 
-    return cpu_attention.available(), unavailable_reason()
+    if not cpu_attention.available():
+        return unavailable_reason()
+    if dtype != torch.float32:
+        return f"it runs float32, got {dtype}"
+    return None
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
@@ -60,20 +65,17 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, bl
             if triton_ok:
                 return "triton"
             return "torch"
-        ok, reason = cpu_kernels_available()
-        if ok and dtype == torch.float32:
+        problem = cpu_attention_problem(dtype)
+        if problem is None:
             return "cpu"
-        log.warning("splitfuse: C++ CPU attention not used (%s); using the torch path",
-                    reason or f"dtype {dtype} (the C++ kernels run fp32)")
+        log.warning("splitfuse: C++ CPU attention not used (%s); using the torch path", problem)
         return "torch"
     if requested == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' needs device cpu, got {device}")
-        ok, reason = cpu_kernels_available()
-        if not ok:
-            raise ValueError(f"attention_backend='cpu' cannot run here: {reason}")
-        if dtype != torch.float32:
-            raise ValueError(f"attention_backend='cpu' runs float32, got {dtype}")
+        problem = cpu_attention_problem(dtype)
+        if problem is not None:
+            raise ValueError(f"attention_backend='cpu' cannot run here: {problem}")
     if requested in ("triton", "flash_attn") and not triton_ok:
         raise ValueError(f"attention_backend={requested!r} needs the `triton` package")
     if requested == "flash_attn":

@@ -88,6 +88,13 @@ def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend:
     return lambda x: linear(x, weight, bias)
 
 
+def release_if_packed(kernel: LinearKernel, *params: nn.Parameter) -> None:
+    """Free the plain weights' storage once a packed kernel holds its own copy of them."""
+    if isinstance(kernel, OneDnnLinear):
+        for p in params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
 class Linear(nn.Module):
     """Parameters named as nn.Linear's (checkpoints load unchanged); `prepare` picks the kernel
     once the weights are loaded."""
@@ -104,8 +111,8 @@ class Linear(nn.Module):
         weight's storage is freed (pass False for a weight shared with another module, such as
         a tied LM head)."""
         self.kernel = make_linear_kernel(self.weight, self.bias, backend)
-        if isinstance(self.kernel, OneDnnLinear) and release_weight:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        if release_weight:
+            release_if_packed(self.kernel, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from splitfuse.layers.kernels import KernelSet
-from splitfuse.layers.linear import Linear, LinearKernel, OneDnnLinear, make_linear_kernel
+from splitfuse.layers.linear import Linear, LinearKernel, make_linear_kernel, release_if_packed
 
 
 class Experts(nn.Module):
@@ -30,9 +30,7 @@ class Experts(nn.Module):
         so the stacked weights' storage is released then, as `Linear.prepare` does."""
         self.gate_up = [make_linear_kernel(w, None, backend) for w in self.gate_up_proj]
         self.down = [make_linear_kernel(w, None, backend) for w in self.down_proj]
-        if isinstance(self.gate_up[0], OneDnnLinear):
-            for p in (self.gate_up_proj, self.down_proj):
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        release_if_packed(self.gate_up[0], self.gate_up_proj, self.down_proj)
 
     def kernels(self) -> tuple[list[LinearKernel], list[LinearKernel]]:
         if not self.gate_up:  # not prepared (a block built on its own): plain torch
