@@ -132,6 +132,19 @@ def _rows(name: str, label: str, t: torch.Tensor, shape: torch.Size | tuple[int,
     return v.data_ptr(), v.stride(0)
 
 
+def _output(label: str, t: torch.Tensor | None, shape: torch.Size,
+            inputs: list[tuple[torch.Tensor, tuple[int, int]]]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """An rms_norm output and its (pointer, row stride): a new tensor when None, an input's
+    already checked rows when it is one of `inputs` (in place), else checked like an input."""
+    if t is None:
+        t = torch.empty(shape, dtype=_F32)
+        return t, (t.data_ptr(), shape[-1])
+    for tensor, rows in inputs:
+        if t is tensor:
+            return t, rows
+    return t, _rows("rms_norm", label, t, shape)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
              out: torch.Tensor | None = None,
              residual_out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -160,34 +173,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if weight.dtype is not _F32 or not weight.is_cpu or weight.shape != (h,) or weight.stride(0) != 1:
         raise _bad("rms_norm", f"weight must be a contiguous float32 CPU tensor [{h}], got "
                    f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    inputs = [(x, (px, sx))]
     if residual is not None:
         pr, sr = _rows("rms_norm", "residual", residual, shape)
-    if out is None:
-        out = torch.empty(shape, dtype=_F32)
-        po, so = out.data_ptr(), h
-    elif out is x:
-        po, so = px, sx
-    elif out is residual:
-        po, so = pr, sr
-    else:
-        po, so = _rows("rms_norm", "out", out, shape)
+        inputs.append((residual, (pr, sr)))
+    out, (po, so) = _output("out", out, shape, inputs)
     if residual is None:
         if residual_out is not None:
             raise _bad("rms_norm", "residual_out given without residual")
         fn(_RMS_ARGS.pack(px, sx, 0, 0, weight.data_ptr(), po, so, 0, 0, rows, h, eps))
         return out
-    if residual_out is None:
-        residual_out = torch.empty(shape, dtype=_F32)
-        pro, sro = residual_out.data_ptr(), h
-    else:
-        if residual_out is residual:
-            pro, sro = pr, sr
-        elif residual_out is x:
-            pro, sro = px, sx
-        else:
-            pro, sro = _rows("rms_norm", "residual_out", residual_out, shape)
-        if pro == po:
-            raise _bad("rms_norm", "out and residual_out must be different tensors")
+    given = residual_out is not None
+    residual_out, (pro, sro) = _output("residual_out", residual_out, shape, inputs)
+    if given and pro == po:
+        raise _bad("rms_norm", "out and residual_out must be different tensors")
     fn(_RMS_ARGS.pack(px, sx, pr, sr, weight.data_ptr(), po, so, pro, sro, rows, h, eps))
     return out, residual_out
 
