@@ -96,3 +96,13 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: silu(x[..., :I]) * x[..., I:] for x [..., 2I]."""
     inter = x.shape[-1] // 2
     return F.silu(x[..., :inter]) * x[..., inter:]
+
+
+def quantize_rows_reference(x: torch.Tensor, levels: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 quantization of x [M, K] stored as uint8 around `zero_point`:
+    (q [M, K] uint8, scales [M, 1] float32), scale = max(max|x_row|, 1e-12) / levels,
+    q = round(x / scale) + zero_point (round half to even)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12).div_(levels)
+    q = torch.round(xf / scale).add_(zero_point).to(torch.uint8)
+    return q, scale

@@ -1,10 +1,11 @@
-"""Fused elementwise C++ CPU kernels (fp32): RMSNorm (+ residual add), rotary, SwiGLU gate.
+"""Fused elementwise C++ CPU kernels (fp32): RMSNorm (+ residual add), rotary, SwiGLU gate,
+per-row int8 quantization.
 
 Thin ctypes wrappers over `csrc/elementwise.cpp` in the shared CPU kernel library (`build.py`).
 They compute what the torch references in `splitfuse.kernels.reference` compute (HF Llama
 numerics): the residual sum x + residual and the rotary outputs are bit-identical to torch;
 rms_norm differs by ~2 ulp (its sum of squares runs in another order than torch's mean);
-silu_and_mul by ~2 ulp (a vectorised exp within ~1 ulp). Each function says which tensors it
+silu_and_mul by ~2 ulp (a vectorised exp within ~1 ulp); quantize_rows is bit-identical. Each function says which tensors it
 writes; in-place and `out=` forms avoid allocations. Callers check `available()` first; the
 functions raise ValueError on inputs they do not take (dtype, device, shape, stride) and never
 fall back themselves.
@@ -24,8 +25,8 @@ import torch
 
 from .build import library
 
-__all__ = ["apply_rotary", "available", "get_parallel_threshold", "rms_norm", "set_parallel_threshold",
-           "silu_and_mul", "vector_width"]
+__all__ = ["apply_rotary", "available", "get_parallel_threshold", "quantize_rows", "rms_norm",
+           "set_parallel_threshold", "silu_and_mul", "vector_width"]
 
 _F32 = torch.float32
 _I64 = torch.int64
@@ -37,25 +38,27 @@ _I64 = torch.int64
 _RMS_ARGS = struct.Struct("=11qd")
 _ROT_ARGS = struct.Struct("=22q")
 _SILU_ARGS = struct.Struct("=6q")
+_QUANT_ARGS = struct.Struct("=8q")
 
 _bound = False
-_rms = _rot = _silu = None
+_rms = _rot = _silu = _quant = None
 _lib: ctypes.CDLL | None = None
 
 
 def _bind() -> bool:
     """Look the symbols up once and set their signatures; False when the library is missing."""
-    global _bound, _rms, _rot, _silu, _lib
+    global _bound, _rms, _rot, _silu, _quant, _lib
     if _bound:
         return _lib is not None
     lib = library()
     if lib is not None:
         try:
             rms, rot, silu = lib.sf_ew_rms_norm_f32_packed, lib.sf_ew_rotary_f32_packed, lib.sf_ew_silu_and_mul_f32_packed
+            quant = lib.sf_ew_quantize_rows_u8_packed
         except AttributeError:  # a library built without elementwise.cpp
             lib = None
     if lib is not None:
-        for fn, res in ((rms, None), (rot, ctypes.c_int64), (silu, None)):
+        for fn, res in ((rms, None), (rot, ctypes.c_int64), (silu, None), (quant, None)):
             fn.argtypes = [ctypes.c_char_p]
             fn.restype = res
         lib.sf_ew_set_parallel_threshold.argtypes = [ctypes.c_int64]
@@ -64,7 +67,7 @@ def _bind() -> bool:
         lib.sf_ew_get_parallel_threshold.restype = ctypes.c_int64
         lib.sf_ew_vector_width.argtypes = []
         lib.sf_ew_vector_width.restype = ctypes.c_int
-        _rms, _rot, _silu = rms, rot, silu
+        _rms, _rot, _silu, _quant = rms, rot, silu, quant
     _lib = lib
     _bound = True
     return lib is not None
@@ -287,3 +290,24 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
         po, so = _rows("silu_and_mul", "out", out, out_shape)
     fn(_SILU_ARGS.pack(px, sx, po, so, rows, n))
     return out
+
+
+def quantize_rows(x: torch.Tensor, levels: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 quantization of float32 x [M, K] (rows may be strided, the last dim
+    contiguous), stored as uint8 around `zero_point`: returns (q [M, K] uint8, scales [M, 1]
+    float32) with scale = max(max|x_row|, 1e-12) / levels and q = round(x / scale) + zero_point,
+    bit-identical to `splitfuse.kernels.reference.quantize_rows`."""
+    fn = _quant
+    if fn is None:
+        _need()
+        fn = _quant
+    if x.dim() != 2:
+        raise _bad("quantize_rows", f"x must be [M, K], got {tuple(x.shape)}")
+    if not (0 < levels and 0 <= zero_point - levels and zero_point + levels <= 255):
+        raise _bad("quantize_rows", f"levels {levels} around zero point {zero_point} do not fit in uint8")
+    px, sx = _rows("quantize_rows", "x", x, None)
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.uint8)
+    scales = torch.empty((rows, 1), dtype=_F32)
+    fn(_QUANT_ARGS.pack(px, sx, q.data_ptr(), scales.data_ptr(), rows, k, levels, zero_point))
+    return q, scales

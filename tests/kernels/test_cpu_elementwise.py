@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from splitfuse.kernels.cpu import elementwise as ew
 from splitfuse.kernels.cpu.build import unavailable_reason
-from splitfuse.kernels.reference import apply_rotary_reference, rms_norm_reference, silu_and_mul_reference
+from splitfuse.kernels.reference import (apply_rotary_reference, quantize_rows_reference, rms_norm_reference,
+                                         silu_and_mul_reference)
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
 
 if not ew.available():
@@ -332,3 +333,41 @@ def test_silu_and_mul_column_chunks(tokens, inter, threading_mode):
     # Few rows and a wide row: the parallel path also splits rows into column chunks.
     x = torch.randn(tokens, 2 * inter, generator=_gen("chunks", tokens, inter)) * 4
     torch.testing.assert_close(ew.silu_and_mul(x), silu_and_mul_reference(x), **TOL)
+
+
+# ------------------------------------------------------------------------------- quantize_rows
+@pytest.mark.parametrize("rows,k", [(1, 512), (3, 33), (17, 1408), (64, 4096), (5, 7)])
+@pytest.mark.parametrize("levels,zero_point", [(127, 128), (63, 64)])
+def test_quantize_rows_bit_identical_to_reference(rows, k, levels, zero_point, threading_mode):
+    g = _gen("quant", rows, k)
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    # Ties at .5 after scaling (round half to even), a zero row and a row of one huge value.
+    x[0, :4] = torch.tensor([0.5, 1.5, -2.5, 3.5]) * (x[0].abs().max() / levels)
+    if rows > 2:
+        x[1] = 0.0
+        x[2, 1:] = 0.0
+    q, scales = ew.quantize_rows(x, levels, zero_point)
+    q_ref, scales_ref = quantize_rows_reference(x, levels, zero_point)
+    assert torch.equal(scales, scales_ref)
+    assert torch.equal(q, q_ref)
+    assert int(q.min()) >= zero_point - levels and int(q.max()) <= zero_point + levels
+
+
+def test_quantize_rows_strided_rows():
+    x = torch.randn(6, 64, generator=_gen("quant-strided"))[:, 16:48]
+    for got, want in zip(ew.quantize_rows(x, 127, 128), quantize_rows_reference(x, 127, 128)):
+        assert torch.equal(got, want)
+
+
+def test_quantize_rows_rejects_bad_input():
+    bad = [
+        lambda: ew.quantize_rows(torch.randn(2, 3, 4), 127, 128),
+        lambda: ew.quantize_rows(torch.randn(3, 8).double(), 127, 128),
+        lambda: ew.quantize_rows(torch.randn(8, 3).t(), 127, 128),
+        lambda: ew.quantize_rows(torch.randn(3, 8), 127, 64),
+        lambda: ew.quantize_rows(torch.randn(3, 8), 0, 64),
+    ]
+    for i, fn in enumerate(bad):
+        with pytest.raises(ValueError):
+            fn()
+            pytest.fail(f"case {i} did not raise")

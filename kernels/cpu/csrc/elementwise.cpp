@@ -1,5 +1,6 @@
 // Fused elementwise CPU kernels (fp32): RMSNorm with optional residual add, rotary embedding
-// (HF rotate-half), SwiGLU gate. Python wrappers: splitfuse/kernels/cpu/elementwise.py.
+// (HF rotate-half), SwiGLU gate, per-row int8 quantization. Python wrappers:
+// splitfuse/kernels/cpu/elementwise.py.
 //
 // Every exported symbol starts with sf_ew_. Tensors are passed as base pointers plus row strides
 // in elements; the innermost dimension is contiguous. Work is split over rows (silu_and_mul: rows
@@ -13,8 +14,10 @@
 //   rms_norm:     s = x (+ residual); r = 1 / sqrtf(sum(s*s) / H + eps); out = w * (s * r)
 //   rotary:       o1 = x1*c - x2*s; o2 = x2*c + x1*s  (products rounded separately, as torch)
 //   silu_and_mul: out = (g / (1 + exp(-g))) * u
+//   quantize_rows: scale = max(max|x|, 1e-12) / levels; q = nearbyint(x / scale) + zero_point
 #include <omp.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -28,7 +31,7 @@ namespace {
 // norm or rotary element takes ~0.15-0.25 ns and a silu_and_mul output ~1 ns. 16384 weighted
 // elements (~3-4 us serial) is about where splitting starts to pay.
 int64_t g_parallel_threshold = 16384;
-constexpr int64_t kCostNorm = 1, kCostRotary = 1, kCostSilu = 4;
+constexpr int64_t kCostNorm = 1, kCostRotary = 1, kCostSilu = 4, kCostQuantize = 2;
 
 inline bool go_parallel(int64_t rows, int64_t row_len, int64_t cost) {
     return rows > 1 && rows * row_len * cost >= g_parallel_threshold && omp_get_max_threads() > 1;
@@ -116,6 +119,46 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
     }
 }
 
+
+// ----------------------------------------------------------------------------------- quantize
+inline float abs_max(const float* x, int64_t k) {
+    vi a0 = {}, a1 = {};  // |x| as int bits: for non-negative floats, int order is float order
+    const vi no_sign = vi{} + 0x7fffffff;
+    int64_t j = 0;
+    for (; j + 2 * VW <= k; j += 2 * VW) {
+        vi v0 = reinterpret_cast<vi>(loadu(x + j)) & no_sign, v1 = reinterpret_cast<vi>(loadu(x + j + VW)) & no_sign;
+        a0 = a0 > v0 ? a0 : v0;
+        a1 = a1 > v1 ? a1 : v1;
+    }
+    a0 = a0 > a1 ? a0 : a1;
+    float m = 0.0f;
+    for (int i = 0; i < VW; ++i) {
+        float f;
+        int32_t bits = a0[i];
+        std::memcpy(&f, &bits, sizeof(f));
+        m = f > m ? f : m;
+    }
+    for (; j < k; ++j) m = std::fabs(x[j]) > m ? std::fabs(x[j]) : m;
+    return m;
+}
+
+inline void quantize_row(const float* x, uint8_t* q, float* scale, int64_t k, float levels, float zero_point) {
+    const float m = abs_max(x, k);
+    const float s = (m > 1e-12f ? m : 1e-12f) / levels;
+    *scale = s;
+    // Round half to even (as torch.round) by adding and subtracting 1.5 * 2^23: exact for
+    // |x / s| <= levels < 2^22, and vectorises where nearbyint would call libm per element.
+    const float magic = 12582912.0f;
+    const vf sv = splat(s), mv = splat(magic), zv = splat(zero_point);
+    int64_t j = 0;
+    for (; j + VW <= k; j += VW) {
+        const vf r = (rounded(loadu(x + j) / sv + mv) - mv) + zv;
+        const vi iv = __builtin_convertvector(r, vi);
+        for (int i = 0; i < VW; ++i) q[j + i] = static_cast<uint8_t>(iv[i]);
+    }
+    for (; j < k; ++j) q[j] = static_cast<uint8_t>(static_cast<int32_t>((rounded(x[j] / s + magic) - magic) + zero_point));
+}
+
 }  // namespace
 
 extern "C" {
@@ -182,6 +225,16 @@ void sf_ew_silu_and_mul_f32(const float* x, int64_t sx, float* out, int64_t so, 
     }
 }
 
+// Per-row symmetric quantization of x [rows, k] (row stride sx) to uint8 q [rows, k] (contiguous)
+// around zero_point, with scales [rows]: q = nearbyint(x / scale) + zero_point,
+// scale = max(max|x|, 1e-12) / levels. The caller keeps levels + zero_point within uint8.
+void sf_ew_quantize_rows_u8(const float* x, int64_t sx, uint8_t* q, float* scales, int64_t rows, int64_t k,
+                            int64_t levels, int64_t zero_point) {
+#pragma omp parallel for schedule(static) if (go_parallel(rows, k, kCostQuantize))
+    for (int64_t t = 0; t < rows; ++t)
+        quantize_row(x + t * sx, q + t * k, scales + t, k, static_cast<float>(levels), static_cast<float>(zero_point));
+}
+
 // Packed-argument entry points for the Python wrappers: one pointer to the arguments above, in
 // order, each 8 bytes (int64, pointers as int64, eps as double). A ctypes call converts each
 // argument separately (~0.3 us apiece); packing them with struct.pack costs a fraction of that.
@@ -204,6 +257,11 @@ int64_t sf_ew_rotary_f32_packed(const int64_t* a) {
 void sf_ew_silu_and_mul_f32_packed(const int64_t* a) {
     sf_ew_silu_and_mul_f32(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<float*>(a[2]), a[3], a[4],
                            a[5]);
+}
+
+void sf_ew_quantize_rows_u8_packed(const int64_t* a) {
+    sf_ew_quantize_rows_u8(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<uint8_t*>(a[2]),
+                           reinterpret_cast<float*>(a[3]), a[4], a[5], a[6], a[7]);
 }
 
 }  // extern "C"
