@@ -14,6 +14,7 @@ from typing import Any
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+QUANTIZATIONS = ("none", "int8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -43,6 +44,9 @@ class EngineConfig:
     linear_backend: str = "auto"
     """auto | onednn | torch: how projections multiply (auto: oneDNN with weights packed at
     load on CPUs where torch supports it for the dtype, else F.linear)."""
+    quantization: str = "none"
+    """none | int8: int8 quantizes the projections' weights at load (per output channel) and
+    their activations per token at run time (CPU, oneDNN); the LM head and MoE routers stay float."""
     scheduler_policy: str = "splitfuse"
     """splitfuse | prefill_first | orca (the last two are benchmark baselines)."""
     device: str = "auto"
@@ -71,6 +75,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

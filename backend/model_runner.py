@@ -9,7 +9,7 @@ import torch
 from splitfuse.config import EngineConfig
 from splitfuse.layers.attention import resolve_backend
 from splitfuse.layers.kernels import KernelSet
-from splitfuse.layers.linear import resolve_linear_backend
+from splitfuse.layers.linear import check_quantization, resolve_linear_backend
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
 from splitfuse.models.llama import ModelArgs
 from splitfuse.models.loader import load_model, read_hf_config
@@ -55,13 +55,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.args, self.device)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
-        log.info("splitfuse: device=%s dtype=%s attention_backend=%s (requested %s) linear_backend=%s "
-                 "(requested %s) threads=%d", self.device, str(self.dtype).removeprefix("torch."),
-                 self.attention_backend, config.attention_backend, self.linear_backend, config.linear_backend,
-                 torch.get_num_threads())
+        check_quantization(config.quantization, self.device)
         self.kernels = KernelSet.create(self.attention_backend)
         self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device)
-        self.model.prepare_linears(self.linear_backend)
+        self.model.prepare_linears(self.linear_backend, config.quantization)
+        log.info("splitfuse: device=%s dtype=%s attention_backend=%s (requested %s) linear_backend=%s "
+                 "(requested %s) quantization=%s weights=%s threads=%d", self.device,
+                 str(self.dtype).removeprefix("torch."), self.attention_backend, config.attention_backend,
+                 self.linear_backend, config.linear_backend, config.quantization, self.weight_memory_summary(),
+                 torch.get_num_threads())
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
         inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
@@ -77,6 +79,11 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.args.num_layers)
         ]
+
+    def weight_memory_summary(self) -> str:
+        """Weights held, in MB per dtype, e.g. "int8 18.9 MB + float32 17.2 MB"."""
+        memory = sorted(self.model.weight_memory().items(), key=lambda item: -item[1])
+        return " + ".join(f"{dtype} {nbytes / 1e6:.1f} MB" for dtype, nbytes in memory if nbytes)
 
     def kv_bytes_per_block(self) -> int:
         a = self.args

@@ -1,6 +1,6 @@
 """The one linear layer every projection goes through (attention, MLP, MoE experts, LM head).
 
-Two ways to multiply, chosen once at load (`EngineConfig.linear_backend`):
+Two ways to multiply float weights, chosen once at load (`EngineConfig.linear_backend`):
 
 * `onednn` (CPU): the weight is reordered once into oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`) and every call runs `_linear_pointwise`. oneDNN
@@ -12,6 +12,9 @@ Two ways to multiply, chosen once at load (`EngineConfig.linear_backend`):
   fewer than 64k elements keep F.linear (the transpose copy costs more than it saves).
 
 `auto` is `onednn` on CPUs where torch has it for the dtype, else `torch`.
+
+With `EngineConfig.quantization="int8"` the projections run `Int8Linear` (int8_linear.py)
+instead; the LM head and the MoE router keep the float kernel (they decide tokens and experts).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from splitfuse.layers.int8_linear import Int8Linear, int8_supported
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,11 @@ class OneDnnLinear:
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ONEDNN_ROWS_HINT)
         self.bias = None if bias is None else bias.detach().contiguous()
+
+    @property
+    def weight_bytes(self) -> dict[str, int]:
+        itemsize = torch.empty((), dtype=self.packed.dtype).element_size()
+        return {str(self.packed.dtype).removeprefix("torch."): itemsize * self.out_features * self.in_features}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -82,15 +92,29 @@ def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dt
     return "torch"
 
 
-def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> LinearKernel:
+def check_quantization(quantization: str, device: torch.device) -> None:
+    """Raise a clear error when `quantization` cannot run on `device`."""
+    if quantization == "int8":
+        ok, why = int8_supported(device)
+        if not ok:
+            raise ValueError(f"quantization='int8' cannot run here: {why}")
+
+
+def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
+                       quantization: str = "none") -> LinearKernel:
+    if quantization == "int8":
+        return Int8Linear(weight, bias)
     if backend == "onednn":
         return OneDnnLinear(weight, bias)
     return lambda x: linear(x, weight, bias)
 
 
+PACKED_KERNELS = (OneDnnLinear, Int8Linear)
+
+
 def release_if_packed(kernel: LinearKernel, *params: nn.Parameter) -> None:
     """Free the plain weights' storage once a packed kernel holds its own copy of them."""
-    if isinstance(kernel, OneDnnLinear):
+    if isinstance(kernel, PACKED_KERNELS):
         for p in params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
@@ -106,11 +130,11 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel: LinearKernel | None = None
 
-    def prepare(self, backend: str, release_weight: bool = True) -> None:
-        """Build the kernel for `backend`. With a packed kernel and `release_weight`, the plain
-        weight's storage is freed (pass False for a weight shared with another module, such as
-        a tied LM head)."""
-        self.kernel = make_linear_kernel(self.weight, self.bias, backend)
+    def prepare(self, backend: str, quantization: str = "none", release_weight: bool = True) -> None:
+        """Build the kernel for `backend` (or `quantization`). With a packed kernel and
+        `release_weight`, the plain weight's storage is freed (pass False for a weight shared
+        with another module, such as a tied LM head)."""
+        self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization)
         if release_weight:
             release_if_packed(self.kernel, self.weight)
 

@@ -25,11 +25,11 @@ class Experts(nn.Module):
         self.gate_up: list[LinearKernel] = []
         self.down: list[LinearKernel] = []
 
-    def prepare(self, backend: str) -> None:
+    def prepare(self, backend: str, quantization: str = "none") -> None:
         """One linear kernel per expert and projection. Packed kernels hold their own copy,
         so the stacked weights' storage is released then, as `Linear.prepare` does."""
-        self.gate_up = [make_linear_kernel(w, None, backend) for w in self.gate_up_proj]
-        self.down = [make_linear_kernel(w, None, backend) for w in self.down_proj]
+        self.gate_up = [make_linear_kernel(w, None, backend, quantization) for w in self.gate_up_proj]
+        self.down = [make_linear_kernel(w, None, backend, quantization) for w in self.down_proj]
         release_if_packed(self.gate_up[0], self.gate_up_proj, self.down_proj)
 
     def kernels(self) -> tuple[list[LinearKernel], list[LinearKernel]]:

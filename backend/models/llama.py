@@ -208,10 +208,32 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def prepare_linears(self, backend: str) -> None:
-        """Give every projection its kernel for `backend` (after the weights are loaded)."""
+    def prepare_linears(self, backend: str, quantization: str = "none") -> None:
+        """Give every projection its kernel for `backend` and `quantization` (after the weights
+        are loaded). The LM head and the MoE routers stay in float: their outputs pick tokens and
+        experts, and they are a small share of the work."""
+        routers = {id(m.gate) for m in self.modules() if isinstance(m, SparseMoeBlock)}
         for module in self.modules():
             if module is self.lm_head:  # a tied head shares its weight with the embedding
                 module.prepare(backend, release_weight=not self.args.tie_word_embeddings)
-            elif isinstance(module, (Linear, Experts)):
+            elif id(module) in routers:
                 module.prepare(backend)
+            elif isinstance(module, (Linear, Experts)):
+                module.prepare(backend, quantization)
+
+    def weight_memory(self) -> dict[str, int]:
+        """Bytes of weights held, by dtype: parameters still stored plus packed kernels' copies."""
+        totals: dict[str, int] = {}
+
+        def add(dtype: str, nbytes: int) -> None:
+            totals[dtype] = totals.get(dtype, 0) + nbytes
+
+        for p in self.parameters():
+            add(str(p.dtype).removeprefix("torch."), p.numel() * p.element_size())
+        for module in self.modules():
+            kernels = [module.kernel] if isinstance(module, Linear) else (
+                module.gate_up + module.down if isinstance(module, Experts) else [])
+            for kernel in kernels:
+                for dtype, nbytes in getattr(kernel, "weight_bytes", {}).items():
+                    add(dtype, nbytes)
+        return totals

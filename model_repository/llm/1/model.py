@@ -155,7 +155,8 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"{self.instance}: splitfuse engine ready: device={runner.device} "
             f"dtype={str(runner.dtype).removeprefix('torch.')} attention_backend={runner.attention_backend} "
-            f"linear_backend={runner.linear_backend} threads={torch.get_num_threads()}; {config}")
+            f"linear_backend={runner.linear_backend} quantization={config.quantization} "
+            f"weights={runner.weight_memory_summary()} threads={torch.get_num_threads()}; {config}")
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -1,0 +1,113 @@
+"""int8 linear layers for CPUs: weights quantized at load, activations per token at run time.
+
+* Weights: symmetric, one scale per output channel (`w ~ q * scale`, q in [-127, 127]), quantized
+  once at load from whatever precision the checkpoint has and packed for oneDNN
+  (`torch.ops.onednn.qlinear_prepack`); the float weight is then released.
+* Activations: symmetric, one scale per token (row), computed on every call, so a request's
+  numbers never depend on what else shares its batch (a per-tensor scale would let one outlier
+  token coarsen every other row).
+* The product: oneDNN's int8 GEMM (`torch.ops.onednn.qlinear_pointwise`, a maintained library
+  that picks VNNI/AVX-512/AVX2 code itself) with unit activation scale and the weight scales
+  applied inside; the per-token scales then multiply the rows, and the bias is added in float.
+  oneDNN takes activations as uint8 with a zero point, so a token's int8 values are shifted.
+
+Without VNNI (AVX2 only), x86 int8 GEMMs multiply through `vpmaddubsw`, whose int16 pair sums
+saturate when uint8 activations reach 255 against int8 weights of 127: there the activations keep
+7 bits (values in [-63, 63], zero point 64). Which case applies is found by running a probe whose
+exact result is known, not by reading CPU flags.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from splitfuse.kernels.cpu import elementwise as cpu_elementwise
+from splitfuse.kernels.reference import quantize_rows_reference
+
+# Activations quantized to [-levels, levels], stored as uint8 around `zero_point`.
+_FULL_RANGE = (127, 128)
+_SEVEN_BIT = (63, 64)
+# oneDNN picks its blocked layout for an expected row count; prompt chunks dominate the work.
+_ROWS_HINT = 128
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weight [N, K] and float32 scales [N] with `weight ~ q * scale[:, None]`."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def quantize_per_token(x: torch.Tensor, levels: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 activations [M, K] (zero point `zero_point`) and float32 per-row scales [M, 1]:
+    the C++ kernel for float32 when the library is built, else the torch reference."""
+    if x.dtype is torch.float32 and cpu_elementwise.available():
+        return cpu_elementwise.quantize_rows(x, levels, zero_point)
+    return quantize_rows_reference(x, levels, zero_point)
+
+
+def _onednn_int8_exact(levels: int, zero_point: int) -> bool:
+    """Whether oneDNN's int8 GEMM is exact for activations of `levels` against weights of 127
+    (the worst case for an int16 intermediate: every product at its largest)."""
+    k, n = 256, 16
+    x = torch.full((2, k), zero_point + levels, dtype=torch.uint8)
+    w = torch.full((n, k), 127, dtype=torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(w, [2, k])
+    out = torch.ops.onednn.qlinear_pointwise(x, 1.0, zero_point, packed, torch.ones(n), torch.zeros(n, dtype=torch.long),
+                                             None, 1.0, 0, torch.float32, "none", [], "")
+    return bool(torch.all(out == float(levels * 127 * k)))
+
+
+@functools.lru_cache(maxsize=None)
+def activation_range() -> tuple[int, int]:
+    """(levels, zero point) of the activations on this CPU: 8 bits where the int8 GEMM cannot
+    saturate, else 7 bits. Raises RuntimeError where oneDNN int8 does not run at all."""
+    if _onednn_int8_exact(*_FULL_RANGE):
+        return _FULL_RANGE
+    if _onednn_int8_exact(*_SEVEN_BIT):
+        return _SEVEN_BIT
+    raise RuntimeError("oneDNN's int8 linear gave wrong results on a probe")
+
+
+def int8_supported(device: torch.device) -> tuple[bool, str]:
+    """Whether int8 linear layers run here (and why not)."""
+    if device.type != "cpu":
+        return False, f"int8 quantization is implemented for CPUs (device {device.type})"
+    if not torch.backends.mkldnn.is_available():
+        return False, "this torch build has no oneDNN (mkldnn)"
+    try:
+        activation_range()
+    except RuntimeError as e:
+        return False, str(e).splitlines()[0]
+    return True, ""
+
+
+class Int8Linear:
+    """A weight quantized and packed once; calling it computes `x @ W^T + b` in int8."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        q, self.weight_scale = quantize_weight_per_channel(weight)
+        self.packed = torch.ops.onednn.qlinear_prepack(q, [_ROWS_HINT, self.in_features])
+        self.weight_zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.levels, self.zero_point = activation_range()
+
+    @property
+    def weight_bytes(self) -> dict[str, int]:
+        """Memory of the weight by dtype: int8 values and float32 scales."""
+        return {"int8": self.out_features * self.in_features, "float32": 4 * self.out_features}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        q, scale = quantize_per_token(rows, self.levels, self.zero_point)
+        out = torch.ops.onednn.qlinear_pointwise(q, 1.0, self.zero_point, self.packed, self.weight_scale,
+                                                 self.weight_zero_points, None, 1.0, 0, torch.float32,
+                                                 "none", [], "")
+        out.mul_(scale)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
