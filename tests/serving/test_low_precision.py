@@ -1,0 +1,60 @@
+"""Serving in low precision: a real tritonserver started with `--param quantization=int8` and one
+with `--param dtype=bfloat16` answers greedy requests with the tokens the offline engine gives
+under the same settings, and logs the weight memory by dtype."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import ENGINE_PARAMS, _need_tritonserver
+from triton_helpers import grpc_generate
+
+from splitfuse.layers.int8_linear import int8_supported
+
+pytestmark = pytest.mark.serving
+
+SETTINGS = {
+    "int8": {"quantization": "int8"},
+    "bfloat16": {"dtype": "bfloat16", "attention_backend": "auto"},
+}
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def low_precision_server(request, tiny_llama, tmp_path_factory):
+    import torch
+
+    _need_tritonserver()
+    if request.param == "int8":
+        ok, why = int8_supported(torch.device("cpu"))
+        if not ok:
+            pytest.skip(f"int8 linear unavailable: {why}")
+    from splitfuse.server import serve
+
+    params = {**ENGINE_PARAMS, **SETTINGS[request.param]}
+    with serve(tiny_llama, params, instances=1, workdir=tmp_path_factory.mktemp(f"triton-{request.param}")) as server:
+        yield request.param, params, server
+        server.stop()
+
+
+def test_served_low_precision_matches_offline_engine(low_precision_server, tiny_llama):
+    from splitfuse.config import EngineConfig
+    from splitfuse.llm import LLM
+    from splitfuse.sequence import SamplingParams
+
+    name, params, server = low_precision_server
+    rng = random.Random(7)
+    prompts = [[1] + [rng.randrange(3, 400) for _ in range(n)] for n in (5, 40, 90)]
+    cfg = EngineConfig.from_strings({"model": tiny_llama, **params})
+    offline = LLM(tiny_llama, **{k: getattr(cfg, k) for k in params})
+    want = [o.token_ids for o in offline.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                          ignore_eos=True))]
+    for prompt, expected in zip(prompts, want):
+        r = grpc_generate(server.grpc_url, "llm", {"input_ids": prompt, "max_tokens": 12, "temperature": 0.0,
+                                                   "ignore_eos": True}, dtypes={"input_ids": "INT32"})
+        assert r.error is None, r.error
+        assert r.output_ids == expected, f"{name}: served tokens differ from the offline engine's"
+    log = open(server.log_file, errors="replace").read()
+    ready = [line for line in log.splitlines() if "splitfuse engine ready" in line]
+    assert ready and "weights=" in ready[0]
+    assert ("int8" in ready[0].split("weights=")[1]) == (name == "int8")
