@@ -56,7 +56,7 @@ class ModelRunner:
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         check_quantization(config.quantization, self.device)
-        self.kernels = KernelSet.create(self.attention_backend)
+        self.kernels = KernelSet.create(self.attention_backend, self.dtype)
         self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device)
         self.model.prepare_linears(self.linear_backend, config.quantization)
         log.info("splitfuse: device=%s dtype=%s attention_backend=%s (requested %s) linear_backend=%s "

@@ -45,8 +45,8 @@ def cpu_attention_problem(dtype: torch.dtype) -> str | None:
 
     if not cpu_attention.available():
         return unavailable_reason()
-    if dtype != torch.float32:
-        return f"it runs float32, got {dtype}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"it runs float32 and bfloat16, got {dtype}"
     return None
 
 

@@ -3,7 +3,8 @@
 One kernel call per layer covers the whole ragged batch, reading K/V blocks in place through
 the block tables (no gather, no padding to the longest sequence); one more writes the new
 tokens' K/V. The layout is the kernel's own (`cache_shape`: K transposed inside a block).
-Nothing to plan per step: the kernel splits its work itself.
+Nothing to plan per step: the kernel splits its work itself. A bfloat16 model keeps a bfloat16
+cache; its queries enter the kernel as float32 and the output leaves in bfloat16.
 """
 
 from __future__ import annotations
@@ -30,5 +31,6 @@ class CpuAttention:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, sliding_window: int | None) -> torch.Tensor:
-        return kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                       scale, sliding_window)
+        out = kernels.paged_attention(q.float(), k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                      meta.block_tables, scale, sliding_window)
+        return out.to(q.dtype)

@@ -3,6 +3,8 @@
 One call covers a whole ragged batch of prompt chunks (at any offset: chunked prefill) and
 decodes, with the engine's conventions (as `splitfuse.kernels.paged_attention_reference`):
   q                [T, Hq, D] float32, last dim contiguous (token/head strides may be anything)
+  k_cache, v_cache float32 or bfloat16 (both the same; bf16 values are widened to fp32 as they
+                   are read: half the memory traffic, fp32 arithmetic); the output is float32
   query_start_loc  int32 [B+1], seq_lens int32 [B] (context incl. the new tokens),
   block_tables     int32 [B, max_blocks] (rows may be padded with any ids past the used blocks)
   slot_mapping     int64 [T], slot = block_id * block_size + offset, < 0 = skip the token.
@@ -56,14 +58,15 @@ _ERRORS = {
     -6: "out of memory (kernel scratch or split-KV workspace)",
 }
 
-_ATTN_NARGS, _WRITE_NARGS = 27, 16  # int64 slots of the packed entry points (csrc/paged_attention.cpp)
+_ATTN_NARGS, _WRITE_NARGS = 28, 16  # int64 slots of the packed entry points (csrc/paged_attention.cpp)
 _attn_fn = None
 _write_fn = None
+_write_bf16_fn = None
 _tls = threading.local()
 
 
 def _functions():
-    global _attn_fn, _write_fn
+    global _attn_fn, _write_fn, _write_bf16_fn
     if _attn_fn is None:
         lib = library()
         if lib is None:
@@ -71,10 +74,11 @@ def _functions():
         f = lib.sf_attn_paged_attention_f32_packed
         f.argtypes = [ctypes.c_void_p, ctypes.c_float]
         f.restype = ctypes.c_int
-        w = lib.sf_attn_write_kv_f32_packed
-        w.argtypes = [ctypes.c_void_p]
-        w.restype = ctypes.c_int
-        _write_fn = w
+        w, wb = lib.sf_attn_write_kv_f32_packed, lib.sf_attn_write_kv_bf16_packed
+        for fn in (w, wb):
+            fn.argtypes = [ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+        _write_fn, _write_bf16_fn = w, wb
         _attn_fn = f
     return _attn_fn, _write_fn
 
@@ -99,7 +103,8 @@ def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: i
     return (num_blocks, num_kv_heads, block_size * head_dim)
 
 
-_FP32, _INT32, _INT64 = torch.float32, torch.int32, torch.int64
+_FP32, _BF16, _INT32, _INT64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
+CACHE_DTYPES = (_FP32, _BF16)
 _MAX_WINDOW = 1 << 30  # any window longer than every context means "no window"
 
 
@@ -137,8 +142,8 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
 
 
 def _check_cache(name: str, cache: torch.Tensor, head_dim: int) -> None:
-    if cache.dtype != torch.float32:
-        raise ValueError(f"{name} must be float32, got {cache.dtype}")
+    if cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"{name} must be float32 or bfloat16, got {cache.dtype}")
     if cache.dim() != 3 or not cache.is_contiguous() or not cache.is_cpu:
         raise ValueError(f"{name} must be a contiguous CPU tensor of cache_shape(...) = "
                          f"[num_blocks, Hkv, block_size * D], got {tuple(cache.shape)}")
@@ -152,7 +157,8 @@ def _raise(code: int, where: str) -> None:
 
 def _caches_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
     shape = k_cache.shape
-    return (k_cache.dtype is _FP32 and v_cache.dtype is _FP32 and len(shape) == 3 and v_cache.shape == shape
+    return (k_cache.dtype in CACHE_DTYPES and v_cache.dtype is k_cache.dtype and len(shape) == 3
+            and v_cache.shape == shape
             and shape[2] % head_dim == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.is_cpu and v_cache.is_cpu)
 
@@ -163,11 +169,14 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Scatter this step's k, v [T, Hkv, D] into the caches at `slot_mapping` (skipping < 0), in place.
 
     k and v may be strided views (e.g. of a fused QKV output): only their last dim must be contiguous.
+    k, v and the caches share one dtype, float32 or bfloat16.
     A slot past the cache raises ValueError (nothing is written then)."""
-    write = _write_fn or _functions()[1]
+    if _write_fn is None:
+        _functions()
+    write = _write_fn if k.dtype is _FP32 else _write_bf16_fn
     shape = k.shape
     ks, vs = k.stride(), v.stride()
-    if not (k.dtype is _FP32 and v.dtype is _FP32 and len(shape) == 3 and v.shape == shape and ks[2] == 1
+    if not (k.dtype is k_cache.dtype and v.dtype is k.dtype and len(shape) == 3 and v.shape == shape and ks[2] == 1
             and vs[2] == 1 and k.is_cpu and v.is_cpu and _caches_ok(k_cache, v_cache, shape[2])
             and k_cache.shape[1] == shape[1] and slot_mapping.dtype is _INT64 and slot_mapping.shape == shape[:1]
             and slot_mapping.is_contiguous() and slot_mapping.is_cpu):
@@ -187,8 +196,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def _check_write(k, v, k_cache, v_cache, slot_mapping) -> None:
     """The slow path of write_kv_cache's checks: raise a ValueError that names the problem."""
-    if k.dtype != torch.float32 or v.dtype != torch.float32:
-        raise ValueError(f"k and v must be float32, got {k.dtype} / {v.dtype}")
+    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+        raise ValueError(f"k and v must have the caches' dtype {k_cache.dtype}, got {k.dtype} / {v.dtype}")
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} / {tuple(v.shape)}")
     if k.stride(2) != 1 or v.stride(2) != 1 or not (k.is_cpu and v.is_cpu):
@@ -275,7 +284,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                block_tables.shape[1], b, t, hq, kshape[1], d, kshape[2] // d, kshape[0],
                min(sliding_window, _MAX_WINDOW) if sliding_window else 0, k_layout, num_splits or 0,
-               rows_per_tile or 0, num_threads or torch.get_num_threads(), 0, 0)
+               rows_per_tile or 0, num_threads or torch.get_num_threads(), 0, 0, int(k_cache.dtype is _BF16))
     rc = attn(args, scale)
     if rc:
         _raise(rc, "paged_attention")
@@ -298,7 +307,8 @@ def plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_st
         query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         block_tables.shape[1], seq_lens.shape[0], t, hq, kshape[1], d, kshape[2] // d, kshape[0],
         min(sliding_window, _MAX_WINDOW) if sliding_window else 0, K_TRANSPOSED, num_splits or 0,
-        rows_per_tile or 0, num_threads or torch.get_num_threads(), ctypes.addressof(stats), 1)
+        rows_per_tile or 0, num_threads or torch.get_num_threads(), ctypes.addressof(stats), 1,
+        int(k_cache.dtype is _BF16))
     rc = attn(args, 1.0)
     if rc:
         _raise(rc, "paged_attention")
@@ -307,11 +317,13 @@ def plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_st
 
 def from_reference_layout(k_ref: torch.Tensor, v_ref: torch.Tensor, *,
                           k_layout: int = K_TRANSPOSED) -> tuple[torch.Tensor, torch.Tensor]:
-    """Caches in the reference layout [num_blocks, block_size, Hkv, D] -> this kernel's layout."""
+    """Caches in the reference layout [num_blocks, block_size, Hkv, D] -> this kernel's layout
+    (bfloat16 stays bfloat16, anything else becomes float32)."""
     nb, bs, hkv, d = k_ref.shape
+    dtype = _BF16 if k_ref.dtype is _BF16 else _FP32
     k = k_ref.permute(0, 2, 3, 1) if k_layout == K_TRANSPOSED else k_ref.permute(0, 2, 1, 3)
     v = v_ref.permute(0, 2, 1, 3)
-    return (k.float().contiguous().reshape(nb, hkv, bs * d), v.float().contiguous().reshape(nb, hkv, bs * d))
+    return (k.to(dtype).contiguous().reshape(nb, hkv, bs * d), v.to(dtype).contiguous().reshape(nb, hkv, bs * d))
 
 
 def to_reference_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, *,

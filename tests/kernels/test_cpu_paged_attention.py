@@ -294,3 +294,69 @@ def test_bad_inputs():
                    (k, torch.tensor([0, 1, 10_000]))]:
         with pytest.raises(ValueError):
             cpu_pa.write_kv_cache(kk, kk, b.k_cache.clone(), b.v_cache.clone(), sl)
+
+
+# ---------------------------------------------------------------------------- bfloat16 caches
+def _as_bf16(b: Batch, k_layout: int = cpu_pa.K_TRANSPOSED) -> Batch:
+    """The batch with its cache values rounded to bf16: the kernel reads the bf16 cache, the
+    reference the same values in fp32 (so only the arithmetic order differs)."""
+    b.k_ref, b.v_ref = b.k_ref.bfloat16().float(), b.v_ref.bfloat16().float()
+    b.k_cache, b.v_cache = cpu_pa.from_reference_layout(b.k_ref.bfloat16(), b.v_ref.bfloat16(), k_layout=k_layout)
+    assert b.k_cache.dtype == torch.bfloat16
+    return b
+
+
+@pytest.mark.parametrize("block_size", [4, 12, 16, 32])
+@pytest.mark.parametrize("group", [1, 4])
+def test_bf16_cache_mixed_batch(block_size, group):
+    b = _as_bf16(Batch(MIXED, num_kv_heads=2, group=group, head_dim=64, block_size=block_size, seed=21))
+    ref = b.reference()
+    out = b.run()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(b.run(num_splits=3), ref, **TOL)
+
+
+@pytest.mark.parametrize("window", [5, 37])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bf16_cache_sliding_window(window, block_size):
+    pairs = [(70, 0), (1, 300), (45, 150), (1, 20)]
+    b = _as_bf16(Batch(pairs, num_kv_heads=2, group=2, head_dim=80, block_size=block_size, seed=22))
+    torch.testing.assert_close(b.run(sliding_window=window), b.reference(sliding_window=window), **TOL)
+
+
+def test_bf16_cache_k_row_major():
+    b = _as_bf16(Batch(MIXED, num_kv_heads=2, group=2, head_dim=64, block_size=16, seed=23), cpu_pa.K_ROW_MAJOR)
+    out = cpu_pa.paged_attention(b.q, b.k_cache, b.v_cache, b.qsl, b.seq_lens, b.block_tables, b.scale,
+                                 k_layout=cpu_pa.K_ROW_MAJOR)
+    torch.testing.assert_close(out, b.reference(), **TOL)
+
+
+@pytest.mark.parametrize("k_layout", [cpu_pa.K_TRANSPOSED, cpu_pa.K_ROW_MAJOR])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bf16_write_kv_cache_is_exact(block_size, k_layout):
+    num_blocks, hkv, d, t = 10, 2, 64, 40
+    gen = torch.Generator().manual_seed(24)
+    k_ref = torch.randn(num_blocks, block_size, hkv, d, generator=gen).bfloat16()
+    v_ref = torch.randn(num_blocks, block_size, hkv, d, generator=gen).bfloat16()
+    k_cache, v_cache = cpu_pa.from_reference_layout(k_ref, v_ref, k_layout=k_layout)
+    qkv = torch.randn(t, 4 + 2 * hkv, d, generator=gen).bfloat16()
+    k, v = qkv[:, 4:4 + hkv], qkv[:, 4 + hkv:]
+    slots = torch.cat([torch.arange(3, 3 + 20), torch.randperm(num_blocks * block_size, generator=gen)[:40]])
+    slots = slots.unique(sorted=False)[:t]
+    slots[::9] = -1
+    cpu_pa.write_kv_cache(k, v, k_cache, v_cache, slots, k_layout=k_layout)
+    write_kv_cache_reference(k, v, k_ref, v_ref, slots)
+    k_back, v_back = cpu_pa.to_reference_layout(k_cache, v_cache, block_size, k_layout=k_layout)
+    assert torch.equal(k_back, k_ref) and torch.equal(v_back, v_ref)
+
+
+def test_bf16_dtype_mismatches_are_refused():
+    b = _as_bf16(Batch([(5, 3), (1, 9)], num_kv_heads=2, group=2, head_dim=64, block_size=16))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_pa.paged_attention(b.q, b.k_cache.half(), b.v_cache.half(), b.qsl, b.seq_lens, b.block_tables, b.scale)
+    with pytest.raises(ValueError):
+        cpu_pa.paged_attention(b.q, b.k_cache, b.v_cache.float(), b.qsl, b.seq_lens, b.block_tables, b.scale)
+    with pytest.raises(ValueError, match="dtype"):
+        k = torch.randn(2, 2, 64)
+        cpu_pa.write_kv_cache(k, k, b.k_cache, b.v_cache, torch.tensor([0, 1]))

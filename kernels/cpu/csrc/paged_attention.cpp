@@ -1,9 +1,11 @@
 // Paged attention over a ragged batch (prompt chunks + decodes in one call) and the KV-cache
-// write, for CPUs. fp32 in, fp32 accumulation. Called through ctypes from
+// write, for CPUs. fp32 queries and outputs, fp32 accumulation; the K/V cache in fp32 or bf16
+// (bf16 tiles are widened to fp32 into L1 buffers as they are read: half the memory traffic of
+// an fp32 cache, the same arithmetic). Called through ctypes from
 // splitfuse/kernels/cpu/paged_attention.py, which documents the API and validates arguments.
 //
 // Cache layout (one flat tile per (block, kv head)):
-//   k_cache, v_cache: [num_blocks][num_kv_heads][block_size * head_dim] floats
+//   k_cache, v_cache: [num_blocks][num_kv_heads][block_size * head_dim] floats (or bf16)
 //   V tile: row-major [block_size][head_dim].
 //   K tile: k_layout 1 (the default): transposed, [head_dim][block_size], so that Q.K^T reads a
 //           16-key row of K as one (or two) vector loads and needs no horizontal reduction;
@@ -67,6 +69,9 @@ struct Ctx {
     int64_t o_st, o_sh;
     const float* kc;
     const float* vc;
+    const uint16_t* kc16;  // the same caches as bf16, when kv_bf16
+    const uint16_t* vc16;
+    int kv_bf16;
     const int32_t* qsl;
     const int32_t* seq_lens;
     const int32_t* bt;
@@ -353,6 +358,55 @@ static void transpose_rows(const float* __restrict src, int64_t src_ld, int n, i
         for (int j = n8; j < n; ++j) dst[d * dst_ld + j] = src[j * src_ld + d];
 }
 
+// bf16 -> fp32 is exact: the 16 bits are the high half of the float.
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t w = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &w, sizeof(f));
+    return f;
+}
+
+static void bf16_to_f32_row(const uint16_t* __restrict src, float* __restrict dst, int n) {
+    typedef uint16_t u16x8 __attribute__((vector_size(16)));
+    typedef uint32_t u32x8 __attribute__((vector_size(32)));
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        u16x8 h;
+        std::memcpy(&h, src + i, sizeof(h));
+        const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+        std::memcpy(dst + i, &w, sizeof(w));
+    }
+    for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+
+// The keys [n0, n0 + nv) of a bf16 cache widened into the L1 tiles Kt [D][16] and Vt [16][D].
+// Keys before `first` (left the window) are not read: their blocks may be gone.
+static void load_bf16_tile(const Ctx& c, const int32_t* btr, int h, int n0, int nv, int first, float* Kt, float* Vt) {
+    const int D = c.D, bs = c.bs;
+    const int64_t tile_elems = int64_t(bs) * D;
+    if (bs % TN == 0 && first <= n0) {  // the 16 keys are consecutive in one block
+        const int64_t base = (int64_t(btr[n0 / bs]) * c.Hkv + h) * tile_elems;
+        const int off = n0 % bs;
+        for (int d = 0; d < D; ++d) {
+            if (c.k_layout == 1)
+                bf16_to_f32_row(c.kc16 + base + int64_t(d) * bs + off, Kt + d * TN, nv);
+            else
+                for (int j = 0; j < nv; ++j) Kt[d * TN + j] = bf16_to_f32(c.kc16[base + int64_t(off + j) * D + d]);
+        }
+        bf16_to_f32_row(c.vc16 + base + int64_t(off) * D, Vt, nv * D);
+        return;
+    }
+    for (int j = std::max(0, first - n0); j < nv; ++j) {
+        const int p = n0 + j;
+        const int64_t base = (int64_t(btr[p / bs]) * c.Hkv + h) * tile_elems;
+        const int off = p % bs;
+        for (int d = 0; d < D; ++d)
+            Kt[d * TN + j] = bf16_to_f32(c.k_layout == 1 ? c.kc16[base + off + int64_t(d) * bs]
+                                                         : c.kc16[base + int64_t(off) * D + d]);
+        bf16_to_f32_row(c.vc16 + base + int64_t(off) * D, Vt + size_t(j) * D, D);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // One work item.
 
@@ -400,7 +454,7 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
         l[r] = 0.0f;
     }
     const int32_t* btr = c.bt + int64_t(it.b) * c.bt_st;
-    const bool inplace = bs % TN == 0;
+    const bool inplace = !c.kv_bf16 && bs % TN == 0;
 
     // The first PF_TILES tiles: nothing earlier prefetched them (later ones are prefetched by
     // the strips, PF_TILES tiles ahead).
@@ -436,6 +490,12 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
                 sa.ldk = TN;
             }
             sa.v = c.vc + base + int64_t(off) * D;
+            sa.ldv = D;
+        } else if (c.kv_bf16) {
+            load_bf16_tile(c, btr, it.h, n0, nv, kv_lo, Kt, Vt);
+            sa.kt = Kt;
+            sa.ldk = TN;
+            sa.v = Vt;
             sa.ldv = D;
         } else {  // block size not a multiple of 16: gather the tile's keys into L1 buffers
             // Keys before the item's first one (window) are masked and their blocks may be gone.
@@ -540,11 +600,6 @@ static void merge_group(const Ctx& c, const Group& g, const float* ws) {
 }
 
 }  // namespace
-}  // namespace sf_attn
-
-using namespace sf_attn;
-
-extern "C" {
 
 // Error codes (the Python wrapper turns them into ValueErrors).
 enum {
@@ -557,16 +612,91 @@ enum {
     SF_ATTN_NO_MEMORY = -6,
 };
 
+// Scatter k/v [T][Hkv][D] (row strides k_st/v_st, head strides k_sh/v_sh, last dim contiguous)
+// into the caches at slot_mapping (slot = block * block_size + offset; < 0 skips the token).
+// Tokens with consecutive slots in one block (a prompt chunk) are written as a run: with the
+// transposed K tile each head-dim row of the run is then one contiguous store sequence rather
+// than one scattered 4-byte store per token.
+template <typename T>
+static int write_kv(const T* k, int64_t k_st, int64_t k_sh, const T* v, int64_t v_st, int64_t v_sh, T* k_cache,
+                    T* v_cache, const int64_t* slot_mapping, int num_tokens, int num_kv_heads, int head_dim,
+                    int block_size, int64_t num_blocks, int k_layout, int num_threads) {
+    if (num_tokens < 0 || num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0) return SF_ATTN_BAD_SHAPE;
+    const int64_t nslots = num_blocks * block_size;
+    for (int t = 0; t < num_tokens; ++t)
+        if (slot_mapping[t] >= nslots) return SF_ATTN_BAD_BLOCK;
+    const int D = head_dim, bs = block_size, Hkv = num_kv_heads;
+    const int64_t tile_elems = int64_t(bs) * D;
+
+    static thread_local std::vector<int32_t> runs;  // start token of each run, then num_tokens
+    runs.clear();
+    for (int t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        if (!runs.empty()) {
+            const int64_t prev = slot_mapping[t - 1];
+            if (t > 0 && prev >= 0 && slot == prev + 1 && slot % bs != 0 && t - runs.back() < bs) continue;
+        }
+        runs.push_back(t);
+    }
+    const int nruns = int(runs.size());
+    runs.push_back(num_tokens);
+    const int32_t* R = runs.data();
+
+    const int nth = num_threads > 0 ? num_threads : omp_get_max_threads();
+    const bool par = nth > 1 && int64_t(num_tokens) * Hkv * D >= (1 << 16) && nruns > 1;
+#pragma omp parallel for num_threads(nth) if (par) schedule(static)
+    for (int r = 0; r < nruns; ++r) {
+        const int t0 = R[r];
+        // The run ends at the next run's start or at the first skipped token before it.
+        int t1 = t0 + 1;
+        while (t1 < R[r + 1] && slot_mapping[t1] >= 0) ++t1;
+        const int64_t slot = slot_mapping[t0];
+        const int64_t blk = slot / bs;
+        const int off = int(slot % bs);
+        const int n = t1 - t0;
+        for (int h = 0; h < Hkv; ++h) {
+            const int64_t base = (blk * Hkv + h) * tile_elems;
+            const T* ks = k + t0 * k_st + h * k_sh;
+            const T* vs = v + t0 * v_st + h * v_sh;
+            if (k_layout == 1) {
+                if constexpr (sizeof(T) == 4) {
+                    transpose_rows(ks, k_st, n, D, k_cache + base + off, bs);
+                } else {
+                    for (int d = 0; d < D; ++d)
+                        for (int i = 0; i < n; ++i) k_cache[base + int64_t(d) * bs + off + i] = ks[i * k_st + d];
+                }
+            } else {
+                for (int i = 0; i < n; ++i)
+                    std::memcpy(k_cache + base + int64_t(off + i) * D, ks + i * k_st, sizeof(T) * D);
+            }
+            for (int i = 0; i < n; ++i)
+                std::memcpy(v_cache + base + int64_t(off + i) * D, vs + i * v_st, sizeof(T) * D);
+        }
+    }
+    return 0;
+}
+
+}  // namespace sf_attn
+
+using namespace sf_attn;
+
+extern "C" {
+
+
+
 int sf_attn_simd_width() { return VL; }
 
 // stats (nullable, 4 int64): number of work items, number of split (sequence, head, tile)
 // groups, largest split count, rows per token tile. dry_run != 0: plan only (for tests).
+// kv_bf16 != 0: k_cache and v_cache hold bf16 (uint16) values.
 int sf_attn_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, float* out, int64_t o_st, int64_t o_sh,
                                 const float* k_cache, const float* v_cache, const int32_t* query_start_loc,
                                 const int32_t* seq_lens, const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks,
                                 int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
                                 int block_size, int64_t num_blocks, float scale, int window, int k_layout,
-                                int num_splits, int rows_target, int num_threads, int64_t* stats, int dry_run) {
+                                int num_splits, int rows_target, int num_threads, int64_t* stats, int dry_run,
+                                int kv_bf16) {
     if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim > 256 ||
         block_size <= 0 || bt_stride < 0 || window < 0)
         return SF_ATTN_BAD_SHAPE;
@@ -579,6 +709,9 @@ int sf_attn_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, floa
     c.o_sh = o_sh;
     c.kc = k_cache;
     c.vc = v_cache;
+    c.kc16 = reinterpret_cast<const uint16_t*>(k_cache);
+    c.vc16 = reinterpret_cast<const uint16_t*>(v_cache);
+    c.kv_bf16 = kv_bf16;
     c.qsl = query_start_loc;
     c.seq_lens = seq_lens;
     c.bt = block_tables;
@@ -752,63 +885,11 @@ int sf_attn_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, floa
     return failed ? SF_ATTN_NO_MEMORY : SF_ATTN_OK;
 }
 
-// Scatter k/v [T][Hkv][D] (row strides k_st/v_st, head strides k_sh/v_sh, last dim contiguous)
-// into the caches at slot_mapping (slot = block * block_size + offset; < 0 skips the token).
-// Tokens with consecutive slots in one block (a prompt chunk) are written as a run: with the
-// transposed K tile each head-dim row of the run is then one contiguous store sequence rather
-// than one scattered 4-byte store per token.
 int sf_attn_write_kv_f32(const float* k, int64_t k_st, int64_t k_sh, const float* v, int64_t v_st, int64_t v_sh,
                          float* k_cache, float* v_cache, const int64_t* slot_mapping, int num_tokens, int num_kv_heads,
                          int head_dim, int block_size, int64_t num_blocks, int k_layout, int num_threads) {
-    if (num_tokens < 0 || num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0) return SF_ATTN_BAD_SHAPE;
-    const int64_t nslots = num_blocks * block_size;
-    for (int t = 0; t < num_tokens; ++t)
-        if (slot_mapping[t] >= nslots) return SF_ATTN_BAD_BLOCK;
-    const int D = head_dim, bs = block_size, Hkv = num_kv_heads;
-    const int64_t tile_elems = int64_t(bs) * D;
-
-    static thread_local std::vector<int32_t> runs;  // start token of each run, then num_tokens
-    runs.clear();
-    for (int t = 0; t < num_tokens; ++t) {
-        const int64_t slot = slot_mapping[t];
-        if (slot < 0) continue;
-        if (!runs.empty()) {
-            const int64_t prev = slot_mapping[t - 1];
-            if (t > 0 && prev >= 0 && slot == prev + 1 && slot % bs != 0 && t - runs.back() < bs) continue;
-        }
-        runs.push_back(t);
-    }
-    const int nruns = int(runs.size());
-    runs.push_back(num_tokens);
-    const int32_t* R = runs.data();
-
-    const int nth = num_threads > 0 ? num_threads : omp_get_max_threads();
-    const bool par = nth > 1 && int64_t(num_tokens) * Hkv * D >= (1 << 16) && nruns > 1;
-#pragma omp parallel for num_threads(nth) if (par) schedule(static)
-    for (int r = 0; r < nruns; ++r) {
-        const int t0 = R[r];
-        // The run ends at the next run's start or at the first skipped token before it.
-        int t1 = t0 + 1;
-        while (t1 < R[r + 1] && slot_mapping[t1] >= 0) ++t1;
-        const int64_t slot = slot_mapping[t0];
-        const int64_t blk = slot / bs;
-        const int off = int(slot % bs);
-        const int n = t1 - t0;
-        for (int h = 0; h < Hkv; ++h) {
-            const int64_t base = (blk * Hkv + h) * tile_elems;
-            const float* ks = k + t0 * k_st + h * k_sh;
-            const float* vs = v + t0 * v_st + h * v_sh;
-            if (k_layout == 1) {
-                transpose_rows(ks, k_st, n, D, k_cache + base + off, bs);
-            } else {
-                for (int i = 0; i < n; ++i)
-                    std::memcpy(k_cache + base + int64_t(off + i) * D, ks + i * k_st, sizeof(float) * D);
-            }
-            for (int i = 0; i < n; ++i)
-                std::memcpy(v_cache + base + int64_t(off + i) * D, vs + i * v_st, sizeof(float) * D);
-        }
-    }
-    return SF_ATTN_OK;
+    return write_kv(k, k_st, k_sh, v, v_st, v_sh, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim,
+                    block_size, num_blocks, k_layout, num_threads);
 }
 
 // Packed-argument entry points, what the ctypes wrapper calls: ctypes converts each argument
@@ -817,9 +898,18 @@ int sf_attn_write_kv_f32(const float* k, int64_t k_st, int64_t k_sh, const float
 //   attention: q, q_st, q_sh, out, o_st, o_sh, k_cache, v_cache, query_start_loc, seq_lens,
 //              block_tables, bt_stride, max_blocks, num_seqs, num_tokens, num_heads, num_kv_heads,
 //              head_dim, block_size, num_blocks, window, k_layout, num_splits, rows_target,
-//              num_threads, stats, dry_run                                             (27)
+//              num_threads, stats, dry_run, kv_bf16                                    (28)
 //   write:     k, k_st, k_sh, v, v_st, v_sh, k_cache, v_cache, slot_mapping, num_tokens,
 //              num_kv_heads, head_dim, block_size, num_blocks, k_layout, num_threads    (16)
+//              (the same for the bf16 write, with uint16 k, v and caches)
+int sf_attn_write_kv_bf16(const uint16_t* k, int64_t k_st, int64_t k_sh, const uint16_t* v, int64_t v_st,
+                          int64_t v_sh, uint16_t* k_cache, uint16_t* v_cache, const int64_t* slot_mapping,
+                          int num_tokens, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,
+                          int k_layout, int num_threads) {
+    return write_kv(k, k_st, k_sh, v, v_st, v_sh, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim,
+                    block_size, num_blocks, k_layout, num_threads);
+}
+
 int sf_attn_paged_attention_f32_packed(const int64_t* p, float scale) {
     return sf_attn_paged_attention_f32(
         reinterpret_cast<const float*>(p[0]), p[1], p[2], reinterpret_cast<float*>(p[3]), p[4], p[5],
@@ -827,7 +917,14 @@ int sf_attn_paged_attention_f32_packed(const int64_t* p, float scale) {
         reinterpret_cast<const int32_t*>(p[8]), reinterpret_cast<const int32_t*>(p[9]),
         reinterpret_cast<const int32_t*>(p[10]), p[11], p[12], int(p[13]), int(p[14]), int(p[15]), int(p[16]),
         int(p[17]), int(p[18]), p[19], scale, int(p[20]), int(p[21]), int(p[22]), int(p[23]), int(p[24]),
-        reinterpret_cast<int64_t*>(p[25]), int(p[26]));
+        reinterpret_cast<int64_t*>(p[25]), int(p[26]), int(p[27]));
+}
+
+int sf_attn_write_kv_bf16_packed(const int64_t* p) {
+    return sf_attn_write_kv_bf16(reinterpret_cast<const uint16_t*>(p[0]), p[1], p[2],
+                                 reinterpret_cast<const uint16_t*>(p[3]), p[4], p[5], reinterpret_cast<uint16_t*>(p[6]),
+                                 reinterpret_cast<uint16_t*>(p[7]), reinterpret_cast<const int64_t*>(p[8]), int(p[9]),
+                                 int(p[10]), int(p[11]), int(p[12]), p[13], int(p[14]), int(p[15]));
 }
 
 int sf_attn_write_kv_f32_packed(const int64_t* p) {
