@@ -21,6 +21,7 @@ down), so compare numbers within a line.
     python perf/bench_cpu_attention.py --layouts         # K transposed vs row-major K (+ L1 transpose)
     python perf/bench_cpu_attention.py --rows 24,48,96   # query rows per work item
     python perf/bench_cpu_attention.py --thp             # caches on transparent huge pages
+    python perf/bench_cpu_attention.py --bf16            # fp32 vs bf16 KV cache (same values)
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Batch:
     """A ragged batch over `layers` copies of a shuffled paged cache, in the torch layout and
     in the C++ kernel's layouts."""
 
-    def __init__(self, pairs, hq, hkv, d, bs, layers_bytes, gen, k_layouts, thp=False):
+    def __init__(self, pairs, hq, hkv, d, bs, layers_bytes, gen, k_layouts, thp=False, bf16=False):
         self.pairs = pairs
         q_lens = [n for n, _ in pairs]
         seq_lens = [n + c for n, c in pairs]
@@ -84,6 +85,7 @@ class Batch:
         self.v_new = torch.randn(t, hkv, d, generator=gen)
         self.n_layers = max(1, -(-layers_bytes // (2 * nb * bs * hkv * d * 4)))
         self.cpu_caches = {lay: [] for lay in k_layouts}
+        self.bf16_caches = []  # K transposed, bf16 (with --bf16)
         self.torch_caches = []
         def place(t: torch.Tensor) -> torch.Tensor:  # optionally a copy on transparent huge pages
             if not thp:
@@ -93,31 +95,34 @@ class Batch:
         for _ in range(self.n_layers):
             k_ref = torch.randn(nb, bs, hkv, d, generator=gen)
             v_ref = torch.randn(nb, bs, hkv, d, generator=gen)
+            if bf16:  # the same values in both caches
+                k_ref, v_ref = k_ref.bfloat16().float(), v_ref.bfloat16().float()
+                self.bf16_caches.append(cpu_pa.from_reference_layout(k_ref.bfloat16(), v_ref.bfloat16()))
             for lay in k_layouts:
                 k, v = cpu_pa.from_reference_layout(k_ref, v_ref, k_layout=lay)
                 self.cpu_caches[lay].append((place(k), place(v)))
             self.torch_caches.append((place(k_ref.permute(0, 2, 1, 3).contiguous()),
                                       place(v_ref.permute(0, 2, 1, 3).contiguous())))
 
-    def kv_bytes_read(self) -> int:
-        return sum(self.seq_lens) * self.hkv * self.d * 4 * 2
+    def kv_bytes_read(self, itemsize: int = 4) -> int:
+        return sum(self.seq_lens) * self.hkv * self.d * itemsize * 2
 
     def flops(self) -> float:
         return sum(4.0 * n * (c + (n + 1) / 2) * self.hq * self.d for n, c in self.pairs)
 
-    def rate(self, ms: float) -> str:
+    def rate(self, ms: float, itemsize: int = 4) -> str:
         if max(self.q_lens) == 1:
-            return f"{self.kv_bytes_read() / ms / 1e6:6.1f} GB/s"
+            return f"{self.kv_bytes_read(itemsize) / ms / 1e6:6.1f} GB/s"
         return f"{self.flops() / ms / 1e6:6.1f} GFLOP/s"
 
     # Timed functions (argument: layer index).
-    def ours(self, k_layout=cpu_pa.K_TRANSPOSED, rows=None):
+    def ours(self, k_layout=cpu_pa.K_TRANSPOSED, rows=None, bf16=False):
         out = torch.empty_like(self.q)
         m = self.meta
         scale = self.d ** -0.5
 
         def fn(i):
-            k, v = self.cpu_caches[k_layout][i]
+            k, v = self.bf16_caches[i] if bf16 else self.cpu_caches[k_layout][i]
             cpu_pa.paged_attention(self.q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale, out=out,
                                    rows_per_tile=rows, k_layout=k_layout)
         return fn
@@ -182,6 +187,7 @@ def main() -> None:
                    help="caches of both paths on transparent huge pages (as cpu_pa.allocate_cache gives)")
     p.add_argument("--layouts", action="store_true", help="compare the K layouts (no torch path)")
     p.add_argument("--rows", default=None, help="comma-separated rows_per_tile values to compare (no torch path)")
+    p.add_argument("--bf16", action="store_true", help="compare an fp32 and a bf16 KV cache (no torch path)")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -200,8 +206,16 @@ def main() -> None:
 
     for name, pairs in cases.items():
         b = Batch(pairs, args.heads, args.kv_heads, args.head_dim, args.block_size, args.layers_mb << 20, gen,
-                  layouts, thp=args.thp)
-        if args.layouts:
+                  layouts, thp=args.thp, bf16=args.bf16)
+        if args.bf16:
+            r = time_interleaved({"fp32": b.ours(), "bf16": b.ours(bf16=True)}, b.n_layers, args.rounds, args.calls)
+            m = b.meta
+            outs = [cpu_pa.paged_attention(b.q, k, v, m.query_start_loc, m.seq_lens, m.block_tables,
+                                           args.head_dim ** -0.5) for k, v in (b.cpu_caches[T][0], b.bf16_caches[0])]
+            print(f"{name:<18} fp32 cache {r['fp32']:7.3f} ms ({b.rate(r['fp32'])})   bf16 cache {r['bf16']:7.3f} ms "
+                  f"({b.rate(r['bf16'], 2)})   x{r['fp32'] / r['bf16']:4.2f}   "
+                  f"max|diff| {(outs[0] - outs[1]).abs().max().item():.1e}")
+        elif args.layouts:
             r = time_interleaved({"T": b.ours(T), "R": b.ours(R), "wT": b.ours_write(T), "wR": b.ours_write(R),
                                   "sT": b.ours_step(T), "sR": b.ours_step(R)}, b.n_layers, args.rounds, args.calls)
             print(f"{name:<18} K transposed {r['T']:7.3f} ms ({b.rate(r['T'])})   K row-major {r['R']:7.3f} ms "

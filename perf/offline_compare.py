@@ -4,6 +4,11 @@ same run) to say what share of the compute roofline each reaches.
 
     .venv/bin/python perf/offline_compare.py                      # 48 requests, prompts ~N(600, 30%)
     .venv/bin/python perf/offline_compare.py --systems ours --param token_budget=256
+    .venv/bin/python perf/offline_compare.py --systems ours,ours:int8,ours:bf16,vllm_2c,vllm_2c:bf16 --name precision
+
+A system may carry a precision after a colon: `:int8` (our quantization=int8) or `:bf16`
+(dtype bfloat16, ours and vLLM's). Every system also runs one request alone (single stream):
+time to first token and the decode time per output token.
 
 Prompts are random token ids (no shared prefixes), every request generates exactly its drawn
 length (greedy, ignore_eos). Writes perf/results/offline/<name>.json with the machine, CPU flags,
@@ -73,6 +78,16 @@ def gemm_peak_gflops(threads: int) -> float:
     return best
 
 
+PRECISIONS = {"": {}, "int8": {"quantization": "int8"}, "bf16": {"dtype": "bfloat16"}}
+
+
+def single_stream(reqs: list[dict]) -> list[dict]:
+    """The two runs that time one request alone: its prompt with 1 output token (time to first
+    token) and with 1 + n (the difference is n decode steps)."""
+    prompt = reqs[0]["prompt"]
+    return [{"prompt": prompt, "max_tokens": 1}, {"prompt": prompt, "max_tokens": 61}]
+
+
 def run_ours(model_dir: str, reqs: list[dict], params: dict[str, str]) -> dict:
     """In a child process, so each system starts from a clean interpreter and thread pool."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,24 +103,32 @@ def run_ours(model_dir: str, reqs: list[dict], params: dict[str, str]) -> dict:
             "llm.generate([reqs[0]['prompt'][:16]], SamplingParams(max_tokens=4, temperature=0.0))\n"
             "ps=[SamplingParams(max_tokens=r['max_tokens'], temperature=0.0, ignore_eos=True) for r in reqs]\n"
             "t=time.perf_counter(); outs=llm.generate([r['prompt'] for r in reqs], ps); wall=time.perf_counter()-t\n"
-            "backend=llm.engine.runner.attention_backend\n"
-            "json.dump({'wall_s': wall, 'attention_backend': backend,"
+            "single=[]\n"
+            "for r in json.loads(sys.argv[5]):\n"
+            "    t=time.perf_counter(); llm.generate([r['prompt']], SamplingParams(max_tokens=r['max_tokens'],"
+            " temperature=0.0, ignore_eos=True)); single.append(time.perf_counter()-t)\n"
+            "runner=llm.engine.runner\n"
+            "json.dump({'wall_s': wall, 'single_stream_s': single, 'attention_backend': runner.attention_backend,"
+            " 'linear_backend': runner.linear_backend, 'weights': runner.weight_memory_summary(),"
             " 'outputs': [list(o.token_ids) for o in outs]}, open(sys.argv[2],'w'))\n"
         )
-        subprocess.run([sys.executable, "-c", code, str(req_path), str(out_path), json.dumps(params), model_dir],
-                       check=True)
+        subprocess.run([sys.executable, "-c", code, str(req_path), str(out_path), json.dumps(params), model_dir,
+                        json.dumps(single_stream(reqs))], check=True)
         return json.loads(out_path.read_text())
 
 
-def run_vllm(model_dir: str, reqs: list[dict], vllm_python: str, threads_bind: str | None) -> dict:
+def run_vllm(model_dir: str, reqs: list[dict], vllm_python: str, threads_bind: str | None,
+             dtype: str = "float32") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        req_path, out_path = Path(tmp) / "req.json", Path(tmp) / "out.json"
+        req_path, out_path, single_path = Path(tmp) / "req.json", Path(tmp) / "out.json", Path(tmp) / "single.json"
         req_path.write_text(json.dumps(reqs))
+        single_path.write_text(json.dumps(single_stream(reqs)))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
         if threads_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
         subprocess.run([vllm_python, str(HERE / "vllm_offline.py"), str(req_path), str(out_path),
-                        "--model", str(Path(model_dir).resolve())], check=True, env=env)
+                        "--model", str(Path(model_dir).resolve()), "--dtype", dtype,
+                        "--single-stream", str(single_path)], check=True, env=env)
         return json.loads(out_path.read_text())
 
 
@@ -116,7 +139,8 @@ def main() -> None:
     ap.add_argument("--prompt-mean", type=float, default=600)
     ap.add_argument("--gen-mean", type=float, default=60)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--systems", default="ours,vllm_2c", help="comma list of ours, vllm (its own binding), vllm_2c")
+    ap.add_argument("--systems", default="ours,vllm_2c",
+                    help="comma list of ours, vllm (its own binding), vllm_2c, each optionally :int8 (ours) or :bf16")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="our engine parameter")
     ap.add_argument("--vllm-python", default=str(HERE / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--name", default="offline")
@@ -131,26 +155,46 @@ def main() -> None:
     flops = sum(flops_per_request(args.model_dir, len(r["prompt"]), r["max_tokens"]) for r in reqs)
     peak = gemm_peak_gflops(os.cpu_count() or 1)
     results: dict[str, dict] = {}
+    outputs_by_system: dict[str, list[list[int]]] = {}
     for system in args.systems.split(","):
         print(f"[offline] {system} ...", flush=True)
-        if system == "ours":
-            r = run_ours(args.model_dir, reqs, params)
-        elif system in ("vllm", "vllm_2c"):
-            r = run_vllm(args.model_dir, reqs, args.vllm_python, "0-1" if system == "vllm_2c" else None)
+        base, _, precision = system.partition(":")
+        if precision not in PRECISIONS or (base != "ours" and precision == "int8"):
+            raise SystemExit(f"unknown system {system!r}")
+        if base == "ours":
+            r = run_ours(args.model_dir, reqs, {**params, **PRECISIONS[precision]})
+        elif base in ("vllm", "vllm_2c"):
+            r = run_vllm(args.model_dir, reqs, args.vllm_python, "0-1" if base == "vllm_2c" else None,
+                         "bfloat16" if precision == "bf16" else "float32")
         else:
             raise SystemExit(f"unknown system {system!r}")
-        outputs = r.pop("outputs")
+        outputs_by_system[system] = outputs = r.pop("outputs")
         r["req_per_s"] = len(reqs) / r["wall_s"]
         r["tokens_generated"] = sum(len(o) for o in outputs)
         r["roofline_share"] = flops / r["wall_s"] / 1e9 / peak
+        first, both = r.pop("single_stream_s")
+        r["single_stream"] = {"prompt_tokens": len(reqs[0]["prompt"]), "ttft_ms": 1e3 * first,
+                              "decode_ms_per_token": 1e3 * (both - first) / 60}
         results[system] = r
         print(f"[offline] {system}: {r['wall_s']:.2f} s, {r['req_per_s']:.3f} req/s, "
-              f"{100 * r['roofline_share']:.1f}% of the GEMM peak", flush=True)
+              f"{100 * r['roofline_share']:.1f}% of the GEMM peak; single stream: TTFT "
+              f"{r['single_stream']['ttft_ms']:.0f} ms, {r['single_stream']['decode_ms_per_token']:.1f} ms/token",
+              flush=True)
     ratios = {}
-    if "ours" in results:
-        for peer in ("vllm", "vllm_2c"):
-            if peer in results:
-                ratios[f"ours/{peer}"] = results["ours"]["req_per_s"] / results[peer]["req_per_s"]
+    for system in results:
+        for peer in results:
+            if system.startswith("ours") and peer != system:
+                ratios[f"{system}/{peer}"] = results[system]["req_per_s"] / results[peer]["req_per_s"]
+    # Greedy agreement of each of our low-precision runs with our fp32 run, per request.
+    agreement = {}
+    if "ours" in outputs_by_system:
+        ref = outputs_by_system["ours"]
+        for system, outs in outputs_by_system.items():
+            if system.startswith("ours:"):
+                agreement[system] = {
+                    "first_token": sum(o[:1] == r[:1] for o, r in zip(outs, ref)) / len(ref),
+                    "first_8_tokens": sum(o[:8] == r[:8] for o, r in zip(outs, ref)) / len(ref),
+                }
     out = {
         "benchmark": "offline LLM.generate",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -165,6 +209,7 @@ def main() -> None:
         "workload_gflop": flops / 1e9,
         "results": results,
         "ratios": ratios,
+        "greedy_agreement_with_ours_fp32": agreement,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{args.name}.json"
