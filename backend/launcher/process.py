@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,6 +22,9 @@ from pathlib import Path
 from splitfuse import control
 from splitfuse.launcher.repository import render_model_repository
 from splitfuse.launcher.triton_install import TritonInstall, build_backend_dir, find_tritonserver, server_env
+
+# Header that unlocks the model-repository API (load/unload); its value is random per server.
+REPOSITORY_API_HEADER = "splitfuse-repository-key"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -74,6 +78,7 @@ class TritonServer:
     """stop() had to SIGKILL the server."""
     drained: bool = False
     """stop() saw every generation finish (or abort) before it sent SIGTERM."""
+    _repository_api_key: str = field(default="", repr=False)
 
     @property
     def _client_host(self) -> str:
@@ -106,8 +111,22 @@ class TritonServer:
             "--allow-gpu-metrics=false",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
+            *self._model_control_args(),
             *self.extra_args,
         ]
+
+    def _model_control_args(self) -> list[str]:
+        """Explicit model control, every model loaded at start: the one way a Python model can
+        stop reporting ready in Triton 2.51 is to unload itself (`pb_utils.unload_model`), which
+        the llm model does when its engine broke. Clients keep the repository API they had
+        (none): it is restricted to a header only this process knows."""
+        if any(a.startswith("--model-control-mode") for a in self.extra_args):
+            return []
+        if not self._repository_api_key:
+            self._repository_api_key = secrets.token_hex(16)
+        restricted = f"model-repository:{REPOSITORY_API_HEADER}={self._repository_api_key}"
+        return ["--model-control-mode=explicit", "--load-model=*", f"--http-restricted-api={restricted}",
+                f"--grpc-restricted-protocol={restricted}"]
 
     def start(self) -> None:
         if self.process is not None:

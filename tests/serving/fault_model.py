@@ -5,7 +5,8 @@ model beside it as llm_model.py. A client request id starting with
     fault-add     makes adding the request to the engine raise,
     fault-abort   makes aborting it raise (stop it with a `stop` request),
     fault-sample  makes sampling any batch that holds it raise,
-    fault-break   breaks the engine's block pool from then on (freeing KV raises).
+    fault-break   breaks the engine's block pool from then on (freeing KV raises),
+    fault-respond makes building its second response raise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,21 @@ _spec.loader.exec_module(_real)
 
 class InjectedFault(RuntimeError):
     pass
+
+
+_built: dict[str, int] = {}
+_response_arrays = _real.response_arrays
+
+
+def _faulty_response_arrays(parsed, out, echo_prompt=None):
+    if _marked(out.request_id, "respond"):
+        _built[out.request_id] = _built.get(out.request_id, 0) + 1
+        if _built[out.request_id] == 2:
+            raise InjectedFault("injected response fault")
+    return _response_arrays(parsed, out, echo_prompt)
+
+
+_real.response_arrays = _faulty_response_arrays
 
 
 def _marked(engine_id: str, kind: str) -> bool:

@@ -3,8 +3,9 @@ one request's add, abort or sampling fails that request alone while the others f
 model stays ready; a broken engine fails every pending and later request at once, nothing
 hangs, the health gauge drops, and the server still shuts down cleanly.
 
-Triton 2.51 gives a Python model no way to report itself not ready (see README, "A server
-that cannot wedge"); the last test pins that down.
+Triton 2.51 ties a model's readiness to its load state only (a dead stub still reports ready),
+so a broken engine unloads its own model (explicit model control, the launcher's default); the
+last test checks that the model and the server then report not ready.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_helpers import GrpcStream, grpc_generate, metric_sum, metrics, settled, wait_for
+from triton_helpers import GrpcStream, InferenceServerException, grpc_generate, metric_sum, metrics, settled, wait_for
 
 pytestmark = pytest.mark.serving
 
@@ -60,7 +61,7 @@ def _generate(server, prompt: str, request_id: str = "", **extra):
                          timeout=120)
 
 
-def test_one_request_failing_in_add_abort_or_sampling_fails_alone(server):
+def test_one_request_failing_in_add_abort_sampling_or_its_response_fails_alone(server):
     alone = {p: _generate(server, p) for p in PROMPTS}
     assert all(r.error is None and len(r.output_ids) == 16 for r in alone.values())
     errors_before = _finished(server, "error")
@@ -75,10 +76,11 @@ def test_one_request_failing_in_add_abort_or_sampling_fails_alone(server):
                 assert stop.collect(timeout=30).finish_reason == "abort"
             return s.collect(timeout=60)
 
-    with ThreadPoolExecutor(6) as pool:
+    with ThreadPoolExecutor(7) as pool:
         normal = {p: pool.submit(_generate, server, p) for p in PROMPTS}
         add = pool.submit(_generate, server, "hello", "fault-add-1")
         sample = pool.submit(_generate, server, "hello", "fault-sample-1")
+        respond = pool.submit(_generate, server, "hello", "fault-respond-1")
         abort = pool.submit(aborted_with_fault)
         for p, f in normal.items():
             r = f.result(timeout=180)
@@ -87,10 +89,14 @@ def test_one_request_failing_in_add_abort_or_sampling_fails_alone(server):
         assert "add failed" in (add.result(timeout=60).error or "")
         assert "injected sampling fault" in (sample.result(timeout=60).error or "")
         assert "abort failed" in (abort.result(timeout=60).error or "")
+        responded = respond.result(timeout=60)  # its first delta went out, then its error
+        assert "could not build the response" in (responded.error or "") and len(responded.output_ids) == 1
     assert wait_for(lambda: _finished(server, "error") - errors_before == 3)
     assert wait_for(lambda: _used(server) == 0), "a failed request kept its KV blocks"
     client = grpcclient.InferenceServerClient(server.grpc_url)
     assert client.is_model_ready("llm") and client.is_server_ready()
+    with pytest.raises(InferenceServerException, match="restricted"):  # explicit mode, yet not for clients
+        client.unload_model("llm")
     assert metric_sum(server.metrics_url, "splitfuse_engine_healthy") == 1
     assert _generate(server, PROMPTS[0]).output_ids == alone[PROMPTS[0]].output_ids
 
@@ -152,9 +158,9 @@ def test_broken_engine_fails_pending_and_later_requests_at_once(server):
         s.close()
     for r in [breaker, *results]:
         assert r.error is not None and "engine failed" in r.error and "injected block pool fault" in r.error, r
+    # Not ready: Triton 2.51 ties readiness to the load state alone, so the model unloads itself.
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    assert wait_for(lambda: not client.is_model_ready("llm"), timeout=60)
+    assert not client.is_server_ready() and client.is_server_live()
     later = _generate(server, "hello")
-    assert "engine failed" in (later.error or "")
-    assert wait_for(lambda: metric_sum(server.metrics_url, "splitfuse_engine_healthy") == 0)
-    # Triton 2.51: a Python model cannot mark itself not ready (readiness is the model's load
-    # state; per-instance readiness came with TRITONBACKEND_ModelInstanceReady, after 2.51).
-    assert grpcclient.InferenceServerClient(server.grpc_url).is_model_ready("llm")
+    assert later.error is not None and "llm" in later.error  # unknown model / no available versions

@@ -66,6 +66,8 @@ class Live:
     last_token: float | None = None
     cancelled: bool = False
     echo_pending: bool = False
+    error: str | None = None
+    """Its response could not be built: the final response carries this error."""
     done: bool = False
     """The final response went out. Guarded by `lock`: after the final flag Triton frees the
     response factory, and is_cancelled() on it then crashes the whole server (2.51)."""
@@ -91,7 +93,7 @@ class TritonPythonModel:
         self.tokenizer = self.engine.tokenizer
         labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
         self.metrics = TritonMetrics(labels)
-        self.failure_logged = False
+        self.failure_reported = False
         self.live: dict[str, Live] = {}
         self.live_lock = threading.Lock()
         self.ids = itertools.count()
@@ -189,14 +191,21 @@ class TritonPythonModel:
             if out.finished:
                 with live.lock:
                     try:
-                        if out.error is not None:
+                        if out.error is not None:  # failed inside the engine
                             self._send_error(live.sender, out.error, self._error_code())
+                        elif live.error is not None:
+                            self._send_error(live.sender, live.error, pb_utils.TritonError.INTERNAL)
                         else:
-                            self._send(live, out)
+                            error = self._send(live, out)
+                            if error is not None:
+                                self._send_error(live.sender, error, pb_utils.TritonError.INTERNAL)
                     finally:
                         live.done = True
-            elif live.parsed.stream:
-                self._send(live, out)
+            elif live.parsed.stream and live.error is None:
+                live.error = self._send(live, out)
+                if live.error is not None and not live.cancelled:  # its final response carries the error
+                    live.cancelled = True
+                    self.loop.abort(live.engine_id)
         finally:
             if out.finished:  # only now: the shutdown handshake waits for `live` to empty
                 with self.live_lock:
@@ -206,20 +215,26 @@ class TritonPythonModel:
         # The engine broke for good: like a server that went away. Else this request alone failed.
         return pb_utils.TritonError.UNAVAILABLE if self.loop.failure is not None else pb_utils.TritonError.INTERNAL
 
-    def _send(self, live: Live, out: RequestOutput) -> None:
+    def _send(self, live: Live, out: RequestOutput) -> str | None:
+        """Send one response; returns why, when this request's response could not be built."""
         echo = None
         if live.echo_pending:  # exclude_input_in_output=false: the prompt leads the first response
             live.echo_pending = False
             echo = self._prompt_text(live, out)
         try:
             response = _response(response_arrays(live.parsed, out, echo))
+        except Exception as e:
+            log.exception("%s: building a response for %s failed", self.instance, live.engine_id)
+            return f"could not build the response: {type(e).__name__}: {e}"
+        try:
             live.sender.send(response, flags=FINAL if out.finished else 0)
         except Exception as e:
-            # The client is gone (or the response could not be built): stop generating for it.
+            # The client is gone: stop generating for it.
             log.warning("%s: sending a response for %s failed (%s); aborting it", self.instance, live.engine_id, e)
             if not out.finished and not live.cancelled:
                 live.cancelled = True
                 self.loop.abort(live.engine_id)
+        return None
 
     def _prompt_text(self, live: Live, out: RequestOutput) -> str:
         if live.parsed.prompt_text is not None:
@@ -277,13 +292,31 @@ class TritonPythonModel:
 
     def _publish_metrics(self) -> None:
         failure = self.loop.failure
-        if failure is not None and not self.failure_logged:
-            self.failure_logged = True
-            pb_utils.Logger.log_error(
-                f"{self.instance}: the engine failed and serves no more requests ({failure}); every request "
-                "gets an UNAVAILABLE error. Triton 2.51 cannot mark a Python model not ready: watch "
-                "splitfuse_engine_healthy, or restart the server.")
+        if failure is not None and not self.failure_reported:
+            self.failure_reported = True
+            self._report_not_ready(failure)
         self.metrics.publish(self.recorder.drain(), self.loop.stats(), healthy=failure is None)
+
+    def _report_not_ready(self, failure: str) -> None:
+        """The engine broke (every request it held has failed; new ones get UNAVAILABLE).
+
+        Triton 2.51 keeps a loaded Python model READY whatever its stub does (even after the
+        stub process dies); the one way to stop reporting ready is to unload the model, which
+        needs explicit model control (the launcher's default). That unloads every instance of
+        this model: a broken engine is a bug, and a restart is what cures it. Its own thread,
+        as unloading waits for finalize(), which joins the housekeeping thread."""
+        pb_utils.Logger.log_error(f"{self.instance}: the engine failed and serves no more requests ({failure}); "
+                                  f"unloading '{self.model_name}' so that it reports not ready")
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.model_name)
+            except Exception as e:  # e.g. not in explicit model-control mode
+                pb_utils.Logger.log_error(
+                    f"{self.instance}: could not unload '{self.model_name}' ({e}); it keeps reporting ready, "
+                    "every request gets an UNAVAILABLE error: watch splitfuse_engine_healthy")
+
+        threading.Thread(target=unload, name="splitfuse-unload", daemon=True).start()
 
 
 def _response(arrays: dict[str, np.ndarray]):
