@@ -235,3 +235,17 @@ def test_broken_engine_fails_pending_and_later_requests(loop):
         loop.submit("later", "hello", GREEDY, out)
     loop._thread.join(timeout=10)
     assert not loop._thread.is_alive()
+
+
+def test_step_stats_count_preemptions(tiny_llama):
+    """StepStats.num_preemptions (the splitfuse_preemptions_total metric) adds up to the
+    scheduler's own count when the pool is too small for every sequence at once."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama, token_budget=32, block_size=4, num_kv_blocks=24,
+                                    kv_watermark=0.0, attention_backend="torch"))
+    for i in range(4):
+        engine.add_request(f"p{i}", [1, 2, 3, 4 + i], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    counted = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        counted += engine.last_step.num_preemptions if engine.last_step else 0
+    assert engine.scheduler.num_preemptions > 0 and counted == engine.scheduler.num_preemptions
