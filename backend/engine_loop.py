@@ -174,7 +174,9 @@ class EngineLoop:
 
     def _fail_in_flight(self, error: str) -> None:
         with self._lock:
-            in_flight = list(self._callbacks)
+            # Not the requests submitted since the step began: they were not part of it.
+            queued = {c[1] for c in self._inbox if c[0] == "add"}
+            in_flight = [request_id for request_id in self._callbacks if request_id not in queued]
         for request_id in in_flight:
             self._fail_request(request_id, error, check=False)
         self.engine.check_invariants()
