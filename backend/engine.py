@@ -180,12 +180,14 @@ class LLMEngine:
             num_prompt_tokens += max(0, min(done + c.num_tokens, c.seq.num_prompt_tokens) - done)
             c.seq.num_computed_tokens += c.num_tokens
         outputs = []
+        num_generated = 0
         for seq, row in zip(sampling, sampled):
             try:
                 if isinstance(row, Exception):
                     raise row
                 token, logprob = row
                 seq.append_token(token, logprob)
+                num_generated += 1
                 outputs.append(self._after_token(seq, token))
             except Exception as e:  # sampling, stop check or detokenizing of this request alone
                 log.exception("request %s failed; ending it alone", seq.request_id)
@@ -193,7 +195,7 @@ class LLMEngine:
         self.last_step = StepStats(
             num_tokens=batch.num_tokens,
             num_prompt_tokens=num_prompt_tokens,
-            num_generated_tokens=len(sampling),
+            num_generated_tokens=num_generated,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.blocks.num_used_blocks,

@@ -66,7 +66,13 @@ def test_sampling_failure_of_one_request_fails_it_alone(tiny_llama, expected):
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, GREEDY)
     engine.add_request("poison", "hello world", GREEDY)
-    finals = run_to_end(engine)
+    finals, generated = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        generated += engine.last_step.num_generated_tokens
+    assert generated == len(PROMPTS) * GREEDY.max_tokens  # the failed request generated nothing
     bad = finals["poison"]
     assert bad.finish_reason == "error" and "Injected" in bad.error and "poison" in bad.error
     for rid in PROMPTS:
