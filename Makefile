@@ -36,7 +36,7 @@ $(DEMO_MODEL)/config.json: | install
 demo-model: $(DEMO_MODEL)/config.json
 
 serve: install kernels $(if $(MODEL),,$(DEMO_MODEL)/config.json)
-	$(PY) -m splitfuse.server --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" \
+	$(PY) -m splitfuse.launcher --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 test: install kernels

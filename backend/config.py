@@ -57,6 +57,10 @@ class EngineConfig:
     """OpenMP threads on CPU for torch and the C++ kernels; 0 keeps torch's default (one per core)."""
     seed: int = 0
     """Seed for requests that give none."""
+    default_temperature: float = 0.0
+    """Temperature of server requests that send no `temperature` input: 0 = greedy, as
+    TensorRT-LLM's ensemble is when no sampling inputs are sent. (`SamplingParams` built in
+    Python carry their own temperature.)"""
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
@@ -81,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if not (isinstance(self.default_temperature, (int, float)) and 0.0 <= self.default_temperature < float("inf")):
+            raise ValueError(f"default_temperature must be a finite number >= 0, got {self.default_temperature!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

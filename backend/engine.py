@@ -42,6 +42,8 @@ class StepStats:
     kv_blocks_free: int
     duration_s: float
     forward_s: float
+    num_preemptions: int = 0
+    """Sequences preempted (KV freed, to be recomputed) while scheduling this step."""
 
 
 @dataclass
@@ -116,11 +118,19 @@ class LLMEngine:
         self.add_prepared(request_id, token_ids, params)
 
     def add_prepared(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
-        """Add a request whose prompt `prepare_prompt` already validated."""
+        """Add a request whose prompt `prepare_prompt` already validated. All or nothing: when
+        it raises, the engine keeps no trace of the request."""
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, next(self._arrivals))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params)
         self._seqs[request_id] = seq
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
-        self.scheduler.add(seq)
+        self._detokenizers[request_id] = detokenizer
+        try:
+            self.scheduler.add(seq)
+        except BaseException:
+            del self._seqs[request_id], self._detokenizers[request_id]
+            raise
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its KV blocks now. Returns its final output, or None if
@@ -129,6 +139,14 @@ class LLMEngine:
         if seq is None:
             return None
         return self._finish(seq, FinishReason.ABORT, [])
+
+    def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
+        """End a request with finish_reason "error" and free its KV blocks now. Returns its
+        final output (carrying `error`), or None if it is unknown or already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._fail(seq, error)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
@@ -155,29 +173,59 @@ class LLMEngine:
         forward_start = time.perf_counter()
         logits = self.runner.execute(batch)
         forward_s = time.perf_counter() - forward_start
-        sampled = self.sampler(logits, sampling) if sampling else None
+        sampled = self._sample(logits, sampling) if sampling else []
         num_prompt_tokens = 0
         for c in chunks:
             done = c.seq.num_computed_tokens
             num_prompt_tokens += max(0, min(done + c.num_tokens, c.seq.num_prompt_tokens) - done)
             c.seq.num_computed_tokens += c.num_tokens
         outputs = []
-        for i, seq in enumerate(sampling):
-            token = sampled.token_ids[i]
-            seq.append_token(token, sampled.logprobs[i])
-            outputs.append(self._after_token(seq, token))
+        num_generated = 0
+        for seq, row in zip(sampling, sampled):
+            try:
+                if isinstance(row, Exception):
+                    raise row
+                token, logprob = row
+                seq.append_token(token, logprob)
+                num_generated += 1
+                outputs.append(self._after_token(seq, token))
+            except Exception as e:  # sampling, stop check or detokenizing of this request alone
+                log.exception("request %s failed; ending it alone", seq.request_id)
+                outputs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
         self.last_step = StepStats(
             num_tokens=batch.num_tokens,
             num_prompt_tokens=num_prompt_tokens,
-            num_generated_tokens=len(sampling),
+            num_generated_tokens=num_generated,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.blocks.num_used_blocks,
             kv_blocks_free=self.blocks.num_free_blocks,
             duration_s=time.perf_counter() - start,
             forward_s=forward_s,
+            num_preemptions=len(decision.preempted),
         )
         return outputs
+
+    def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, float | None] | Exception]:
+        """Per sampling row: (token, log-prob), or what sampling that row raised.
+
+        The batch is sampled in one call; only when that raises is each row sampled alone, so
+        that a failure tied to one request (its parameters, its logits) fails that request
+        and not the batch. Seeded rows draw the same tokens either way (their noise depends on
+        seed and position only)."""
+        try:
+            out = self.sampler(logits, seqs)
+            return list(zip(out.token_ids, out.logprobs))
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling each request alone", len(seqs))
+        rows: list[tuple[int, float | None] | Exception] = []
+        for i, seq in enumerate(seqs):
+            try:
+                out = self.sampler(logits[i : i + 1], [seq])
+                rows.append((out.token_ids[0], out.logprobs[0]))
+            except Exception as e:
+                rows.append(e)
+        return rows
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params
@@ -204,6 +252,24 @@ class LLMEngine:
             delta = already_detokenized
         del self._seqs[seq.request_id]
         return self._output(seq, new_tokens, delta, reason, detok)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """Finish `seq` with an error, without its detokenizer (which may be what failed)."""
+        seq.finish_reason = FinishReason.ERROR
+        self.scheduler.finish(seq)  # safe after a partial _finish: freeing twice frees nothing
+        self._detokenizers.pop(seq.request_id, None)
+        self._seqs.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            delta_token_ids=[],
+            delta_text="",
+            finished=True,
+            finish_reason=FinishReason.ERROR.value,
+            seq_token_ids=seq.token_ids,
+            num_tokens=len(seq.token_ids),
+            error=error,
+        )
 
     def _output(self, seq: Sequence, new_tokens: list[int], delta_text: str, reason: FinishReason | None,
                 detokenizer: IncrementalDetokenizer | None = None) -> RequestOutput:

@@ -9,6 +9,17 @@ thread that starts parallel regions gets its own OpenMP worker pool, and once a 
 more OpenMP threads than cores, libgomp stops spinning between regions and puts its workers to
 sleep: building the engine on the caller's thread and stepping it on this one doubled a
 single-sequence decode step on 2 cores (11 -> 24 ms on the benchmark model).
+
+Failures are contained at the smallest scope that explains them:
+- one request (its sampling, stop check or text; its add or abort): that request ends with
+  finish_reason "error" and its KV blocks are freed, the others go on (the engine does the
+  per-request part of a step itself);
+- a whole step (scheduling, the forward pass): every request in flight ends with an error, the
+  loop goes on with the next requests;
+- the engine's own bookkeeping (freeing a request fails, the block-pool invariants do not hold
+  after a failure, or the loop itself raises): the engine is broken. Every pending request
+  ends with an error, every later `submit` raises `EngineFailedError`, and `failure` says why;
+  the thread ends. Nothing waits forever.
 """
 
 from __future__ import annotations
@@ -20,13 +31,17 @@ from typing import Callable
 
 from splitfuse.config import EngineConfig
 from splitfuse.engine import EngineStats, LLMEngine, StepStats
-from splitfuse.sequence import RequestOutput, SamplingParams
+from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
 
-__all__ = ["EngineLoop", "EngineStats", "StepStats", "OutputCallback"]
+__all__ = ["EngineLoop", "EngineFailedError", "EngineStats", "StepStats", "OutputCallback"]
+
+
+class EngineFailedError(RuntimeError):
+    """The engine is broken and serves no more requests (`EngineLoop.failure` says why)."""
 
 
 class EngineLoop:
@@ -40,6 +55,7 @@ class EngineLoop:
         self._inbox: deque[tuple] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
+        self._failure: str | None = None
         self._thread = threading.Thread(target=self._run, name="splitfuse-engine", daemon=True)
 
     def start(self) -> LLMEngine:
@@ -51,11 +67,19 @@ class EngineLoop:
             raise self._init_error
         return self.engine
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped serving for good; None while it is healthy."""
+        return self._failure
+
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                on_output: OutputCallback) -> None:
-        """Validate (raising ValueError in the caller's thread) and enqueue a request."""
+        """Validate (raising ValueError in the caller's thread) and enqueue a request.
+        Raises EngineFailedError once the engine is broken, RuntimeError while shutting down."""
+        self._raise_if_failed()
         token_ids = self.engine.prepare_prompt(prompt, params)
         with self._lock:
+            self._raise_if_failed()
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
             if request_id in self._callbacks:
@@ -80,6 +104,10 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise EngineFailedError(f"the engine failed and serves no more requests: {self._failure}")
+
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -89,6 +117,13 @@ class EngineLoop:
             return
         finally:
             self._ready.set()
+        try:
+            self._serve()
+        except BaseException as e:  # cleaning up after a failure failed: nothing is trusted now
+            log.exception("the engine is broken; failing every request")
+            self._break(_root_cause(e))
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while not self._inbox and not self._stopping and not self.engine.has_unfinished_requests():
@@ -99,17 +134,18 @@ class EngineLoop:
             for command in commands:
                 self._apply(command)
             if stopping:
-                for request_id in list(self._callbacks):
+                with self._lock:
+                    left = list(self._callbacks)
+                for request_id in left:
                     self._apply(("abort", request_id))
                 return
             if not self.engine.has_unfinished_requests():
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:  # a failing step must not take the server down with it
-                log.exception("engine step failed; aborting the requests in flight")
-                for request_id in list(self._callbacks):
-                    self._apply(("abort", request_id))
+            except Exception as e:  # not tied to one request: every request in flight ends
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_in_flight(f"engine step failed: {type(e).__name__}: {e}")
                 continue
             for out in outputs:
                 self._deliver(out)
@@ -120,17 +156,50 @@ class EngineLoop:
                     log.exception("on_step callback failed")
 
     def _apply(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, request_id, token_ids, params = command
-            self.engine.add_prepared(request_id, token_ids, params)
+        kind, request_id = command[0], command[1]
+        try:
+            if kind == "add":
+                self.engine.add_prepared(request_id, command[2], command[3])
+                return
+            out = self.engine.abort_request(request_id)
+        except Exception as e:
+            log.exception("%s of request %s failed; ending it with an error", kind, request_id)
+            self._fail_request(request_id, f"{kind} failed: {type(e).__name__}: {e}")
             return
-        request_id = command[1]
-        out = self.engine.abort_request(request_id)
         if out is not None:
             self._deliver(out)
         else:
             with self._lock:
                 self._callbacks.pop(request_id, None)
+
+    def _fail_in_flight(self, error: str) -> None:
+        with self._lock:
+            # Not the requests submitted since the step began: they were not part of it.
+            queued = {c[1] for c in self._inbox if c[0] == "add"}
+            in_flight = [request_id for request_id in self._callbacks if request_id not in queued]
+        for request_id in in_flight:
+            self._fail_request(request_id, error, check=False)
+        self.engine.check_invariants()
+
+    def _fail_request(self, request_id: str, error: str, check: bool = True) -> None:
+        """End one request with an error and free its KV. When that raises, or the block pool
+        is inconsistent afterwards, the exception reaches _run: the engine is broken."""
+        out = self.engine.fail_request(request_id, error)
+        self._deliver(out if out is not None else _error_output(request_id, error))
+        if check:
+            self.engine.check_invariants()
+
+    def _break(self, reason: str) -> None:
+        with self._lock:
+            self._failure = reason
+            callbacks, self._callbacks = self._callbacks, {}
+            self._inbox.clear()
+        error = f"the engine failed and serves no more requests: {reason}"
+        for request_id, callback in callbacks.items():
+            try:
+                callback(_error_output(request_id, error))
+            except Exception:
+                log.exception("output callback for %s failed", request_id)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -143,3 +212,16 @@ class EngineLoop:
             log.exception("output callback for %s failed; aborting it", out.request_id)
             if not out.finished:
                 self.abort(out.request_id)
+
+
+def _root_cause(e: BaseException, limit: int = 300) -> str:
+    """The first exception of a chain (what went wrong, not the cleanup that then failed)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {e}"[:limit]
+
+
+def _error_output(request_id: str, error: str) -> RequestOutput:
+    """Final output of a request the engine holds nothing of (any more)."""
+    return RequestOutput(request_id=request_id, prompt_token_ids=[], delta_token_ids=[], delta_text="",
+                         finished=True, finish_reason=FinishReason.ERROR.value, error=error)

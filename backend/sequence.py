@@ -44,6 +44,8 @@ class SamplingParams:
         """Raise ValueError naming the offending field."""
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         _check_int("top_k", self.top_k, minimum=0)
         _check_float("temperature", self.temperature)
         if self.temperature < 0:
@@ -90,6 +92,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # this request failed inside the engine (RequestOutput.error says why)
 
 
 @dataclass(eq=False)
@@ -166,6 +169,8 @@ class RequestOutput:
     seq_logprobs: list[float] | None = field(default=None, repr=False)
     text_source: Any = field(default=None, repr=False)  # has a `.text` str (the detokenizer)
     text_len: int = 0
+    error: str | None = None
+    """Why the request failed (finish_reason "error"); None otherwise."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -69,8 +69,10 @@ class Parsed:
     return_num_output_tokens: bool = False
 
 
-def parse_request(request: Mapping[str, np.ndarray]) -> Parsed:
-    """Input tensors by name -> prompt + SamplingParams, raising InputError/ValueError."""
+def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0) -> Parsed:
+    """Input tensors by name -> prompt + SamplingParams, raising InputError/ValueError.
+
+    A request without `temperature` gets `default_temperature` (EngineConfig's; 0 = greedy)."""
     batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
              if a is not None and a.ndim > 0]
     bad = [b for b in batch if b != 1]
@@ -102,7 +104,7 @@ def parse_request(request: Mapping[str, np.ndarray]) -> Parsed:
     max_tokens = _scalar(request, "max_tokens", int)
     if max_tokens is None:
         raise InputError("max_tokens is required")
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": default_temperature}
     for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("repetition_penalty", float),
                        ("presence_penalty", float), ("frequency_penalty", float), ("ignore_eos", bool)):
         value = _scalar(request, name, kind)

@@ -39,7 +39,7 @@ class Served:
 
 
 def _need_tritonserver() -> None:
-    from splitfuse.server import find_tritonserver
+    from splitfuse.launcher import find_tritonserver
 
     try:
         find_tritonserver()
@@ -50,7 +50,7 @@ def _need_tritonserver() -> None:
 @pytest.fixture(scope="session")
 def served(tiny_llama, tmp_path_factory):
     _need_tritonserver()
-    from splitfuse.server import serve
+    from splitfuse.launcher import serve
 
     work = tmp_path_factory.mktemp("triton")
     start = time.monotonic()

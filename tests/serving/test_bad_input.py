@@ -18,6 +18,8 @@ CASES = {
     "nan penalty": ("llm", {**GOOD, "repetition_penalty": float("nan")}, None, ["repetition_penalty"]),
     "max_tokens zero": ("ensemble", {**GOOD, "max_tokens": 0}, None, ["max_tokens"]),
     "negative top_k": ("llm", {**GOOD, "top_k": -3}, None, ["top_k"]),
+    "min_tokens above max_tokens": ("ensemble", {**GOOD, "min_tokens": 9}, None, ["min_tokens", "max_tokens"]),
+    "min_length above max_tokens (llm)": ("llm", {**GOOD, "min_length": 5}, None, ["min_tokens", "max_tokens"]),
     "empty prompt (ensemble)": ("ensemble", {**GOOD, "text_input": ""}, None, ["text_input", "empty"]),
     "empty prompt (llm)": ("llm", {**GOOD, "text_input": ""}, None, ["text_input", "empty"]),
     "too long": ("ensemble", {**GOOD, "max_tokens": 100_000}, None, ["max_model_len"]),

@@ -43,10 +43,13 @@ def test_metric_families(served):
     samples = metrics(served.metrics_url)
     names = {n for n, _, _ in samples}
     for family in ("splitfuse_tokens_per_step", "splitfuse_time_to_first_token_seconds",
-                   "splitfuse_inter_token_latency_seconds"):
+                   "splitfuse_inter_token_latency_seconds", "splitfuse_e2e_request_latency_seconds",
+                   "splitfuse_request_prompt_tokens", "splitfuse_request_generation_tokens"):
         assert {f"{family}_bucket", f"{family}_count", f"{family}_sum"} <= names
-    for counter in ("splitfuse_prompt_tokens_total", "splitfuse_generation_tokens_total"):
-        assert counter in names
+    for name in ("splitfuse_prompt_tokens_total", "splitfuse_generation_tokens_total", "splitfuse_preemptions_total",
+                 "splitfuse_requests_finished_total", "splitfuse_kv_cache_usage_ratio", "splitfuse_engine_healthy"):
+        assert name in names
+    assert metric_sum(served.metrics_url, "splitfuse_engine_healthy") == served.instances
     states = {(n, lab["state"]) for n, lab, _ in samples if "state" in lab}
     assert {("splitfuse_kv_cache_blocks", "used"), ("splitfuse_kv_cache_blocks", "free"),
             ("splitfuse_requests", "running"), ("splitfuse_requests", "waiting")} <= states

@@ -68,6 +68,16 @@ def test_greedy_matches_offline_llm(served, offline_llm):
                 assert r.text == ref.text.encode("utf-8"), (model, stream)
 
 
+def test_requests_without_sampling_inputs_are_greedy(served, offline_llm):
+    """default_temperature = 0 (as TensorRT-LLM's ensemble): no `temperature` input, greedy."""
+    ref = offline_llm.generate(["the sea"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    for model in MODELS:
+        for seed in (1, 2):  # a seed alone does not make it sample
+            r = grpc_generate(served.grpc_url, model, {"text_input": "the sea", "max_tokens": 24, "ignore_eos": True,
+                                                       "seed": seed})
+            assert r.error is None and r.output_ids == ref.token_ids, (model, seed)
+
+
 def test_seeded_sampling_matches_offline_llm(served, offline_llm):
     params = dict(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
     ref = offline_llm.generate(["the sea and the mountains"], SamplingParams(**params))[0]

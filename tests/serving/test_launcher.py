@@ -1,4 +1,4 @@
-"""splitfuse.server: rendering the repository, and the CLI's start/Ctrl-C cycle (make serve)."""
+"""splitfuse.launcher: rendering the repository, and the CLI's start/Ctrl-C cycle (make serve)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from triton_helpers import GrpcStream
 from tritonclient.grpc import model_config_pb2
 
 from splitfuse.config import EngineConfig
-from splitfuse.server import (
+from splitfuse.launcher import (
     build_backend_dir,
     default_template_dir,
     find_tritonserver,
@@ -84,7 +84,7 @@ def test_backend_dir_links_the_stub_for_this_python(tmp_path):
 
 @pytest.mark.serving
 def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
-    """`python -m splitfuse.server` (what `make serve` runs): ready line, then Ctrl-C with a
+    """`python -m splitfuse.launcher` (what `make serve` runs): ready line, then Ctrl-C with a
     generation in flight: the generation is aborted with a final response, new requests are
     refused while draining, and the launcher exits 0 with tritonserver stopped cleanly."""
     try:
@@ -92,7 +92,7 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     ports = [free_port() for _ in range(3)]
-    cmd = [sys.executable, "-m", "splitfuse.server", "--model", tiny_llama, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", tiny_llama, "--host", "127.0.0.1",
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
            "--param", "device=cpu", "--param", "num_kv_blocks=256", "--param", "num_threads=1",
            "--drain-timeout", "2", "--model-repository-out", str(tmp_path / "repo")]
@@ -103,7 +103,7 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
     def read() -> None:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("splitfuse.server: ready"):
+            if line.startswith("splitfuse.launcher: ready"):
                 ready.set()
 
     reader = threading.Thread(target=read, daemon=True)
@@ -137,3 +137,15 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
     out = "".join(lines)
     assert "successfully unloaded 'llm'" in out and "tritonserver exited with code 0" in out
     assert all(port_is_free(p, "127.0.0.1") for p in ports)
+
+
+def test_former_name_still_launches():
+    """`python -m splitfuse.server` and `from splitfuse.server import serve` (the launcher's old
+    name, used by existing commands and perf/) reach the same code."""
+    import splitfuse.launcher
+    import splitfuse.server
+
+    assert splitfuse.server.serve is splitfuse.launcher.serve and splitfuse.server.main is splitfuse.launcher.main
+    out = subprocess.run([sys.executable, "-m", "splitfuse.server", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "--drain-timeout" in out.stdout

@@ -19,6 +19,8 @@ def test_from_strings_converts_by_field_type():
     ({"model": "/m", "scheduler_policy": "fifo"}, "scheduler_policy"),
     ({"model": "/m", "dtype": "int8"}, "dtype"),
     ({"model": "/m", "kv_watermark": "1.5"}, "kv_watermark"),
+    ({"model": "/m", "default_temperature": "-0.5"}, "default_temperature"),
+    ({"model": "/m", "default_temperature": "nan"}, "default_temperature"),
 ])
 def test_bad_values_name_the_field(values, field):
     with pytest.raises(ValueError, match=field):
@@ -28,3 +30,8 @@ def test_bad_values_name_the_field(values, field):
 def test_every_field_is_a_known_name():
     names = EngineConfig.field_names()
     assert names[0] == "model" and "token_budget" in names and "scheduler_policy" in names
+
+
+def test_default_temperature_is_greedy_and_parsed():
+    assert EngineConfig(model="/m").default_temperature == 0.0
+    assert EngineConfig.from_strings({"model": "/m", "default_temperature": "1.0"}).default_temperature == 1.0

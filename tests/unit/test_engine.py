@@ -35,6 +35,7 @@ BAD_PARAMS = [
     (dict(top_k=-1), "top_k"),
     (dict(stop=[3]), "stop"),
     (dict(stop={"a": 1}), "stop"),
+    (dict(min_tokens=9, max_tokens=4), r"min_tokens \(9\) must be <= max_tokens \(4\)"),
 ]
 
 

@@ -26,6 +26,19 @@ def test_names_and_aliases_map_onto_sampling_params():
     assert sp.stop == ["end"] and sp.stop_token_ids == [3] and sp.logprobs
 
 
+def test_requests_without_temperature_get_the_configured_default():
+    assert parse_request(BASE).params.greedy  # TensorRT-LLM's ensemble: greedy without sampling inputs
+    assert parse_request(BASE, default_temperature=1.0).params.temperature == 1.0
+    explicit = {**BASE, "temperature": t(0.7, np.float32)}
+    assert parse_request(explicit, default_temperature=0.0).params.temperature == pytest.approx(0.7)
+
+
+def test_min_tokens_above_max_tokens_names_both():
+    for name in ("min_tokens", "min_length"):
+        with pytest.raises(ValueError, match=r"min_tokens \(9\) must be <= max_tokens \(8\)"):
+            parse_request({**BASE, name: t(9, np.int32)})
+
+
 def test_input_ids_with_lengths():
     p = parse_request({"input_ids": np.array([[5, 6, 7, 0]], np.int32), "input_lengths": t(3, np.int32),
                        "max_tokens": t(4, np.int32)})

@@ -13,7 +13,6 @@ import json
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +22,11 @@ import triton_python_backend_utils as pb_utils
 
 from splitfuse.config import EngineConfig
 from splitfuse.control import Control
-from splitfuse.engine_loop import EngineLoop, StepStats
+from splitfuse.engine_loop import EngineLoop
 from splitfuse.sequence import RequestOutput
+from splitfuse.triton_metrics import MetricsRecorder, TritonMetrics
 from splitfuse.triton_request import InputError, Parsed, parse_request
+from splitfuse.triton_response import response_arrays, stop_ack_arrays
 
 log = logging.getLogger("splitfuse.triton.llm")
 
@@ -44,10 +45,6 @@ METRICS_INTERVAL_S = 0.5
 # times (about 0.1 s with 16 requests live).
 CANCEL_POLL_MIN_INTERVAL_S = 0.02
 CANCEL_POLL_MAX_SHARE = 0.03
-
-TOKENS_PER_STEP_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
-ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 
 
 # --------------------------------------------------------------------------- live requests
@@ -69,58 +66,12 @@ class Live:
     last_token: float | None = None
     cancelled: bool = False
     echo_pending: bool = False
+    error: str | None = None
+    """Its response could not be built: the final response carries this error."""
     done: bool = False
     """The final response went out. Guarded by `lock`: after the final flag Triton frees the
     response factory, and is_cancelled() on it then crashes the whole server (2.51)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class Metrics:
-    """Prometheus metrics through Triton, labelled by model, version and instance.
-
-    The MetricFamily objects are kept on self: a Metric whose family was garbage-collected
-    fails on every update.
-    """
-
-    def __init__(self, labels: dict[str, str]) -> None:
-        MF = pb_utils.MetricFamily
-        self.families = {
-            "kv": MF(name="splitfuse_kv_cache_blocks", description="KV-cache blocks by state", kind=MF.GAUGE),
-            "req": MF(name="splitfuse_requests", description="Requests in the engine by state", kind=MF.GAUGE),
-            "tps": MF(name="splitfuse_tokens_per_step", description="Tokens in each engine step (forward pass)",
-                      kind=MF.HISTOGRAM),
-            "prompt": MF(name="splitfuse_prompt_tokens_total", description="Prompt tokens computed",
-                         kind=MF.COUNTER),
-            "gen": MF(name="splitfuse_generation_tokens_total", description="Tokens generated", kind=MF.COUNTER),
-            "ttft": MF(name="splitfuse_time_to_first_token_seconds",
-                       description="Time from request arrival to its first generated token", kind=MF.HISTOGRAM),
-            "itl": MF(name="splitfuse_inter_token_latency_seconds",
-                      description="Time between consecutive generated tokens of a request", kind=MF.HISTOGRAM),
-        }
-        f = self.families
-        self.kv_used = f["kv"].Metric(labels={**labels, "state": "used"})
-        self.kv_free = f["kv"].Metric(labels={**labels, "state": "free"})
-        self.running = f["req"].Metric(labels={**labels, "state": "running"})
-        self.waiting = f["req"].Metric(labels={**labels, "state": "waiting"})
-        self.tokens_per_step = f["tps"].Metric(labels=labels, buckets=TOKENS_PER_STEP_BUCKETS)
-        self.prompt_tokens = f["prompt"].Metric(labels=labels)
-        self.generation_tokens = f["gen"].Metric(labels=labels)
-        self.ttft = f["ttft"].Metric(labels=labels, buckets=TTFT_BUCKETS)
-        self.itl = f["itl"].Metric(labels=labels, buckets=ITL_BUCKETS)
-        self._gauges: dict[str, float] = {}
-
-    def set_gauge(self, name: str, value: float) -> None:
-        # Each update is a round trip to the server process: skip unchanged values.
-        if self._gauges.get(name) != value:
-            self._gauges[name] = value
-            getattr(self, name).set(value)
-
-    def close(self) -> None:
-        # Metrics before their families (see the class docstring).
-        for name in ("kv_used", "kv_free", "running", "waiting", "tokens_per_step", "prompt_tokens",
-                     "generation_tokens", "ttft", "itl"):
-            setattr(self, name, None)
-        self.families.clear()
 
 
 # --------------------------------------------------------------------------- the model
@@ -133,16 +84,16 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("llm needs `model_transaction_policy { decoupled: true }`")
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         config = EngineConfig.from_strings(params)
+        self.config = config
         self.model_name = args["model_name"]
         self.instance = args["model_instance_name"]
-        self.step_stats: deque[StepStats] = deque()
-        self.loop = EngineLoop(config, on_step=self.step_stats.append)
+        self.recorder = MetricsRecorder()
+        self.loop = EngineLoop(config, on_step=self.recorder.step)
         self.engine = self.loop.start()  # built on the engine's own thread
         self.tokenizer = self.engine.tokenizer
         labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
-        self.metrics = Metrics(labels)
-        self.first_token_latencies: deque[float] = deque()
-        self.inter_token_latencies: deque[float] = deque()
+        self.metrics = TritonMetrics(labels)
+        self.failure_reported = False
         self.live: dict[str, Live] = {}
         self.live_lock = threading.Lock()
         self.ids = itertools.count()
@@ -165,7 +116,7 @@ class TritonPythonModel:
                 self._start(request, sender)
             except ValueError as e:  # InputError, SamplingParams, the engine's own validation
                 self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
-            except RuntimeError as e:  # e.g. the engine is shutting down
+            except RuntimeError as e:  # the engine is shutting down, or failed for good (EngineFailedError)
                 self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
             except Exception as e:  # never let one request take down the others
                 log.exception("unexpected error handling a request")
@@ -183,7 +134,7 @@ class TritonPythonModel:
 
     # ---- requests ----------------------------------------------------------------------------
     def _start(self, request, sender) -> None:
-        parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()})
+        parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()}, self.config.default_temperature)
         client_id = request.request_id() or ""
         if parsed.stop_request:
             self._stop(client_id, sender)
@@ -209,11 +160,7 @@ class TritonPythonModel:
             raise InputError("a stop request needs the request id of the generation to stop")
         self.control.post_stop(client_id)
         self._abort_client(Control.key(client_id), time.time())
-        response = pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("text_output", np.array([[b""]], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([[b"abort"]], dtype=np.object_)),
-        ])
-        sender.send(response, flags=FINAL)
+        sender.send(_response(stop_ack_arrays()), flags=FINAL)
 
     def _abort_client(self, client_key: str, posted: float) -> None:
         with self.live_lock:
@@ -237,56 +184,58 @@ class TritonPythonModel:
     def _on_output(self, live: Live, out: RequestOutput) -> None:
         now = time.perf_counter()
         if out.delta_token_ids:
-            if live.last_token is None:
-                self.first_token_latencies.append(now - live.arrival)
-            else:
-                gap = (now - live.last_token) / len(out.delta_token_ids)
-                self.inter_token_latencies.extend([gap] * len(out.delta_token_ids))
+            self.recorder.tokens(live.arrival, live.last_token, len(out.delta_token_ids), now)
             live.last_token = now
+        if out.finished:
+            self.recorder.finished(out, live.arrival, now)
         try:
             if out.finished:
                 with live.lock:
                     try:
-                        self._send(live, out)
+                        if out.error is not None:  # failed inside the engine
+                            self._send_error(live.sender, out.error, self._error_code())
+                        elif live.error is not None:
+                            self._send_error(live.sender, live.error, pb_utils.TritonError.INTERNAL)
+                        else:
+                            error = self._send(live, out)
+                            if error is not None:
+                                self._send_error(live.sender, error, pb_utils.TritonError.INTERNAL)
                     finally:
                         live.done = True
-            elif live.parsed.stream:
-                self._send(live, out)
+            elif live.parsed.stream and live.error is None:
+                live.error = self._send(live, out)
+                if live.error is not None and not live.cancelled:  # its final response carries the error
+                    live.cancelled = True
+                    self.loop.abort(live.engine_id)
         finally:
             if out.finished:  # only now: the shutdown handshake waits for `live` to empty
                 with self.live_lock:
                     self.live.pop(live.engine_id, None)
 
-    def _send(self, live: Live, out: RequestOutput) -> None:
-        p = live.parsed
-        if p.stream:
-            text, ids, logprobs = out.delta_text, out.delta_token_ids, out.delta_logprobs
-        else:
-            text, ids, logprobs = out.text, out.token_ids, out.logprobs
-        if live.echo_pending:
-            # exclude_input_in_output=false: the prompt leads the first (or only) response.
+    def _error_code(self) -> int:
+        # The engine broke for good: like a server that went away. Else this request alone failed.
+        return pb_utils.TritonError.UNAVAILABLE if self.loop.failure is not None else pb_utils.TritonError.INTERNAL
+
+    def _send(self, live: Live, out: RequestOutput) -> str | None:
+        """Send one response; returns why, when this request's response could not be built."""
+        echo = None
+        if live.echo_pending:  # exclude_input_in_output=false: the prompt leads the first response
             live.echo_pending = False
-            text = self._prompt_text(live, out) + text
-            ids = list(out.prompt_token_ids) + list(ids)
-        tensors = [
-            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-            pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32).reshape(1, -1)),
-            pb_utils.Tensor("finish_reason", np.array([[(out.finish_reason or "").encode()]], dtype=np.object_)),
-        ]
-        if p.return_num_input_tokens:
-            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([[len(out.prompt_token_ids)]], np.int32)))
-        if p.return_num_output_tokens:
-            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([[len(out.token_ids)]], np.int32)))
-        if p.return_log_probs:
-            tensors.append(pb_utils.Tensor("log_probs", np.array(logprobs or [], np.float32).reshape(1, -1)))
+            echo = self._prompt_text(live, out)
         try:
-            live.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if out.finished else 0)
+            response = _response(response_arrays(live.parsed, out, echo))
         except Exception as e:
-            # The client is gone (or the response could not be built): stop generating for it.
+            log.exception("%s: building a response for %s failed", self.instance, live.engine_id)
+            return f"could not build the response: {type(e).__name__}: {e}"
+        try:
+            live.sender.send(response, flags=FINAL if out.finished else 0)
+        except Exception as e:
+            # The client is gone: stop generating for it.
             log.warning("%s: sending a response for %s failed (%s); aborting it", self.instance, live.engine_id, e)
             if not out.finished and not live.cancelled:
                 live.cancelled = True
                 self.loop.abort(live.engine_id)
+        return None
 
     def _prompt_text(self, live: Live, out: RequestOutput) -> str:
         if live.parsed.prompt_text is not None:
@@ -343,24 +292,33 @@ class TritonPythonModel:
                 self.loop.abort(lv.engine_id)
 
     def _publish_metrics(self) -> None:
-        m = self.metrics
-        prompt = generated = 0
-        while self.step_stats:
-            s = self.step_stats.popleft()
-            m.tokens_per_step.observe(s.num_tokens)
-            prompt += s.num_prompt_tokens
-            generated += s.num_generated_tokens
-        if prompt:
-            m.prompt_tokens.increment(prompt)
-        if generated:
-            m.generation_tokens.increment(generated)
-        while self.first_token_latencies:
-            m.ttft.observe(self.first_token_latencies.popleft())
-        while self.inter_token_latencies:
-            m.itl.observe(self.inter_token_latencies.popleft())
-        # Gauges from the engine's own counters: they are right even when no step follows an abort.
-        st = self.loop.stats()
-        m.set_gauge("kv_used", st.kv_blocks_used)
-        m.set_gauge("kv_free", st.kv_blocks_free)
-        m.set_gauge("running", st.num_running)
-        m.set_gauge("waiting", st.num_waiting)
+        failure = self.loop.failure
+        if failure is not None and not self.failure_reported:
+            self.failure_reported = True
+            self._report_not_ready(failure)
+        self.metrics.publish(self.recorder.drain(), self.loop.stats(), healthy=failure is None)
+
+    def _report_not_ready(self, failure: str) -> None:
+        """The engine broke (every request it held has failed; new ones get UNAVAILABLE).
+
+        Triton 2.51 keeps a loaded Python model READY whatever its stub does (even after the
+        stub process dies); the one way to stop reporting ready is to unload the model, which
+        needs explicit model control (the launcher's default). That unloads every instance of
+        this model: a broken engine is a bug, and a restart is what cures it. Its own thread,
+        as unloading waits for finalize(), which joins the housekeeping thread."""
+        pb_utils.Logger.log_error(f"{self.instance}: the engine failed and serves no more requests ({failure}); "
+                                  f"unloading '{self.model_name}' so that it reports not ready")
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.model_name)
+            except Exception as e:  # e.g. not in explicit model-control mode
+                pb_utils.Logger.log_error(
+                    f"{self.instance}: could not unload '{self.model_name}' ({e}); it keeps reporting ready, "
+                    "every request gets an UNAVAILABLE error: watch splitfuse_engine_healthy")
+
+        threading.Thread(target=unload, name="splitfuse-unload", daemon=True).start()
+
+
+def _response(arrays: dict[str, np.ndarray]):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, a) for name, a in arrays.items()])

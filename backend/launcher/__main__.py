@@ -1,0 +1,5 @@
+import sys
+
+from splitfuse.launcher.cli import main
+
+sys.exit(main())

@@ -1,0 +1,145 @@
+"""The command line: `python -m splitfuse.launcher` (what `make serve` runs).
+
+    python -m splitfuse.launcher --model DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+        [--param NAME=VALUE ...] [--instances N] [--model-repository-out DIR]
+
+Renders the repository, starts tritonserver in the foreground, prints where it listens once
+ready, and on Ctrl-C/SIGTERM drains (in-flight generations get --drain-timeout seconds to
+finish, the rest are aborted with a final response) before Triton unloads; a second signal
+kills at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from splitfuse.launcher.process import TritonServer
+from splitfuse.launcher.repository import TEMPLATE_ENV, parse_params, render_model_repository
+from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m splitfuse.launcher", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--host", default="0.0.0.0", help="address the three endpoints bind to")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="engine parameter (any EngineConfig field), repeatable")
+    p.add_argument("--instances", type=int, default=1, help="llm instance_group count (engine replicas)")
+    p.add_argument("--preprocessing-instances", type=int, default=1)
+    p.add_argument("--model-repository-out", default=None,
+                   help="where to render the model repository (default: a temporary directory)")
+    p.add_argument("--model-repository-template", default=None,
+                   help=f"template repository (default: ${TEMPLATE_ENV} or the source tree's model_repository/)")
+    p.add_argument("--triton-root", default=None, help="directory with bin/tritonserver (default: the pytriton wheel)")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM, seconds in-flight generations get to finish before they are aborted")
+    p.add_argument("--exit-timeout", type=int, default=10,
+                   help="tritonserver --exit-timeout-secs: time to unload the models after the drain")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--render-only", action="store_true", help="render the repository and exit")
+    p.add_argument("triton_args", nargs="*", help="extra tritonserver arguments, after `--`")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        params = parse_params(args.param)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.render_only and not args.model_repository_out:
+        print("error: --render-only needs --model-repository-out", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="splitfuse-serve-"))
+    repo_dir = Path(args.model_repository_out) if args.model_repository_out else work / "model_repository"
+    try:
+        install = find_tritonserver(args.triton_root)
+        repo = render_model_repository(
+            repo_dir, args.model, params, instances=args.instances,
+            preprocessing_instances=args.preprocessing_instances, template_dir=args.model_repository_template,
+        )
+        if args.render_only:
+            print(f"rendered model repository: {repo}")
+            return 0
+        backend_dir = build_backend_dir(work / "backends", install)
+        server = TritonServer(
+            model_repository=repo, backend_dir=backend_dir, http_port=args.http_port, grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port, host=args.host, install=install, log_file=None,
+            control_dir=work / "control", llm_instances=args.instances, drain_timeout_s=args.drain_timeout,
+            exit_timeout_s=args.exit_timeout, log_verbose=args.log_verbose, extra_args=args.triton_args,
+        )
+        return _run_foreground(server, args.ready_timeout)
+    except (ValueError, OSError) as e:  # bad parameters, missing files, ports in use
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_foreground(server: TritonServer, ready_timeout_s: float) -> int:
+    signals: list[int] = []
+
+    def on_signal(signum: int, _frame) -> None:
+        signals.append(signum)
+        if len(signals) == 1:
+            print(f"\nsplitfuse.launcher: {signal.Signals(signum).name}: stopping (in-flight generations get "
+                  f"{server.drain_timeout_s:.0f}s to finish, then are aborted; signal again to kill now)",
+                  file=sys.stderr, flush=True)
+        else:  # a second Ctrl-C: no drain
+            server.kill()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    server.start()
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not signals and not server.is_ready():
+            if not server.running():
+                print(f"splitfuse.launcher: tritonserver exited with code {server.process.returncode}",
+                      file=sys.stderr)
+                return server.process.returncode or 1
+            if time.monotonic() > deadline:
+                print(f"splitfuse.launcher: not ready after {ready_timeout_s:.0f}s, stopping", file=sys.stderr)
+                signals.append(signal.SIGTERM)
+                break
+            time.sleep(0.25)
+        if not signals:
+            print(
+                f"splitfuse.launcher: ready (listening on {server.host})\n"
+                f"  HTTP    http://{server.http_url}  (POST /v2/models/ensemble/generate_stream)\n"
+                f"  gRPC    {server.grpc_url}\n"
+                f"  metrics {server.metrics_url}\n"
+                f"  models  {server.model_repository}",
+                flush=True,
+            )
+        while not signals and server.running():
+            time.sleep(0.2)
+    finally:
+        # Also on an unexpected error here: never leave a tritonserver behind.
+        if server.running():
+            server.stop()
+    code = server.process.returncode
+    print(f"splitfuse.launcher: tritonserver exited with code {code}", file=sys.stderr)
+    if signals and code not in (0, -signal.SIGTERM) and server.drained:
+        # Every generation had ended; Triton only failed to unload a model in time (2.51: a
+        # client still holding a gRPC stream, or an ensemble stream dropped before its final flag).
+        print("splitfuse.launcher: every generation had finished before shutdown; tritonserver could not "
+              "unload a model in time (see README: known limitations)", file=sys.stderr)
+        return 0
+    if signals:
+        return 0 if code in (0, -signal.SIGTERM) else 1
+    return code or 0

@@ -1,0 +1,115 @@
+"""Rendering the model repository: the template with the checkpoint, the engine parameters
+(checked against EngineConfig before anything starts) and the instance counts filled in."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+from splitfuse.config import EngineConfig
+
+# Template repository: the source tree's `model_repository/` unless overridden (an installed,
+# non-editable package does not carry it; the Dockerfile sets the variable).
+TEMPLATE_ENV = "SPLITFUSE_MODEL_REPOSITORY"
+LLM_MODEL = "llm"
+PREPROCESSING_MODEL = "preprocessing"
+PLACEHOLDER_PREFIX = "${"
+
+
+def default_template_dir() -> Path:
+    env = os.environ.get(TEMPLATE_ENV)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def parse_params(items: list[str] | None) -> dict[str, str]:
+    """['a=1', 'b=x'] -> {'a': '1', 'b': 'x'}, checking names against EngineConfig."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"--param expects NAME=VALUE, got {item!r}")
+        out[name] = value
+    EngineConfig.check_names(out)
+    return out
+
+
+def render_model_repository(
+    out_dir: str | os.PathLike,
+    model: str | os.PathLike,
+    params: Mapping[str, str] | None = None,
+    instances: int = 1,
+    preprocessing_instances: int = 1,
+    template_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Copy the template repository to `out_dir` with the checkpoint and engine parameters set.
+
+    `params` are EngineConfig fields (string values, as in config.pbtxt); they are validated
+    here by building the EngineConfig, so a typo fails before the server starts.
+    """
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    template = Path(template_dir) if template_dir is not None else default_template_dir()
+    if not (template / LLM_MODEL / "config.pbtxt").is_file():
+        raise FileNotFoundError(f"no model repository template at {template} (set {TEMPLATE_ENV})")
+    if instances < 1 or preprocessing_instances < 1:
+        raise ValueError("instance counts must be >= 1")
+    model_path = Path(model).resolve()
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
+    params = dict(params or {})
+    EngineConfig.check_names(params)
+    params["model"] = str(model_path)
+    if params.get("tokenizer"):
+        params["tokenizer"] = str(Path(params["tokenizer"]).resolve())
+
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(template, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+    def edit(name: str, fn) -> None:
+        path = out / name / "config.pbtxt"
+        cfg = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+        fn(cfg)
+        path.write_text(text_format.MessageToString(cfg))
+
+    def edit_llm(cfg) -> None:
+        for key, value in params.items():
+            cfg.parameters[key].string_value = str(value)
+        values = {k: v.string_value for k, v in cfg.parameters.items()}
+        _check_filled(LLM_MODEL, values)
+        EngineConfig.from_strings(values)  # raises ValueError naming the bad field
+        _set_instances(cfg, instances)
+
+    def edit_pre(cfg) -> None:
+        cfg.parameters["tokenizer"].string_value = params.get("tokenizer") or str(model_path)
+        _check_filled(PREPROCESSING_MODEL, {k: v.string_value for k, v in cfg.parameters.items()})
+        _set_instances(cfg, preprocessing_instances)
+
+    # Empty version directories (the ensemble's) are not kept by git but Triton needs them.
+    for model_dir in out.iterdir():
+        if (model_dir / "config.pbtxt").is_file() and not any(p.name.isdigit() for p in model_dir.iterdir()):
+            (model_dir / "1").mkdir()
+    edit(LLM_MODEL, edit_llm)
+    if (out / PREPROCESSING_MODEL / "config.pbtxt").is_file():
+        edit(PREPROCESSING_MODEL, edit_pre)
+    return out
+
+
+def _check_filled(model: str, values: Mapping[str, str]) -> None:
+    left = sorted(k for k, v in values.items() if v.startswith(PLACEHOLDER_PREFIX))
+    if left:
+        raise ValueError(f"{model}: parameter(s) {left} still hold template placeholders")
+
+
+def _set_instances(cfg, count: int) -> None:
+    if not cfg.instance_group:
+        cfg.instance_group.add()
+    for group in cfg.instance_group:
+        group.count = count

@@ -1,0 +1,186 @@
+"""The `llm` model's Prometheus metrics, published through Triton's custom-metrics API.
+
+Two halves: `MetricsRecorder` collects what happened (the engine thread records steps, tokens
+and finished requests; plain Python, tested without Triton), and `TritonMetrics` publishes a
+drained batch of it from the housekeeping thread (inside the Python-backend stub only: every
+update is a round trip to the server process, so they are batched).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from splitfuse.engine import EngineStats, StepStats
+from splitfuse.sequence import FinishReason, RequestOutput
+
+TOKENS_PER_STEP_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+REQUEST_TOKENS_BUCKETS = [2**i for i in range(17)]  # 1 .. 65536
+FINISH_REASONS = [r.value for r in FinishReason]
+
+
+@dataclass
+class FinishedRequest:
+    reason: str
+    latency_s: float
+    """Arrival to final output."""
+    prompt_tokens: int | None
+    generation_tokens: int | None
+    """None when the engine held nothing of the request (it failed before or while being added)."""
+
+
+@dataclass
+class MetricsBatch:
+    """Everything recorded since the previous drain."""
+
+    steps: list[StepStats] = field(default_factory=list)
+    first_token_latencies: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.num_prompt_tokens for s in self.steps)
+
+    @property
+    def generation_tokens(self) -> int:
+        return sum(s.num_generated_tokens for s in self.steps)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.steps)
+
+
+class MetricsRecorder:
+    """Collects observations from any thread; `drain()` hands them over and starts afresh."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._batch = MetricsBatch()
+
+    def step(self, stats: StepStats) -> None:
+        with self._lock:
+            self._batch.steps.append(stats)
+
+    def tokens(self, arrival: float, last_token: float | None, num_tokens: int, now: float) -> None:
+        """`num_tokens` new tokens of a request at `now`; `last_token` is when its previous
+        tokens came (None for its first)."""
+        with self._lock:
+            if last_token is None:
+                self._batch.first_token_latencies.append(now - arrival)
+            else:
+                gap = (now - last_token) / num_tokens
+                self._batch.inter_token_latencies.extend([gap] * num_tokens)
+
+    def finished(self, out: RequestOutput, arrival: float, now: float) -> None:
+        known = bool(out.prompt_token_ids)
+        record = FinishedRequest(
+            reason=out.finish_reason or "",
+            latency_s=now - arrival,
+            prompt_tokens=len(out.prompt_token_ids) if known else None,
+            generation_tokens=len(out.token_ids) if known else None,
+        )
+        with self._lock:
+            self._batch.finished.append(record)
+
+    def drain(self) -> MetricsBatch:
+        with self._lock:
+            batch, self._batch = self._batch, MetricsBatch()
+        return batch
+
+
+class TritonMetrics:
+    """Prometheus families through `pb_utils.MetricFamily`, labelled by model, version and
+    instance. The families are kept on self: a Metric whose family was garbage-collected fails
+    on every update."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        import triton_python_backend_utils as pb_utils  # exists inside the Python-backend stub only
+
+        MF = pb_utils.MetricFamily
+
+        def family(name: str, description: str, kind) -> object:
+            self._families.append(MF(name=name, description=description, kind=kind))
+            return self._families[-1]
+
+        self._families: list = []
+        kv = family("splitfuse_kv_cache_blocks", "KV-cache blocks by state", MF.GAUGE)
+        req = family("splitfuse_requests", "Requests in the engine by state", MF.GAUGE)
+        finished = family("splitfuse_requests_finished_total", "Requests finished, by finish reason", MF.COUNTER)
+        self.kv_used = kv.Metric(labels={**labels, "state": "used"})
+        self.kv_free = kv.Metric(labels={**labels, "state": "free"})
+        self.kv_usage = family("splitfuse_kv_cache_usage_ratio", "Share of KV-cache blocks in use (0-1)",
+                               MF.GAUGE).Metric(labels=labels)
+        self.running = req.Metric(labels={**labels, "state": "running"})
+        self.waiting = req.Metric(labels={**labels, "state": "waiting"})
+        self.healthy = family("splitfuse_engine_healthy",
+                              "1 while the engine serves, 0 once it failed for good (requests then get "
+                              "UNAVAILABLE errors)", MF.GAUGE).Metric(labels=labels)
+        self.tokens_per_step = family("splitfuse_tokens_per_step", "Tokens in each engine step (forward pass)",
+                                      MF.HISTOGRAM).Metric(labels=labels, buckets=TOKENS_PER_STEP_BUCKETS)
+        self.prompt_tokens = family("splitfuse_prompt_tokens_total", "Prompt tokens computed",
+                                    MF.COUNTER).Metric(labels=labels)
+        self.generation_tokens = family("splitfuse_generation_tokens_total", "Tokens generated",
+                                        MF.COUNTER).Metric(labels=labels)
+        self.preemptions = family("splitfuse_preemptions_total",
+                                  "Sequences preempted (KV freed, recomputed later) for lack of KV blocks",
+                                  MF.COUNTER).Metric(labels=labels)
+        self.ttft = family("splitfuse_time_to_first_token_seconds",
+                           "Time from request arrival to its first generated token",
+                           MF.HISTOGRAM).Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.itl = family("splitfuse_inter_token_latency_seconds",
+                          "Time between consecutive generated tokens of a request",
+                          MF.HISTOGRAM).Metric(labels=labels, buckets=ITL_BUCKETS)
+        self.e2e = family("splitfuse_e2e_request_latency_seconds",
+                          "Time from request arrival to its final output",
+                          MF.HISTOGRAM).Metric(labels=labels, buckets=E2E_BUCKETS)
+        self.request_prompt_tokens = family("splitfuse_request_prompt_tokens", "Prompt length of finished requests",
+                                            MF.HISTOGRAM).Metric(labels=labels, buckets=REQUEST_TOKENS_BUCKETS)
+        self.request_generation_tokens = family(
+            "splitfuse_request_generation_tokens", "Tokens generated by finished requests",
+            MF.HISTOGRAM).Metric(labels=labels, buckets=REQUEST_TOKENS_BUCKETS)
+        self.finished = {reason: finished.Metric(labels={**labels, "reason": reason}) for reason in FINISH_REASONS}
+        self._gauges: dict[str, float] = {}
+
+    def publish(self, batch: MetricsBatch, stats: EngineStats | None, healthy: bool) -> None:
+        for s in batch.steps:
+            self.tokens_per_step.observe(s.num_tokens)
+        for name, value in (("prompt_tokens", batch.prompt_tokens), ("generation_tokens", batch.generation_tokens),
+                            ("preemptions", batch.preemptions)):
+            if value:
+                getattr(self, name).increment(value)
+        for v in batch.first_token_latencies:
+            self.ttft.observe(v)
+        for v in batch.inter_token_latencies:
+            self.itl.observe(v)
+        for r in batch.finished:
+            self.e2e.observe(r.latency_s)
+            if r.reason in self.finished:
+                self.finished[r.reason].increment(1)
+            if r.prompt_tokens is not None:
+                self.request_prompt_tokens.observe(r.prompt_tokens)
+                self.request_generation_tokens.observe(r.generation_tokens)
+        self._set("healthy", 1.0 if healthy else 0.0)
+        if stats is not None:
+            # From the engine's own counters: right even when no step follows an abort.
+            self._set("kv_used", stats.kv_blocks_used)
+            self._set("kv_free", stats.kv_blocks_free)
+            self._set("kv_usage", stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+            self._set("running", stats.num_running)
+            self._set("waiting", stats.num_waiting)
+
+    def _set(self, name: str, value: float) -> None:
+        # Each update is a round trip to the server process: skip unchanged values.
+        if self._gauges.get(name) != value:
+            self._gauges[name] = value
+            getattr(self, name).set(value)
+
+    def close(self) -> None:
+        # Metrics before their families (see the class docstring).
+        for name in list(vars(self)):
+            if name not in ("_families", "_gauges"):
+                setattr(self, name, None)
+        self._families.clear()

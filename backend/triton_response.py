@@ -1,0 +1,48 @@
+"""One Triton response of the `llm` model as named numpy arrays (TensorRT-LLM output names).
+
+Pure numpy, like request parsing (triton_request.py), so it is tested without a server; the
+model's model.py wraps each array in a `pb_utils.Tensor`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from splitfuse.sequence import RequestOutput
+from splitfuse.triton_request import Parsed
+
+
+def _text(value: str) -> np.ndarray:
+    return np.array([[value.encode("utf-8")]], dtype=np.object_)
+
+
+def response_arrays(parsed: Parsed, out: RequestOutput, echo_prompt: str | None = None) -> dict[str, np.ndarray]:
+    """Outputs of one response: this step's delta when streaming, else everything so far.
+
+    `echo_prompt` (exclude_input_in_output=false, first response only): the prompt's text,
+    put before the text; its ids go before the ids.
+    """
+    if parsed.stream:
+        text, ids, logprobs = out.delta_text, out.delta_token_ids, out.delta_logprobs
+    else:
+        text, ids, logprobs = out.text, out.token_ids, out.logprobs
+    if echo_prompt is not None:
+        text = echo_prompt + text
+        ids = list(out.prompt_token_ids) + list(ids)
+    arrays = {
+        "text_output": _text(text),
+        "output_ids": np.array(ids, dtype=np.int32).reshape(1, -1),
+        "finish_reason": _text(out.finish_reason or ""),
+    }
+    if parsed.return_num_input_tokens:
+        arrays["num_input_tokens"] = np.array([[len(out.prompt_token_ids)]], np.int32)
+    if parsed.return_num_output_tokens:
+        arrays["num_output_tokens"] = np.array([[len(out.token_ids)]], np.int32)
+    if parsed.return_log_probs:
+        arrays["log_probs"] = np.array(logprobs or [], np.float32).reshape(1, -1)
+    return arrays
+
+
+def stop_ack_arrays() -> dict[str, np.ndarray]:
+    """The answer to a `stop` request (the stopped generation ends with "abort" on its own stream)."""
+    return {"text_output": _text(""), "finish_reason": _text("abort")}

@@ -1,0 +1,74 @@
+"""The `llm` model with faults injected by request id, for test_hardening.py.
+
+test_hardening.py renders a repository whose llm/1/model.py is this file and puts the real
+model beside it as llm_model.py. A client request id starting with
+    fault-add     makes adding the request to the engine raise,
+    fault-abort   makes aborting it raise (stop it with a `stop` request),
+    fault-sample  makes sampling any batch that holds it raise,
+    fault-break   breaks the engine's block pool from then on (freeing KV raises),
+    fault-respond makes building its second response raise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("splitfuse_llm_model", Path(__file__).with_name("llm_model.py"))
+_real = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _real  # dataclasses look their module up there
+_spec.loader.exec_module(_real)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+_built: dict[str, int] = {}
+_response_arrays = _real.response_arrays
+
+
+def _faulty_response_arrays(parsed, out, echo_prompt=None):
+    if _marked(out.request_id, "respond"):
+        _built[out.request_id] = _built.get(out.request_id, 0) + 1
+        if _built[out.request_id] == 2:
+            raise InjectedFault("injected response fault")
+    return _response_arrays(parsed, out, echo_prompt)
+
+
+_real.response_arrays = _faulty_response_arrays
+
+
+def _marked(engine_id: str, kind: str) -> bool:
+    return engine_id.startswith(f"fault-{kind}")  # engine ids are "<client id>#<n>"
+
+
+class TritonPythonModel(_real.TritonPythonModel):
+    def initialize(self, args: dict[str, str]) -> None:
+        super().initialize(args)
+        engine = self.engine
+        add, abort, sample = engine.add_prepared, engine.abort_request, engine.sampler
+
+        def add_prepared(request_id, token_ids, params):
+            if _marked(request_id, "add"):
+                raise InjectedFault(f"injected add fault for {request_id}")
+            if _marked(request_id, "break"):
+                engine.blocks.free = _broken_free
+            return add(request_id, token_ids, params)
+
+        def abort_request(request_id):
+            if _marked(request_id, "abort"):
+                raise InjectedFault(f"injected abort fault for {request_id}")
+            return abort(request_id)
+
+        def sampler(logits, seqs):
+            if any(_marked(s.request_id, "sample") for s in seqs):
+                raise InjectedFault("injected sampling fault")
+            return sample(logits, seqs)
+
+        engine.add_prepared, engine.abort_request, engine.sampler = add_prepared, abort_request, sampler
+
+
+def _broken_free(seq) -> None:
+    raise InjectedFault("injected block pool fault")
