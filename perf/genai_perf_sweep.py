@@ -71,6 +71,7 @@ def profile_command(model: str, grpc_url: str, model_dir: str, concurrency: int,
         "--concurrency", str(concurrency), "--num-prompts", str(max(args.num_prompts, requests)),
         "--request-count", str(requests), "--random-seed", str(args.seed),
         "--artifact-dir", str(artifact_dir),
+        "--verbose",  # perf_analyzer's own output goes to the level's log too
     ]
 
 
