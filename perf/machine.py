@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import platform
+import subprocess
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def cpu_model() -> str:
@@ -49,3 +54,43 @@ def git_commit() -> str:
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def machine_info() -> dict:
+    cpu = cpu_model()
+    mem = mem_gib()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        if dirty:
+            commit += " (+ uncommitted changes)"
+    except OSError:
+        commit = "unknown"
+    # The serving code may not be committed yet: a digest of what was measured identifies it.
+    digest = hashlib.sha256()
+    files = 0
+    for pattern in ("backend/**/*.py", "kernels/**/*.py", "model_repository/**/*"):
+        for f in sorted(ROOT.glob(pattern)):
+            if f.is_file() and "__pycache__" not in f.parts:
+                digest.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+                files += 1
+    versions = {}
+    from importlib import metadata
+
+    for dist in ("torch", "transformers", "tritonclient", "nvidia-pytriton"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = "?"
+    return {
+        "cpu": cpu,
+        "cpu_flags": " ".join(cpu_flags()),
+        "cores": os.cpu_count(),
+        "ram_gib": round(mem, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "git_commit": commit or "unknown",
+        "source_digest": f"sha256:{digest.hexdigest()[:16]} over {files} files of backend/, kernels/, model_repository/",
+        "versions": versions,
+    }

@@ -2,14 +2,16 @@
 # perf_analyzer concurrency sweeps (streaming, gRPC) against the `ensemble` and `llm` models.
 #
 #   perf/perf_analyzer.sh setup                       # fetch the binary + its two libraries
+#   perf/perf_analyzer.sh env                         # print PATH / LD_LIBRARY_PATH exports for it
 #   perf/perf_analyzer.sh sweep --grpc-url 127.0.0.1:8001 [options]
 #   perf/perf_analyzer.sh run   [options]             # start our server on free ports, sweep, stop
 #   perf/perf_analyzer.sh version
 #
 # Where the binary comes from (everything from package registries, cached under
-# perf/.cache/perf_analyzer/, git-ignored):
-#   * the `perf_analyzer` executable inside the tritonclient==2.41.0 manylinux1 wheel (newer
-#     perf-analyzer wheels need glibc >= 2.38, Debian 12 has 2.36);
+# perf/.cache/perf_analyzer-2.50.0/, git-ignored):
+#   * the `perf_analyzer` executable inside the tritonclient==2.50.0 manylinux1 wheel (it needs
+#     glibc 2.34 symbols; the newer perf-analyzer wheels need glibc >= 2.38, Debian 12 has 2.36;
+#     2.41's binary lacks options genai-perf needs, such as --request-count);
 #   * libb64.so.0d from Debian's libb64-0d package (apt-get download + dpkg -x, no install);
 #   * libcudart.so.12 from the nvidia-cuda-runtime-cu12 wheel (the binary links it even on CPU).
 #
@@ -35,7 +37,8 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-PA_HOME="${PA_HOME:-$HERE/.cache/perf_analyzer}"
+PA_VERSION=2.50.0
+PA_HOME="${PA_HOME:-$HERE/.cache/perf_analyzer-$PA_VERSION}"
 PA_BIN="$PA_HOME/bin/perf_analyzer"
 PA_LIB="$PA_HOME/lib"
 PIP=("$PY" -m pip)
@@ -45,15 +48,16 @@ log() { echo "[perf_analyzer.sh] $*" >&2; }
 setup() {
   mkdir -p "$PA_HOME/bin" "$PA_LIB" "$PA_HOME/dl"
   if [[ ! -x "$PA_BIN" ]]; then
-    log "downloading tritonclient==2.41.0 (manylinux1 wheel) for its perf_analyzer binary"
+    log "downloading tritonclient==$PA_VERSION (manylinux1 wheel) for its perf_analyzer binary"
     "${PIP[@]}" download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 \
-      --python-version 3.11 -d "$PA_HOME/dl" 'tritonclient==2.41.0' 2>&1 | grep -v "is ignored" || true
+      --python-version 3.11 -d "$PA_HOME/dl" "tritonclient==$PA_VERSION" 2>&1 | grep -v "is ignored" || true
     local whl
-    whl="$(ls "$PA_HOME"/dl/tritonclient-2.41.0-*manylinux1_x86_64.whl | head -n1)"
-    "$PY" - "$whl" "$PA_BIN" <<'EOF'
+    whl="$(ls "$PA_HOME"/dl/tritonclient-$PA_VERSION-*manylinux1_x86_64.whl | head -n1)"
+    "$PY" - "$whl" "$PA_BIN" "$PA_VERSION" <<'EOF'
 import sys, zipfile, shutil, os
-whl, dest = sys.argv[1], sys.argv[2]
-with zipfile.ZipFile(whl) as z, z.open("tritonclient-2.41.0.data/data/bin/perf_analyzer") as src, open(dest, "wb") as out:
+whl, dest, version = sys.argv[1], sys.argv[2], sys.argv[3]
+with zipfile.ZipFile(whl) as z, z.open(f"tritonclient-{version}.data/data/bin/perf_analyzer") as src, \
+        open(dest, "wb") as out:
     shutil.copyfileobj(src, out)
 os.chmod(dest, 0o755)
 EOF
@@ -205,8 +209,10 @@ print(" ".join(str(x.getsockname()[1]) for x in s))')"
 cmd="${1:-}"; shift || true
 case "$cmd" in
   setup) setup;;
+  env) [[ -x "$PA_BIN" ]] || setup
+       echo "export PATH=\"$PA_HOME/bin:\$PATH\" LD_LIBRARY_PATH=\"$PA_LIB\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\"";;
   version) [[ -x "$PA_BIN" ]] || setup; pa --version;;
   sweep) parse "$@"; sweep;;
   run) parse "$@"; run_with_server;;
-  *) sed -n '2,33p' "${BASH_SOURCE[0]}"; exit 2;;
+  *) sed -n '2,36p' "${BASH_SOURCE[0]}"; exit 2;;
 esac

@@ -15,18 +15,22 @@ import pytest
 PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))
 
-import fastgen_bench as fb  # noqa: E402
-import run_all  # noqa: E402
+import closed_loop  # noqa: E402
+import drivers  # noqa: E402
+import fastgen_metrics as fm  # noqa: E402
+import workload  # noqa: E402
+import fastgen_report  # noqa: E402
+import machine  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------- workload
 def test_workload_lengths_are_exact_and_seeded(tiny_llama):
     from transformers import AutoTokenizer
 
-    specs = fb.make_workload(tiny_llama, 12, prompt_mean=40, gen_mean=6, seed=3, max_model_len=256)
-    again = fb.make_workload(tiny_llama, 12, prompt_mean=40, gen_mean=6, seed=3, max_model_len=256)
+    specs = workload.make_workload(tiny_llama, 12, prompt_mean=40, gen_mean=6, seed=3, max_model_len=256)
+    again = workload.make_workload(tiny_llama, 12, prompt_mean=40, gen_mean=6, seed=3, max_model_len=256)
     assert [(s.prompt, s.gen_tokens) for s in specs] == [(s.prompt, s.gen_tokens) for s in again]
-    other = fb.make_workload(tiny_llama, 12, prompt_mean=40, gen_mean=6, seed=4, max_model_len=256)
+    other = workload.make_workload(tiny_llama, 12, prompt_mean=40, gen_mean=6, seed=4, max_model_len=256)
     assert [s.prompt for s in specs] != [s.prompt for s in other]
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     for s in specs:
@@ -80,9 +84,9 @@ def test_openai_driver_against_fake_sse_server():
     th = threading.Thread(target=server.serve_forever, daemon=True)
     th.start()
     try:
-        specs = [fb.RequestSpec(i, "x" * (10 + i), 3, 4 + i) for i in range(6)]
-        driver = fb.OpenAIDriver(f"http://127.0.0.1:{server.server_address[1]}", "bench")
-        res = fb.sweep(driver, specs, [1, 3], per_client=2, min_requests=3, warmup=1, log=lambda m: None)
+        specs = [workload.RequestSpec(i, "x" * (10 + i), 3, 4 + i) for i in range(6)]
+        driver = drivers.OpenAIDriver(f"http://127.0.0.1:{server.server_address[1]}", "bench")
+        res = closed_loop.sweep(driver, specs, [1, 3], per_client=2, min_requests=3, warmup=1, log=lambda m: None)
     finally:
         server.shutdown()
     sent = _FakeOpenAI.seen[-1]
@@ -90,7 +94,7 @@ def test_openai_driver_against_fake_sse_server():
     p1, p3 = res["points"]
     assert (p1["clients"], p1["requests"]) == (1, 3) and (p3["clients"], p3["requests"]) == (3, 6)
     for p in res["points"]:
-        recs = [fb.RequestRecord.from_json(r) for r in p["records"]]
+        recs = [fm.RequestRecord.from_json(r) for r in p["records"]]
         assert all(r.ok for r in recs), [r.error for r in recs]
         assert all(r.output_tokens == r.gen_tokens == r.server_output_tokens for r in recs)
         assert all(r.server_prompt_tokens == 3 for r in recs)
@@ -117,12 +121,12 @@ def _synthetic_raw(out: Path) -> None:
                 gap = 0.05 * (k + 1)
                 start = i * 0.5
                 arrivals = [0.3 + gap * j for j in range(8)]
-                recs.append(fb.RequestRecord(i, i % c, 256, 8, start, start + arrivals[-1],
+                recs.append(fm.RequestRecord(i, i % c, 256, 8, start, start + arrivals[-1],
                                              [(start + a, 1) for a in arrivals], None, 256, 8).to_json())
             points.append({"clients": c, "requests": len(recs), "records": recs})
         (raw / f"{name}.json").write_text(json.dumps({"points": points, "server": {"kind": name}, "wall_s": 1.0,
                                                       "loadavg_before": [1, 1, 1], "loadavg_after": [1, 1, 1]}))
-    meta = dict(machine=run_all.machine_info(), model={"path": "m", "arch": "llama", "params_m": 1.0, "hidden": 8,
+    meta = dict(machine=machine.machine_info(), model={"path": "m", "arch": "llama", "params_m": 1.0, "hidden": 8,
                                                        "layers": 1, "heads": 1, "kv_heads": 1, "vocab": 10,
                                                        "dtype": "float32", "built_by": {"size": "tiny"}},
                 workload=dict(prompt_mean=256, gen_mean=8, variance=0.3, seed=0, num_requests=8,
@@ -133,7 +137,7 @@ def _synthetic_raw(out: Path) -> None:
 
 def test_report_writes_plots_csv_and_summary(tmp_path):
     _synthetic_raw(tmp_path)
-    summary = run_all.report(tmp_path, token_clients=2)
+    summary = fastgen_report.report(tmp_path, token_clients=2)
     text = summary.read_text()
     for png in ("throughput_latency.png", "effective_throughput.png", "token_latency.png"):
         assert (tmp_path / png).stat().st_size > 5000
@@ -154,15 +158,15 @@ def test_tiny_sweep_against_real_triton_server(tiny_llama, tmp_path):
         find_tritonserver()
     except FileNotFoundError as e:
         pytest.skip(f"no tritonserver: {e}")
-    specs = fb.make_workload(tiny_llama, 8, prompt_mean=32, gen_mean=5, seed=0, max_model_len=256)
+    specs = workload.make_workload(tiny_llama, 8, prompt_mean=32, gen_mean=5, seed=0, max_model_len=256)
     params = {"scheduler_policy": "splitfuse", "token_budget": "64", "device": "cpu", "num_kv_blocks": "64",
               "num_threads": "1"}
     with serve(tiny_llama, params, workdir=tmp_path / "srv") as srv:
         for model in ("ensemble", "llm"):
-            driver = fb.TritonDriver(srv.grpc_url, model)
-            res = fb.sweep(driver, specs, [1, 2], per_client=2, min_requests=2, warmup=1, log=lambda m: None)
+            driver = drivers.TritonDriver(srv.grpc_url, model)
+            res = closed_loop.sweep(driver, specs, [1, 2], per_client=2, min_requests=2, warmup=1, log=lambda m: None)
             for p in res["points"]:
-                recs = [fb.RequestRecord.from_json(r) for r in p["records"]]
+                recs = [fm.RequestRecord.from_json(r) for r in p["records"]]
                 assert len(recs) == p["requests"] == max(2, 2 * p["clients"])
                 assert all(r.ok for r in recs), [r.error for r in recs]
                 for r in recs:

@@ -1,0 +1,29 @@
+"""python -m splitfuse.openai_api --model DIR [--triton-grpc-url HOST:PORT] [--host H] [--port P]"""
+
+from __future__ import annotations
+
+import argparse
+
+from splitfuse.openai_api import ApiConfig, run
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m splitfuse.openai_api",
+                                 description="OpenAI-compatible API in front of a running splitfuse Triton server")
+    ap.add_argument("--model", required=True, help="checkpoint directory the Triton server runs (for its tokenizer)")
+    ap.add_argument("--triton-grpc-url", default="127.0.0.1:8001", help="tritonserver gRPC endpoint host:port")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=9000)
+    ap.add_argument("--served-model-name", default=None, help="name clients use (default: the directory's name)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory, when not the checkpoint's")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's max_model_len (default: the checkpoint's max_position_embeddings)")
+    ap.add_argument("--log-level", default="info")
+    a = ap.parse_args(argv)
+    run(ApiConfig(model_dir=a.model, triton_grpc_url=a.triton_grpc_url, host=a.host, port=a.port,
+                  served_model_name=a.served_model_name, tokenizer=a.tokenizer, max_model_len=a.max_model_len,
+                  log_level=a.log_level))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""The FastAPI application: OpenAI routes over the Triton `llm` model.
+
+Each route validates its body (400 naming the parameter), checks the model name (404),
+tokenizes, and runs one generation through `TritonLLM`. Streaming answers are server-sent
+events; the first engine response is awaited before the 200 goes out, so a request the engine
+refuses still gets its 400. A client that goes away cancels its generation (see
+`TritonLLM.generate`), whether it was streaming or waiting for the whole answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from splitfuse.openai_api import responses as R
+from splitfuse.openai_api.config import ApiConfig
+from splitfuse.openai_api.prompts import Prompts
+from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from splitfuse.openai_api.triton_llm import GenerationError, Step, TritonLLM
+
+log = logging.getLogger("splitfuse.openai_api")
+T = TypeVar("T")
+
+# How often a waiting (non-streaming) request checks that its client is still connected.
+DISCONNECT_POLL_S = 0.1
+# OpenAI's default for /v1/completions (chat defaults to what fits in max_model_len).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its generation was running."""
+
+
+@dataclass
+class Job:
+    """One generation as the routes describe it to the shared runner."""
+
+    chat: bool
+    meta: R.Meta
+    prompt_ids: list[int]
+    inputs: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    echo: str = ""
+
+
+def sampling_inputs(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: bool) -> dict:
+    """OpenAI parameters -> `llm` inputs. Temperature and top_p are always sent, with OpenAI's
+    defaults (1.0), so the answer does not depend on the server's own default sampling."""
+    inputs: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "return_log_probs": logprobs,
+        "return_num_input_tokens": True,
+        "return_num_output_tokens": True,
+    }
+    for name in ("presence_penalty", "frequency_penalty", "seed", "top_k", "min_tokens", "repetition_penalty",
+                 "ignore_eos"):
+        value = getattr(req, name)
+        if value is not None:
+            inputs[name] = value
+    stops = req.stop_list()
+    if stops:
+        inputs["stop_words"] = stops
+    return inputs
+
+
+class OpenAIServer:
+    """State shared by the routes: config, tokenizer, Triton client."""
+
+    def __init__(self, config: ApiConfig, tokenizer: Any | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.prompts = Prompts(tokenizer or AutoTokenizer.from_pretrained(config.tokenizer_dir))
+        self.max_model_len = config.resolved_max_model_len()
+        self.created = int(time.time())
+        self.triton: TritonLLM | None = None
+
+    # ---- lifecycle (the gRPC channel belongs to the server's event loop) ----------------------
+    async def start(self) -> None:
+        self.triton = TritonLLM(self.config.triton_grpc_url)
+
+    async def stop(self) -> None:
+        if self.triton is not None:
+            await self.triton.close()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.config.served_model_name:
+            raise ApiError(404, f"The model `{name}` does not exist. This server serves "
+                                f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
+                                f"max_model_len {self.max_model_len}", param="messages")
+        return room
+
+    def completion_job(self, req: CompletionRequest) -> Job:
+        req.check_stream_options()
+        self.check_model(req.model)
+        ids, text = self.prompts.completion(req)
+        want_lp = req.logprobs is not None
+        if want_lp and req.echo:
+            raise ApiError(400, "echo with logprobs is not supported (prompt log-probabilities are not "
+                                "computed)", param="echo")
+        return Job(chat=False, meta=R.Meta(R.new_id("cmpl"), req.model), prompt_ids=ids,
+                   inputs=sampling_inputs(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, want_lp),
+                   stream=req.stream,
+                   include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                   logprobs=want_lp, echo=text if req.echo else "")
+
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        req.check_stream_options()
+        self.check_model(req.model)
+        ids = self.prompts.chat(req)
+        max_tokens = req.max_new_tokens() or self.default_max_tokens(len(ids))
+        return Job(chat=True, meta=R.Meta(R.new_id("chatcmpl"), req.model), prompt_ids=ids,
+                   inputs=sampling_inputs(req, max_tokens, req.logprobs), stream=req.stream,
+                   include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                   logprobs=req.logprobs)
+
+    def _steps(self, job: Job) -> AsyncIterator[Step]:
+        assert self.triton is not None
+        inputs = {"input_ids": job.prompt_ids, "input_lengths": len(job.prompt_ids), "stream": job.stream,
+                  **job.inputs}
+        return self.triton.generate(job.meta.id, inputs)
+
+    def _logprobs(self, job: Job, step_ids: list[int], step_lps: list[float] | None, text_start: int):
+        if not job.logprobs:
+            return None
+        tokens = self.prompts.token_strings(step_ids)
+        lps = list(step_lps or [])
+        if job.chat:
+            return R.chat_logprobs(tokens, lps)
+        return R.completion_logprobs(tokens, lps, text_start)
+
+    async def complete(self, job: Job, request: Request) -> dict:
+        """Non-streaming: one response from `llm` with the whole text."""
+        async def collect() -> Step:
+            async with contextlib.aclosing(self._steps(job)) as steps:
+                async for step in steps:
+                    if step.final:
+                        return step
+            raise GenerationError("no final response")
+
+        step = await _watch_disconnect(request, collect())
+        use = R.usage(step.num_input_tokens or len(job.prompt_ids), step.num_output_tokens or len(step.token_ids))
+        text = job.echo + step.text
+        lp = self._logprobs(job, step.token_ids, step.logprobs, len(job.echo))
+        if job.chat:
+            return R.chat(job.meta, text, step.finish_reason, lp, use)
+        return R.completion(job.meta, text, step.finish_reason, lp, use)
+
+    async def stream(self, job: Job, request: Request) -> StreamingResponse:
+        steps = self._steps(job)
+        try:
+            first = await _watch_disconnect(request, steps.__anext__())
+        except BaseException:
+            await steps.aclose()
+            raise
+        return StreamingResponse(self._events(job, steps, first), media_type="text/event-stream")
+
+    async def _events(self, job: Job, steps: AsyncIterator[Step], first: Step) -> AsyncIterator[str]:
+        meta = job.meta
+        n_in, n_out = first.num_input_tokens, 0
+        text_len = 0
+        try:
+            async with contextlib.aclosing(steps):
+                if job.chat:
+                    yield R.sse(R.chat_chunk(meta, {"role": "assistant", "content": ""}, None, None))
+                elif job.echo:
+                    yield R.sse(R.completion_chunk(meta, job.echo, None, None))
+                    text_len = len(job.echo)
+                step: Step | None = first
+                while step is not None:
+                    n_in = step.num_input_tokens or n_in
+                    n_out = step.num_output_tokens if step.num_output_tokens is not None else n_out + len(
+                        step.token_ids)
+                    if step.text or step.token_ids or step.finish_reason:
+                        lp = self._logprobs(job, step.token_ids, step.logprobs, text_len)
+                        text_len += len(step.text)
+                        if job.chat:
+                            delta = {"content": step.text} if step.text else {}
+                            yield R.sse(R.chat_chunk(meta, delta, step.finish_reason, lp))
+                        else:
+                            yield R.sse(R.completion_chunk(meta, step.text, step.finish_reason, lp))
+                    step = None if step.final else await steps.__anext__()
+        except (GenerationError, StopAsyncIteration) as e:
+            message = e.message if isinstance(e, GenerationError) else "the generation ended without a final response"
+            log.warning("%s: generation failed mid-stream: %s", meta.id, message)
+            yield R.sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+            yield R.sse("[DONE]")
+            return
+        if job.include_usage:
+            use = R.usage(n_in or len(job.prompt_ids), n_out)
+            yield R.sse(R.chat_usage_chunk(meta, use) if job.chat else R.completion_usage_chunk(meta, use))
+        yield R.sse("[DONE]")
+
+
+async def _watch_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so its generation) if the HTTP client disconnects."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _generation_error(e: GenerationError) -> ApiError:
+    if e.is_client_error:
+        return ApiError(400, e.message)
+    return ApiError(503, e.message, type_="server_error")
+
+
+def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
+    """The ASGI application for `config` (run it with uvicorn, see `run`)."""
+    server = OpenAIServer(config, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await server.start()
+        try:
+            yield
+        finally:
+            await server.stop()
+
+    app = FastAPI(title="splitfuse OpenAI-compatible API", lifespan=lifespan)
+    app.state.server = server
+
+    async def body_of(request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def run(job: Job, request: Request):
+        try:
+            if job.stream:
+                return await server.stream(job, request)
+            return JSONResponse(await server.complete(job, request))
+        except GenerationError as e:
+            return _error_response(_generation_error(e))
+        except ClientGone:
+            log.info("%s: client disconnected; generation cancelled", job.meta.id)
+            return JSONResponse({}, status_code=499)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [R.model_card(config.served_model_name, server.created, config.model_dir)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        server.check_model(name)
+        return R.model_card(name, server.created, config.model_dir)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = server.triton is not None and await server.triton.ready()
+        return JSONResponse({"triton_llm_ready": ok}, status_code=200 if ok else 503)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await body_of(request))
+        return await run(server.completion_job(req), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatCompletionRequest, await body_of(request))
+        return await run(server.chat_job(req), request)
+
+    return app
+
+
+def run(config: ApiConfig) -> None:
+    """Serve until interrupted (Ctrl-C / SIGTERM)."""
+    import uvicorn
+
+    if not Path(config.model_dir).is_dir():
+        raise FileNotFoundError(f"model directory {config.model_dir} does not exist")
+    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=config.log_level)

@@ -1,0 +1,43 @@
+"""ApiConfig: everything the OpenAI front needs to know, in one place."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ApiConfig:
+    model_dir: str
+    """The checkpoint the Triton server runs: its tokenizer (and chat template) is used here."""
+    triton_grpc_url: str = "127.0.0.1:8001"
+    """host:port of the running tritonserver's gRPC endpoint."""
+    host: str = "127.0.0.1"
+    port: int = 9000
+    served_model_name: str | None = None
+    """The `model` clients name; defaults to the checkpoint directory's name."""
+    tokenizer: str | None = None
+    """Tokenizer directory when it is not `model_dir` (the engine's `tokenizer` parameter)."""
+    max_model_len: int | None = None
+    """The engine's max_model_len, for chat requests without max_tokens; defaults to the
+    checkpoint's max_position_embeddings, as the engine's does."""
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.model_dir = os.fspath(self.model_dir)
+        if not self.served_model_name:
+            self.served_model_name = Path(self.model_dir).resolve().name
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model_dir
+
+    def resolved_max_model_len(self) -> int:
+        if self.max_model_len:
+            return self.max_model_len
+        cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
+        return int(cfg.get("max_position_embeddings", 2048))

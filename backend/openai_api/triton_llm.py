@@ -1,0 +1,154 @@
+"""The one place that talks to Triton: the `llm` model over tritonclient's asyncio gRPC stream.
+
+Requests go to `llm` directly (with `input_ids`), not to `ensemble`: cancelling a gRPC stream
+reaches a decoupled model, which aborts the sequence and frees its KV blocks, whereas Triton
+2.51 does not forward an ensemble request's cancellation to its running step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+
+LLM_MODEL = "llm"
+
+# Triton dtype of each `llm` input this front sends (model_repository/llm/config.pbtxt).
+INPUT_DTYPES = {
+    "input_ids": ("INT32", np.int32), "input_lengths": ("INT32", np.int32), "max_tokens": ("INT32", np.int32),
+    "stream": ("BOOL", np.bool_), "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
+    "top_k": ("INT32", np.int32), "presence_penalty": ("FP32", np.float32),
+    "frequency_penalty": ("FP32", np.float32), "repetition_penalty": ("FP32", np.float32),
+    "min_tokens": ("INT32", np.int32), "seed": ("UINT64", np.uint64), "ignore_eos": ("BOOL", np.bool_),
+    "stop_words": ("BYTES", np.object_), "return_log_probs": ("BOOL", np.bool_),
+    "return_num_input_tokens": ("BOOL", np.bool_), "return_num_output_tokens": ("BOOL", np.bool_),
+}
+
+
+class GenerationError(Exception):
+    """Triton answered a request with an error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    @property
+    def is_client_error(self) -> bool:
+        """The `llm` model marks its own faults and shutdown; everything else is the request's."""
+        lowered = self.message.lower()
+        return not any(w in lowered for w in ("internal error", "shutting down", "unavailable", "not ready",
+                                              "failed to connect", "connection refused"))
+
+
+@dataclass
+class Step:
+    """One response of `llm`: a delta when streaming, everything otherwise."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None
+    num_input_tokens: int | None
+    num_output_tokens: int | None
+    final: bool
+
+
+def build_inputs(values: dict[str, Any]) -> list:
+    """{name: value or list} -> [1, 1] / [1, n] gRPC inputs, typed as `llm` declares them."""
+    out = []
+    for name, value in values.items():
+        dtype, np_type = INPUT_DTYPES[name]
+        row = value if isinstance(value, list) else [value]
+        if dtype == "BYTES":
+            row = [v.encode("utf-8") for v in row]
+        arr = np.array([row], dtype=np_type)
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def parse_step(result) -> Step:
+    def get(name: str):
+        arr = result.as_numpy(name)
+        return None if arr is None else arr.reshape(-1)
+
+    params = result.get_response().parameters
+    final = "triton_final_response" in params and params["triton_final_response"].bool_param
+    text = get("text_output")
+    ids = get("output_ids")
+    reason = get("finish_reason")
+    lps = get("log_probs")
+    n_in, n_out = get("num_input_tokens"), get("num_output_tokens")
+    finish = bytes(reason[0]).decode() if reason is not None and reason.size else ""
+    return Step(
+        text=b"".join(bytes(t) for t in text).decode("utf-8") if text is not None else "",
+        token_ids=ids.astype(int).tolist() if ids is not None else [],
+        logprobs=lps.astype(float).tolist() if lps is not None else None,
+        finish_reason=finish or None,
+        num_input_tokens=int(n_in[0]) if n_in is not None and n_in.size else None,
+        num_output_tokens=int(n_out[0]) if n_out is not None and n_out.size else None,
+        # The last response of a generation carries its finish reason.
+        final=final or bool(finish),
+    )
+
+
+class TritonLLM:
+    """An asyncio client of the `llm` model; one gRPC channel, one stream per generation."""
+
+    def __init__(self, grpc_url: str) -> None:
+        self.grpc_url = grpc_url
+        self.client = grpcaio.InferenceServerClient(grpc_url)
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_model_ready(LLM_MODEL)
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def generate(self, request_id: str, inputs: dict[str, Any]) -> AsyncIterator[Step]:
+        """Responses of one generation until its final one.
+
+        Closing the iterator early (the HTTP client went away, the task was cancelled) cancels
+        the gRPC stream: `llm` sees the request cancelled, aborts it and frees its KV blocks.
+        Use it under `contextlib.aclosing` so that happens at once, not at garbage collection.
+        """
+        finished = asyncio.Event()
+        request = {"model_name": LLM_MODEL, "inputs": build_inputs(inputs), "request_id": request_id}
+
+        async def requests():
+            yield request
+            await finished.wait()  # keep the stream open until the final response is in
+
+        call = self.client.stream_infer(requests())
+        complete = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    complete = True
+                    raise GenerationError(error.message() or str(error))
+                step = parse_step(result)
+                if step.final:
+                    complete = True
+                yield step
+                if complete:
+                    return
+            raise GenerationError("unavailable: Triton closed the stream before the final response")
+        except GenerationError:
+            raise
+        except Exception as e:  # grpc errors: server gone, stream broken
+            raise GenerationError(f"unavailable: {type(e).__name__}: {e}") from None
+        finally:
+            finished.set()
+            if not complete:
+                # Also done by grpc when the task reading the stream is cancelled; explicit here
+                # for every other way out (an exception, the consumer closing the iterator).
+                call.cancel()

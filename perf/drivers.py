@@ -1,0 +1,251 @@
+"""Benchmark clients that stream one request and time every token of it.
+
+Triton: tritonclient gRPC streaming against our `ensemble` or `llm` model (TensorRT-LLM tensor
+names). OpenAI: streaming /v1/completions against any OpenAI-compatible server (e.g. vLLM).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+from fastgen_metrics import RequestRecord
+from workload import RequestSpec
+
+class Driver:
+    name = "driver"
+
+    def run_one(self, spec: RequestSpec, client: int, timeout: float) -> RequestRecord:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class TritonDriver(Driver):
+    """Streams one request at a time over tritonclient gRPC (one stream per client thread).
+
+    Token counting per streamed response: the length of `output_ids` when the model returns it,
+    else the increase of `num_output_tokens`, else one token per non-empty `text_output`.
+    """
+
+    name = "triton"
+
+    def __init__(self, url: str, model: str = "ensemble", temperature: float = 0.0):
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.url = url
+        self.model = model
+        self.temperature = temperature
+        probe = grpcclient.InferenceServerClient(url)
+        meta = probe.get_model_metadata(model, as_json=True)
+        probe.close()
+        self.input_names = {i["name"]: i["datatype"] for i in meta.get("inputs", [])}
+        self.output_names = [o["name"] for o in meta.get("outputs", [])]
+        self._local = threading.local()
+
+    def _client(self):
+        c = getattr(self._local, "client", None)
+        if c is None:
+            c = self._grpc.InferenceServerClient(self.url)
+            self._local.client = c
+        return c
+
+    def _inputs(self, spec: RequestSpec) -> list:
+        import numpy as np
+
+        g = self._grpc
+        values: dict[str, tuple[Any, str]] = {
+            "text_input": (np.array([[spec.prompt.encode("utf-8")]], dtype=object), "BYTES"),
+            "max_tokens": (np.array([[spec.gen_tokens]], dtype=np.int32), "INT32"),
+            "stream": (np.array([[True]], dtype=bool), "BOOL"),
+            "ignore_eos": (np.array([[True]], dtype=bool), "BOOL"),
+            "min_tokens": (np.array([[spec.gen_tokens]], dtype=np.int32), "INT32"),
+            "temperature": (np.array([[self.temperature]], dtype=np.float32), "FP32"),
+            "exclude_input_in_output": (np.array([[True]], dtype=bool), "BOOL"),
+            "return_num_input_tokens": (np.array([[True]], dtype=bool), "BOOL"),
+            "return_num_output_tokens": (np.array([[True]], dtype=bool), "BOOL"),
+        }
+        inputs = []
+        for name, (arr, dtype) in values.items():
+            if name not in self.input_names:
+                continue
+            want = self.input_names[name]
+            if want != dtype:  # follow the model's declared type (e.g. INT64 max_tokens)
+                np_type = {"INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "FP16": np.float16,
+                           "BOOL": bool, "UINT64": np.uint64}.get(want)
+                if np_type is None:
+                    continue
+                arr = arr.astype(np_type)
+                dtype = want
+            inp = g.InferInput(name, list(arr.shape), dtype)
+            inp.set_data_from_numpy(arr)
+            inputs.append(inp)
+        return inputs
+
+    def run_one(self, spec: RequestSpec, client: int, timeout: float) -> RequestRecord:
+        g = self._grpc
+        c = self._client()
+        events: queue.Queue = queue.Queue()
+
+        def callback(result=None, error=None):
+            events.put((time.perf_counter(), result, error))
+
+        inputs = self._inputs(spec)
+        rec = RequestRecord(spec.idx, client, spec.prompt_tokens, spec.gen_tokens, start=0.0)
+        c.start_stream(callback=callback)
+        try:
+            rec.start = time.perf_counter()
+            c.async_stream_infer(self.model, inputs, request_id=f"{spec.idx}-{client}",
+                                 enable_empty_final_response=True)
+            deadline = rec.start + timeout
+            last_num_out = 0
+            while True:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    rec.error = "timeout"
+                    break
+                try:
+                    t, result, error = events.get(timeout=remaining)
+                except queue.Empty:
+                    rec.error = "timeout"
+                    break
+                if error is not None:
+                    rec.error = str(error)
+                    break
+                n = 0
+                got_count = False
+                ids = result.as_numpy("output_ids") if "output_ids" in self.output_names else None
+                if ids is not None:
+                    n = int(ids.size)
+                    got_count = True
+                num_out = (result.as_numpy("num_output_tokens")
+                           if "num_output_tokens" in self.output_names else None)
+                if num_out is not None and num_out.size:
+                    total = int(num_out.reshape(-1)[0])
+                    if not got_count:
+                        n = max(0, total - last_num_out)
+                        got_count = True
+                    last_num_out = max(last_num_out, total)
+                    rec.server_output_tokens = total
+                if not got_count:
+                    text = result.as_numpy("text_output") if "text_output" in self.output_names else None
+                    n = 1 if text is not None and text.size and len(text.reshape(-1)[0]) else 0
+                num_in = (result.as_numpy("num_input_tokens")
+                          if "num_input_tokens" in self.output_names else None)
+                if num_in is not None and num_in.size:
+                    rec.server_prompt_tokens = int(num_in.reshape(-1)[0])
+                if n:
+                    rec.chunks.append((t, n))
+                params = result.get_response().parameters
+                if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                    rec.end = t
+                    break
+        finally:
+            if not rec.end:
+                rec.end = time.perf_counter()
+            c.stop_stream(cancel_requests=rec.error is not None)
+        return rec
+
+    def close(self) -> None:
+        pass
+
+
+class OpenAIDriver(Driver):
+    """Streaming /v1/completions against an OpenAI-compatible server (vLLM).
+
+    Tokens per SSE chunk: `choices[0].token_ids` when the server returns them (vLLM with
+    `return_token_ids`), else the increase of `usage.completion_tokens` (continuous usage stats),
+    else one per non-empty text chunk.
+    """
+
+    name = "openai"
+
+    def __init__(self, url: str, model: str, temperature: float = 0.0):
+        u = urllib.parse.urlparse(url if "://" in url else "http://" + url)
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or 80
+        self.base = u.path.rstrip("/")
+        self.model = model
+        self.temperature = temperature
+
+    def run_one(self, spec: RequestSpec, client: int, timeout: float) -> RequestRecord:
+        body = json.dumps({
+            "model": self.model,
+            "prompt": spec.prompt,
+            "max_tokens": spec.gen_tokens,
+            "min_tokens": spec.gen_tokens,
+            "ignore_eos": True,
+            "temperature": self.temperature,
+            "stream": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }).encode()
+        rec = RequestRecord(spec.idx, client, spec.prompt_tokens, spec.gen_tokens, start=0.0)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            rec.start = time.perf_counter()
+            conn.request("POST", self.base + "/v1/completions", body=body,
+                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
+                return rec
+            last_completion = 0
+            deadline = rec.start + timeout
+            while True:
+                line = resp.readline()
+                t = time.perf_counter()
+                if not line:
+                    break
+                if t > deadline:
+                    rec.error = "timeout"
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    rec.end = t
+                    break
+                msg = json.loads(payload)
+                if "error" in msg:
+                    rec.error = str(msg["error"])[:300]
+                    break
+                usage = msg.get("usage") or {}
+                n = None
+                choices = msg.get("choices") or []
+                if choices:
+                    tids = choices[0].get("token_ids")
+                    if tids is not None:
+                        n = len(tids)
+                    pids = choices[0].get("prompt_token_ids")
+                    if pids:
+                        rec.server_prompt_tokens = len(pids)
+                if usage.get("completion_tokens") is not None:
+                    comp = int(usage["completion_tokens"])
+                    if n is None and choices:
+                        n = max(0, comp - last_completion)
+                    last_completion = max(last_completion, comp)
+                    rec.server_output_tokens = comp
+                    if usage.get("prompt_tokens") is not None:
+                        rec.server_prompt_tokens = int(usage["prompt_tokens"])
+                if n is None:
+                    n = 1 if choices and choices[0].get("text") else 0
+                if n:
+                    rec.chunks.append((t, n))
+            if rec.error is None and not rec.end:
+                rec.error = "stream ended without [DONE]"
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+            rec.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if not rec.end:
+                rec.end = time.perf_counter()
+            conn.close()
+        return rec

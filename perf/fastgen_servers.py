@@ -1,0 +1,175 @@
+"""Running one system: start its server (our tritonserver, or vLLM's OpenAI server), sweep
+the client counts against it, stop it. One server at a time, so systems never share the CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from closed_loop import sweep
+from drivers import OpenAIDriver, TritonDriver
+from systems import VLLM_SYSTEMS, base_of, budget_of, file_stem
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def log(msg: str) -> None:
+    print(f"[run_all {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------ systems
+def run_triton(system: str, args, specs, clients) -> dict:
+    """One server per system; if tritonserver dies during a point, it is restarted and that point
+    is measured again (up to --max-restarts times per system; the summary reports restarts)."""
+    from splitfuse.server import serve
+
+    policy = base_of(system)
+    params = {"scheduler_policy": policy, "token_budget": str(budget_of(system) or args.token_budget)}
+    for item in args.param:
+        k, _, v = item.partition("=")
+        params[k] = v
+    workdir = (Path(args.workdir) / file_stem(system)).resolve()
+    points: list[dict] = []
+    crashes: list[dict] = []
+    offset = 0
+    i = 0
+    load_before = os.getloadavg()
+    t_sweep = time.time()
+    while i < len(clients):
+        log(f"{system}: starting tritonserver ({params})")
+        t0 = time.time()
+        try:
+            with serve(args.model_dir, params, workdir=workdir, ready_timeout_s=600) as srv:
+                log(f"{system}: ready in {time.time() - t0:.0f}s at {srv.grpc_url}")
+                driver = TritonDriver(srv.grpc_url, args.triton_model)
+                warmup = args.warmup
+                while i < len(clients):
+                    c = clients[i]
+                    res = sweep(driver, specs, [c], per_client=args.per_client, min_requests=args.min_requests,
+                                   max_requests=args.max_requests, time_limit_s=args.point_time_limit,
+                                   request_timeout_s=args.request_timeout, warmup=warmup, log=log,
+                                   server_pids=lambda: [srv.process.pid], start_offset=offset)
+                    warmup = 0
+                    point = res["points"][0]
+                    if point["metrics"]["errors"] and srv.process.poll() is None:
+                        # A dying tritonserver may still be running for a moment after it failed
+                        # the requests; give it time, then check it still answers.
+                        for _ in range(20):
+                            if srv.process.poll() is not None:
+                                break
+                            time.sleep(0.5)
+                        if srv.process.poll() is None and not srv.is_ready():
+                            srv.process.kill()
+                            srv.process.wait()
+                    if srv.process.poll() is not None:
+                        crashes.append({"clients": c, "code": srv.process.returncode})
+                        log(f"{system}: tritonserver exited during the {c}-client point (code "
+                            f"{srv.process.returncode}); see {workdir / 'server.log'}")
+                        if len(crashes) <= args.max_restarts:
+                            break  # restart the server and measure this point again
+                        point["server_crashed"] = srv.process.returncode
+                    points.append(point)
+                    offset += point["requests"]
+                    i += 1
+        finally:
+            _reap_leftovers(workdir)
+    return {"points": points, "wall_s": time.time() - t_sweep, "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(), "server_exits": crashes,
+            "server": {"kind": "triton", "model": args.triton_model, "params": params}}
+
+
+def _reap_leftovers(workdir: Path) -> None:
+    """Stop processes left running from `workdir` (Python-backend stubs outlive a tritonserver
+    that crashed). Matched by the work directory's path in their command line, ended by pid."""
+    mark = str(Path(workdir).resolve())
+    me = os.getpid()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == me:
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if mark in cmd:
+            log(f"stopping leftover process {d.name}: {cmd[:100]}")
+            try:
+                os.kill(int(d.name), signal.SIGTERM)
+                time.sleep(2)
+                os.kill(int(d.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def run_vllm(system: str, args, specs, clients) -> dict:
+    port = _free_port()
+    py = Path(args.vllm_python)
+    if not py.exists():
+        raise FileNotFoundError(f"{py} not found: install vLLM-CPU first (see perf/README.md)")
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(args.model_dir).resolve()),
+           "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", str(args.max_model_len),
+           "--no-enable-prefix-caching", "--disable-log-stats", *args.vllm_arg]
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_gib))
+    env.pop("VIRTUAL_ENV", None)
+    env.update(VLLM_SYSTEMS[system])
+    for item in args.vllm_env:
+        k, _, v = item.partition("=")
+        env[k] = v
+    log_path = Path(args.workdir) / system / "server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"{system}: starting {' '.join(cmd[1:])}")
+    t0 = time.time()
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, cwd=str(ROOT))
+    try:
+        deadline = time.time() + args.vllm_ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {proc.returncode}; see {log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"vLLM not ready after {args.vllm_ready_timeout}s; see {log_path}")
+            time.sleep(1)
+        log(f"{system}: ready in {time.time() - t0:.0f}s on port {port}")
+        driver = OpenAIDriver(f"http://127.0.0.1:{port}", "bench")
+        res = _sweep(driver, specs, clients, args, lambda: [proc.pid])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    res["server"] = {"kind": "openai", "cmd": cmd[1:], "env": {k: env[k] for k in env if k.startswith("VLLM_")}}
+    return res
+
+
+def _sweep(driver, specs, clients, args, server_pids) -> dict:
+    load_before = os.getloadavg()
+    t = time.time()
+    res = sweep(driver, specs, clients, per_client=args.per_client, min_requests=args.min_requests,
+                   max_requests=args.max_requests, time_limit_s=args.point_time_limit,
+                   request_timeout_s=args.request_timeout, warmup=args.warmup, log=log, server_pids=server_pids)
+    res["wall_s"] = time.time() - t
+    res["loadavg_before"] = load_before
+    res["loadavg_after"] = os.getloadavg()
+    return res

@@ -1,0 +1,381 @@
+"""The OpenAI-compatible front (`python -m splitfuse.openai_api`) against the real tritonserver,
+driven with the official `openai` SDK: chat and completions, streamed == whole at temperature 0,
+sampling parameters, error bodies, and a client that goes away frees its KV blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from triton_helpers import metric_sum, wait_for
+
+openai = pytest.importorskip("openai", reason="the openai SDK is in the dev extra")
+pytest.importorskip("fastapi", reason="fastapi/uvicorn are in the serve extra")
+
+pytestmark = pytest.mark.serving
+
+PROMPT = "the quick brown fox jumps over"
+MESSAGES = [{"role": "system", "content": "you are terse"}, {"role": "user", "content": "hello world"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Api:
+    base_url: str
+    model: str
+    process: subprocess.Popen
+    log_file: Path
+
+    def client(self, **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+
+def _start_api(served, tmp_path: Path, name: str, *extra: str) -> Api:
+    port = _free_port()
+    log_file = tmp_path / f"{name}.log"
+    cmd = [sys.executable, "-m", "splitfuse.openai_api", "--model", served.model_dir,
+           "--triton-grpc-url", served.grpc_url, "--port", str(port), "--log-level", "warning", *extra]
+    with open(log_file, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the OpenAI API did not start: {log_file.read_text()[-2000:]}")
+        time.sleep(0.3)
+    return Api(base, Path(served.model_dir).resolve().name, proc, log_file)
+
+
+def _stop(api: Api) -> None:
+    api.process.terminate()
+    try:
+        api.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        api.process.kill()
+        api.process.wait()
+
+
+# The engine's limit for prompt + generation, as the launcher passes it: chat requests without
+# max_tokens fill it. The test server's KV pool (4096 tokens, minus its watermark) could not hold
+# one sequence of the checkpoint's full 4096 positions.
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def api(served, tmp_path_factory):
+    a = _start_api(served, tmp_path_factory.mktemp("openai"), "api", "--max-model-len", str(MAX_MODEL_LEN))
+    yield a
+    _stop(a)
+
+
+def _used_blocks(served) -> float:
+    return metric_sum(served.metrics_url, "splitfuse_kv_cache_blocks", state="used")
+
+
+def _generated(served) -> float:
+    return metric_sum(served.metrics_url, "splitfuse_generation_tokens_total")
+
+
+# ---- happy paths ----------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(api):
+    models = api.client().models.list()
+    assert [m.id for m in models.data] == [api.model]
+    assert api.client().models.retrieve(api.model).id == api.model
+
+
+def test_completion_greedy_matches_the_engine_and_streams_the_same_text(api, offline_llm):
+    from splitfuse.sequence import SamplingParams
+
+    client = api.client()
+    whole = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    ref = offline_llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    choice = whole.choices[0]
+    assert choice.text == ref.text
+    assert choice.finish_reason == ref.finish_reason
+    assert whole.usage.prompt_tokens == len(offline_llm.tokenizer(PROMPT).input_ids)
+    assert whole.usage.completion_tokens == len(ref.token_ids)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    chunks = list(client.completions.create(model=api.model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 1, "expected one chunk per engine step"
+    assert "".join(c.choices[0].text for c in text_chunks) == choice.text
+    assert text_chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completion_with_token_ids_and_echo(api, offline_llm):
+    ids = offline_llm.tokenizer(PROMPT).input_ids
+    client = api.client()
+    by_text = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=api.model, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    echoed = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_chat_uses_the_chat_template_and_streams_the_same_text(api, offline_llm):
+    from splitfuse.sequence import SamplingParams
+
+    tok = offline_llm.tokenizer
+    prompt_ids = tok(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False).input_ids
+    ref = offline_llm.generate([prompt_ids], SamplingParams(max_tokens=10, temperature=0.0))[0]
+    client = api.client()
+    whole = client.chat.completions.create(model=api.model, messages=MESSAGES, max_tokens=10, temperature=0)
+    msg = whole.choices[0].message
+    assert msg.role == "assistant" and msg.content == ref.text
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    assert whole.usage.completion_tokens == len(ref.token_ids)
+    assert whole.choices[0].finish_reason == ref.finish_reason
+
+    stream = client.chat.completions.create(model=api.model, messages=MESSAGES, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == msg.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # max_completion_tokens is the chat API's newer name for max_tokens.
+    newer = client.chat.completions.create(model=api.model, messages=MESSAGES, max_completion_tokens=10,
+                                           temperature=0)
+    assert newer.choices[0].message.content == msg.content
+
+
+def test_chat_without_max_tokens_fills_the_context(api):
+    # No max_tokens: up to max_model_len; stop early with a stop string found in a greedy run.
+    client = api.client()
+    ref = client.chat.completions.create(model=api.model, messages=MESSAGES, max_tokens=24, temperature=0)
+    text = ref.choices[0].message.content
+    stop = _stop_string(text)
+    r = client.chat.completions.create(model=api.model, messages=MESSAGES, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == text[:text.index(stop)]
+
+
+def _stop_string(text: str) -> str:
+    """A short piece from the middle of `text` (its first occurrence decides where text stops)."""
+    for start in range(4, len(text) - 2):
+        piece = text[start:start + 2]
+        if piece.strip() and "\ufffd" not in piece:
+            return piece
+    pytest.skip(f"greedy text too short to cut: {text!r}")
+
+
+def test_stop_strings_and_lengths(api):
+    client = api.client()
+    full = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=24, temperature=0).choices[0]
+    stop = _stop_string(full.text)
+    cut = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full.text[:full.text.index(stop)]
+    streamed = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                         stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
+    one = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+
+
+def test_sampling_parameters_reach_the_engine(api, offline_llm):
+    """Seeded sampling and penalties give what the engine gives for the same SamplingParams
+    (a seeded request's tokens do not depend on what else shares the batch)."""
+    from splitfuse.sequence import SamplingParams
+
+    client = api.client()
+    kw = dict(model=api.model, prompt=PROMPT, max_tokens=16, temperature=0.8, top_p=0.9)
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    ref = offline_llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234))[0]
+    assert a == ref.text
+    others = {client.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)}
+    assert len(others | {a}) > 1, "different seeds all gave the same text"
+    pen = dict(frequency_penalty=1.5, presence_penalty=0.5)
+    penalised = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=24, temperature=0, **pen)
+    ref = offline_llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, **pen))[0]
+    assert penalised.choices[0].text == ref.text
+    plain = offline_llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    if len(set(plain.token_ids)) < len(plain.token_ids):  # penalties can only act on repeats
+        assert ref.token_ids != plain.token_ids
+
+
+def test_logprobs(api):
+    client = api.client()
+    r = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens == 8
+    assert all(x <= 0.0 for x in lp.token_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chat = client.chat.completions.create(model=api.model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                          logprobs=True)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(c.logprob <= 0.0 for c in content)
+    streamed = client.chat.completions.create(model=api.model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                              logprobs=True, stream=True)
+    stream_lps = [c.logprob for ch in streamed if ch.choices and ch.choices[0].logprobs
+                  for c in ch.choices[0].logprobs.content]
+    assert stream_lps == pytest.approx([c.logprob for c in content], abs=1e-4)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(n=2), ["n=1"]),
+    (dict(top_p=0.0), ["top_p"]),
+    (dict(temperature=-1.0), ["temperature"]),
+    (dict(max_tokens=0), ["max_tokens"]),
+    (dict(max_tokens=100_000), ["max_model_len"]),
+    (dict(logprobs=3), ["logprobs"]),
+    (dict(presence_penalty=5.0), ["presence_penalty"]),
+    (dict(seed=-1), ["seed"]),
+    (dict(stop=[""]), ["stop"]),
+    (dict(best_of=2), ["best_of"]),
+    (dict(extra_body={"unknown_knob": 1}), ["unknown_knob"]),
+    (dict(stream_options={"include_usage": True}), ["stream_options"]),
+])
+def test_completion_bad_parameters_are_400(api, kwargs, words):
+    client = api.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=api.model, prompt=PROMPT, **{"max_tokens": 4, **kwargs})
+    err = e.value.body
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error"
+    for w in words:
+        assert w in err["message"], err
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(n=3), ["n=1"]),
+    (dict(messages=[]), ["messages"]),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), ["role"]),
+    (dict(top_logprobs=2, logprobs=True), ["top_logprobs"]),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), ["tools"]),
+])
+def test_chat_bad_parameters_are_400(api, kwargs, words):
+    client = api.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=api.model, **{"messages": MESSAGES, "max_tokens": 4, **kwargs})
+    for w in words:
+        assert w in e.value.body["message"], e.value.body
+
+
+def test_unknown_model_is_404_and_a_good_request_still_works(api):
+    client = api.client()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=4, stream=True)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    # A request the engine itself refuses, streamed: still a 400, not a broken stream.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=api.model, prompt=PROMPT, max_tokens=100_000, stream=True)
+    ok = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_malformed_json_is_400(api):
+    req = urllib.request.Request(api.base_url + "/v1/completions", data=b"{not json",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+    assert "JSON" in json.loads(e.value.read())["error"]["message"]
+
+
+def test_chat_without_a_template_is_a_clear_400(served, tmp_path):
+    tok_dir = tmp_path / "tokenizer"
+    tok_dir.mkdir()
+    for f in Path(served.model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tok_dir / f.name)
+    cfg_path = tok_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    assert not (tok_dir / "chat_template.jinja").exists()
+    bare = _start_api(served, tmp_path, "bare", "--tokenizer", str(tok_dir))
+    try:
+        client = bare.client()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=bare.model, messages=MESSAGES, max_tokens=4)
+        assert e.value.body["code"] == "no_chat_template" and "chat template" in e.value.body["message"]
+        assert client.completions.create(model=bare.model, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    finally:
+        _stop(bare)
+
+
+# ---- disconnects ----------------------------------------------------------------------------
+
+LONG = dict(max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_streaming_client_that_disconnects_frees_its_kv_blocks(api, served):
+    assert wait_for(lambda: _used_blocks(served) == 0), "blocks still in use from an earlier test"
+    client = api.client()
+    stream = client.chat.completions.create(model=api.model, messages=MESSAGES, stream=True, **LONG)
+    got = 0
+    for chunk in stream:
+        got += 1
+        if got == 5:
+            break
+    assert wait_for(lambda: _used_blocks(served) > 0)
+    before = _generated(served)
+    stream.close()  # drops the HTTP connection
+    assert wait_for(lambda: _used_blocks(served) == 0, timeout=10.0), "KV blocks not freed after disconnect"
+    assert wait_for(lambda: metric_sum(served.metrics_url, "splitfuse_requests", state="running") == 0)
+    assert _generated(served) - before < 1500, "the generation ran on after the client left"
+
+
+def test_waiting_client_that_disconnects_frees_its_kv_blocks(api, served):
+    assert wait_for(lambda: _used_blocks(served) == 0), "blocks still in use from an earlier test"
+    host, port = api.base_url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": api.model, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert wait_for(lambda: _used_blocks(served) > 0, timeout=30.0)
+    before = _generated(served)
+    sock.close()
+    assert wait_for(lambda: _used_blocks(served) == 0, timeout=10.0), "KV blocks not freed after disconnect"
+    assert _generated(served) - before < 1500, "the generation ran on after the client left"
+    ok = api.client().completions.create(model=api.model, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_launcher_entry_point_is_importable():
+    from splitfuse.openai_api import ApiConfig, build_app, run  # noqa: F401
+
+    cfg = ApiConfig(model_dir=os.getcwd(), triton_grpc_url="127.0.0.1:1", port=9000)
+    assert cfg.served_model_name == Path(os.getcwd()).name
+    with pytest.raises(ValueError, match="port"):
+        ApiConfig(model_dir=".", port=0)

@@ -1,0 +1,135 @@
+"""The OpenAI front's request checking, parameter mapping and response bodies, without a server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi", reason="fastapi is in the serve extra")
+
+from splitfuse.openai_api import responses as R  # noqa: E402
+from splitfuse.openai_api.app import sampling_inputs  # noqa: E402
+from splitfuse.openai_api.prompts import Prompts  # noqa: E402
+from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse  # noqa: E402
+from splitfuse.openai_api.triton_llm import GenerationError, build_inputs  # noqa: E402
+
+GOOD = {"model": "m", "prompt": "hi"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({**GOOD, "n": 2}, "n", "n=1"),
+    ({**GOOD, "best_of": 3}, "best_of", "best_of=1"),
+    ({**GOOD, "logprobs": 2}, "logprobs", "logprobs=0"),
+    ({**GOOD, "temperature": 2.5}, "temperature", "temperature"),
+    ({**GOOD, "top_p": 0}, "top_p", "top_p"),
+    ({**GOOD, "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({**GOOD, "seed": -5}, "seed", "seed"),
+    ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({**GOOD, "logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
+    ({**GOOD, "suffix": "x"}, "suffix", "suffix"),
+    ({**GOOD, "prompt": ["a", "b"]}, "prompt", "one prompt"),
+    ({**GOOD, "prompt": ""}, "prompt", "empty"),
+    ({**GOOD, "mystery": 1}, "mystery", "unsupported parameter: mystery"),
+    ({"prompt": "hi"}, "model", "model"),
+])
+def test_completion_requests_that_are_refused_name_their_parameter(body, param, words):
+    with pytest.raises(ApiError) as e:
+        parse(CompletionRequest, body)
+    assert e.value.status == 400 and e.value.param == param
+    assert words in e.value.message
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({**CHAT, "messages": []}, "messages"),
+    ({**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "n": 4}, "n"),
+])
+def test_chat_requests_that_are_refused(body, param):
+    with pytest.raises(ApiError) as e:
+        parse(ChatCompletionRequest, body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_not_an_object_and_stream_options_without_stream():
+    with pytest.raises(ApiError, match="JSON object"):
+        parse(CompletionRequest, ["a"])
+    req = parse(CompletionRequest, {**GOOD, "stream_options": {"include_usage": True}})
+    with pytest.raises(ApiError, match="stream_options"):
+        req.check_stream_options()
+
+
+def test_accepted_forms():
+    assert parse(CompletionRequest, {**GOOD, "prompt": ["only one"]}).prompt == "only one"
+    assert parse(CompletionRequest, {**GOOD, "prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
+    assert parse(CompletionRequest, {**GOOD, "prompt": [5, 6]}).prompt == [5, 6]
+    chat = parse(ChatCompletionRequest, {**CHAT, "max_completion_tokens": 7, "max_tokens": 3,
+                                         "messages": [{"role": "user", "content": [
+                                             {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert chat.max_new_tokens() == 7 and chat.messages[0].text() == "ab"
+    image = parse(ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    with pytest.raises(ApiError, match="text content"):
+        image.messages[0].text()
+
+
+def test_sampling_inputs_always_carry_openai_defaults():
+    req = parse(CompletionRequest, GOOD)
+    inputs = sampling_inputs(req, 16, logprobs=False)
+    assert inputs["temperature"] == 1.0 and inputs["top_p"] == 1.0 and inputs["max_tokens"] == 16
+    assert "seed" not in inputs and "stop_words" not in inputs and "presence_penalty" not in inputs
+    req = parse(CompletionRequest, {**GOOD, "temperature": 0, "seed": 9, "stop": "x", "presence_penalty": 1.5,
+                                    "frequency_penalty": -1, "top_k": 5, "ignore_eos": True, "min_tokens": 2})
+    inputs = sampling_inputs(req, 8, logprobs=True)
+    assert inputs["temperature"] == 0.0 and inputs["seed"] == 9 and inputs["stop_words"] == ["x"]
+    assert inputs["presence_penalty"] == 1.5 and inputs["frequency_penalty"] == -1
+    assert inputs["top_k"] == 5 and inputs["ignore_eos"] is True and inputs["min_tokens"] == 2
+    assert inputs["return_log_probs"] is True
+    # Every value becomes a typed [1, n] tensor the llm model declares.
+    tensors = {t.name(): t for t in build_inputs({"input_ids": [1, 2, 3], **inputs})}
+    assert tensors["input_ids"].shape() == [1, 3] and tensors["input_ids"].datatype() == "INT32"
+    assert tensors["seed"].datatype() == "UINT64" and tensors["stop_words"].datatype() == "BYTES"
+
+
+def test_engine_errors_split_into_client_and_server_faults():
+    assert GenerationError("prompt (3 tokens) + max_tokens (9) exceeds max_model_len").is_client_error
+    assert not GenerationError("internal error: RuntimeError: boom").is_client_error
+    assert not GenerationError("unavailable: the server is shutting down").is_client_error
+
+
+def test_response_bodies():
+    meta = R.Meta("cmpl-1", "m", created=5)
+    lp = R.completion_logprobs(["ab", "c", "de"], [-0.1, -0.2, -0.3], text_start=4)
+    assert lp["text_offset"] == [4, 6, 7] and lp["tokens"] == ["ab", "c", "de"]
+    body = R.completion(meta, "abcde", "length", lp, R.usage(3, 3))
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["choices"][0]["finish_reason"] == "length" and body["object"] == "text_completion"
+    chat_lp = R.chat_logprobs(["é"], [-1.0])
+    assert chat_lp["content"][0]["bytes"] == [0xC3, 0xA9]
+    event = R.sse(R.chat_chunk(meta, {"content": "é"}, None, None))
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert json.loads(event[6:])["choices"][0]["delta"]["content"] == "é"
+    assert R.sse("[DONE]") == "data: [DONE]\n\n"
+
+
+def test_prompts_with_the_demo_tokenizer(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = Prompts(tok)
+    ids, text = prompts.completion(parse(CompletionRequest, {**GOOD, "prompt": "hello world"}))
+    assert ids == tok("hello world").input_ids and ids[0] == tok.bos_token_id and text == "hello world"
+    with pytest.raises(ApiError, match="outside the vocabulary"):
+        prompts.completion(parse(CompletionRequest, {**GOOD, "prompt": [1, 10**6]}))
+    assert prompts.has_chat_template  # the demo checkpoint carries one
+    chat_ids = prompts.chat(parse(ChatCompletionRequest, CHAT))
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat_ids == tok(rendered, add_special_tokens=False).input_ids
+    tok.chat_template = None
+    with pytest.raises(ApiError) as e:
+        prompts.chat(parse(ChatCompletionRequest, CHAT))
+    assert e.value.status == 400 and e.value.code == "no_chat_template"
