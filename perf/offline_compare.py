@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fastgen_bench import draw_lengths  # noqa: E402
+from workload import draw_lengths  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
 
 RESULTS = HERE / "results" / "offline"

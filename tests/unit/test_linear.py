@@ -25,6 +25,8 @@ def test_linear_matches_f_linear(rows, bias, dtype, out_features, in_features):
 def test_linear_module_keeps_nn_linear_parameters():
     layer = Linear(8, 4, bias=True)
     assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
+    for p in layer.parameters():  # torch.empty: whatever the memory held, NaN included
+        torch.nn.init.normal_(p)
     x = torch.randn(5, 8)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
