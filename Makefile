@@ -9,6 +9,8 @@ MODEL ?=
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+# The OpenAI-compatible front beside Triton (0: not started).
+OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 
 .PHONY: install kernels serve test test-fast demo-model bench clean
@@ -37,7 +39,8 @@ demo-model: $(DEMO_MODEL)/config.json
 
 serve: install kernels $(if $(MODEL),,$(DEMO_MODEL)/config.json)
 	$(PY) -m splitfuse.launcher --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
 test: install kernels
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests

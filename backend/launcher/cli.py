@@ -1,10 +1,11 @@
 """The command line: `python -m splitfuse.launcher` (what `make serve` runs).
 
     python -m splitfuse.launcher --model DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
-        [--param NAME=VALUE ...] [--instances N] [--model-repository-out DIR]
+        [--param NAME=VALUE ...] [--instances N] [--model-repository-out DIR] [--openai-port 9000]
 
 Renders the repository, starts tritonserver in the foreground, prints where it listens once
-ready, and on Ctrl-C/SIGTERM drains (in-flight generations get --drain-timeout seconds to
+ready (with --openai-port, starts the OpenAI-compatible front beside it, `splitfuse.openai_api`,
+stopped first on shutdown), and on Ctrl-C/SIGTERM drains (in-flight generations get --drain-timeout seconds to
 finish, the rest are aborted with a final response) before Triton unloads; a second signal
 kills at once.
 """
@@ -19,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import TritonServer
 from splitfuse.launcher.repository import TEMPLATE_ENV, parse_params, render_model_repository
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
@@ -37,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="engine parameter (any EngineConfig field), repeatable")
     p.add_argument("--instances", type=int, default=1, help="llm instance_group count (engine replicas)")
+    p.add_argument("--openai-port", type=int, default=0,
+                   help="also serve the OpenAI-compatible API on this port (0: not started)")
     p.add_argument("--preprocessing-instances", type=int, default=1)
     p.add_argument("--model-repository-out", default=None,
                    help="where to render the model repository (default: a temporary directory)")
@@ -82,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             control_dir=work / "control", llm_instances=args.instances, drain_timeout_s=args.drain_timeout,
             exit_timeout_s=args.exit_timeout, log_verbose=args.log_verbose, extra_args=args.triton_args,
         )
-        return _run_foreground(server, args.ready_timeout)
+        front = None
+        if args.openai_port:
+            front = OpenAIFront(args.model, f"127.0.0.1:{args.grpc_port}", args.host, args.openai_port, params)
+        return _run_foreground(server, args.ready_timeout, front)
     except (ValueError, OSError) as e:  # bad parameters, missing files, ports in use
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_foreground(server: TritonServer, ready_timeout_s: float) -> int:
+def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIFront | None = None) -> int:
     signals: list[int] = []
 
     def on_signal(signum: int, _frame) -> None:
@@ -117,19 +124,33 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float) -> int:
                 signals.append(signal.SIGTERM)
                 break
             time.sleep(0.25)
+        if not signals and front is not None:
+            front.start()
+            if not front.wait_ready():
+                print(f"splitfuse.launcher: the OpenAI front did not come up on {front.url}", file=sys.stderr)
+                signals.append(signal.SIGTERM)
         if not signals:
             print(
                 f"splitfuse.launcher: ready (listening on {server.host})\n"
                 f"  HTTP    http://{server.http_url}  (POST /v2/models/ensemble/generate_stream)\n"
                 f"  gRPC    {server.grpc_url}\n"
                 f"  metrics {server.metrics_url}\n"
-                f"  models  {server.model_repository}",
+                + (f"  OpenAI  {front.url}/v1  (chat/completions, completions, models)\n" if front else "")
+                + f"  models  {server.model_repository}",
                 flush=True,
             )
+        front_lost = False
         while not signals and server.running():
+            if front is not None and not front_lost and not front.running():
+                front_lost = True  # Triton keeps serving; only the OpenAI front is gone
+                print(f"splitfuse.launcher: the OpenAI front exited with code {front.process.returncode}",
+                      file=sys.stderr, flush=True)
             time.sleep(0.2)
     finally:
-        # Also on an unexpected error here: never leave a tritonserver behind.
+        # Also on an unexpected error here: never leave a tritonserver (or the front) behind. The
+        # front goes first, so no new request arrives while in-flight generations drain.
+        if front is not None:
+            front.stop()
         if server.running():
             server.stop()
     code = server.process.returncode

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -84,16 +86,18 @@ def test_backend_dir_links_the_stub_for_this_python(tmp_path):
 
 @pytest.mark.serving
 def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
-    """`python -m splitfuse.launcher` (what `make serve` runs): ready line, then Ctrl-C with a
-    generation in flight: the generation is aborted with a final response, new requests are
-    refused while draining, and the launcher exits 0 with tritonserver stopped cleanly."""
+    """`python -m splitfuse.launcher` (what `make serve` runs): ready line, the OpenAI front
+    answering beside Triton, then Ctrl-C with a generation in flight: the generation is aborted
+    with a final response, new requests are refused while draining, and the launcher exits 0
+    with tritonserver and the front stopped."""
     try:
         find_tritonserver()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", tiny_llama, "--host", "127.0.0.1",
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+           "--openai-port", str(ports[3]),
            "--param", "device=cpu", "--param", "num_kv_blocks=256", "--param", "num_threads=1",
            "--drain-timeout", "2", "--model-repository-out", str(tmp_path / "repo")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -110,6 +114,11 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
     reader.start()
     try:
         assert ready.wait(600), "".join(lines[-40:])
+        openai_url = f"http://127.0.0.1:{ports[3]}/v1"
+        time.sleep(0.2)  # the ready message's remaining lines
+        assert any(openai_url in line for line in lines), "".join(lines[-40:])
+        with urllib.request.urlopen(f"{openai_url}/models", timeout=30) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == [Path(tiny_llama).name]
         grpc_url = f"127.0.0.1:{ports[1]}"
         s = GrpcStream(grpc_url)
         s.send("llm", {"text_input": "hello", "max_tokens": 3000, "temperature": 0.0, "ignore_eos": True,
@@ -125,6 +134,8 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
         s.close()
         assert rest.error is None and rest.finish_reason == "abort" and rest.responses[-1].final
         assert proc.wait(timeout=60) == 0, "".join(lines[-40:])
+        with pytest.raises(OSError):  # the front stopped with the launcher
+            urllib.request.urlopen(f"{openai_url}/models", timeout=5)
     finally:
         if proc.poll() is None:  # never leave a tritonserver behind: a second signal kills it
             proc.send_signal(signal.SIGINT)

@@ -1,0 +1,63 @@
+"""The OpenAI-compatible front beside Triton (`--openai-port`): a child process running
+`python -m splitfuse.openai_api` against the server's gRPC endpoint.
+
+A process of its own, so its event loop never competes with the launcher's signal handling
+for the GIL; started once Triton is ready and stopped before Triton drains, so no new request
+arrives while in-flight generations finish.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+
+
+class OpenAIFront:
+    def __init__(self, model: str, grpc_url: str, host: str, port: int, params: Mapping[str, str]) -> None:
+        self.host, self.port = host, port
+        self.command = [sys.executable, "-m", "splitfuse.openai_api", "--model", model, "--triton-grpc-url", grpc_url,
+                        "--host", host, "--port", str(port), "--log-level", "warning"]
+        # The engine settings the front must agree with (its tokenizer, the default max_tokens).
+        if params.get("tokenizer"):
+            self.command += ["--tokenizer", params["tokenizer"]]
+        if params.get("max_model_len"):
+            self.command += ["--max-model-len", params["max_model_len"]]
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.command)
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout_s: float = 60.0) -> bool:
+        """True once GET /health answers 200 (Triton's llm model is ready behind it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.running():
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        return False
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self.running():
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
