@@ -13,7 +13,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 
-.PHONY: install kernels serve test test-fast demo-model bench clean
+.PHONY: install kernels perf-tools serve test test-fast demo-model bench clean
 
 install: $(VENV)/.installed
 
@@ -42,7 +42,13 @@ serve: install kernels $(if $(MODEL),,$(DEMO_MODEL)/config.json)
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
-test: install kernels
+# genai-perf 0.0.16 (its own venv) and the perf_analyzer 2.50 binary it drives, under perf/
+# (git-ignored; see perf/README.md). `make test` runs the genai-perf test with them; when the
+# set-up cannot fetch them, that test skips and says why.
+perf-tools:
+	-perf/setup_genai_perf.sh
+
+test: install kernels perf-tools
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
 
 bench: install
