@@ -36,17 +36,26 @@ requests_st = st.lists(
 )
 
 
-def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, watermark=0.0, check=None):
+def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, watermark=0.0, check=None,
+             prompts=None, prefix_caching=True):
+    """Run `requests` to completion. Prompts default to one shared run of ids (every prompt a
+    prefix of the longest), so the prefix cache is exercised hard. A fake KV pool records
+    which token each slot holds: every chunk must find its sequence's own tokens in the
+    slots before it, and must never write into a block another sequence holds."""
     # The pool always fits the largest request alone (the engine rejects others at add time).
     largest = max(blocks_needed(r.prompt_len + r.output_len, block_size) for r in requests)
     total = int((largest + extra_blocks) / (1.0 - watermark)) + 1
-    blocks = BlockManager(total, block_size, watermark)
+    blocks = BlockManager(total, block_size, watermark, enable_prefix_caching=prefix_caching)
     assert total - blocks.watermark_blocks >= largest
     sched = Scheduler(blocks, budget, max_num_seqs, policy)
+    if prompts is None:
+        prompts = [list(range(3, 3 + r.prompt_len)) for r in requests]
     seqs = [
-        Sequence(f"r{i}", list(range(3, 3 + r.prompt_len)), SamplingParams(max_tokens=r.output_len), arrival=i)
+        Sequence(f"r{i}", prompts[i], SamplingParams(max_tokens=r.output_len), arrival=i)
         for i, r in enumerate(requests)
     ]
+    slots: list[list[int | None]] = [[None] * block_size for _ in range(total)]
+    keys: dict[int, list[int]] = {}
     pending = sorted(range(len(requests)), key=lambda i: requests[i].arrive_step)
     live: dict[int, Sequence] = {}
     finished: set[int] = set()
@@ -67,10 +76,11 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
         if check is not None:
             check(sched, out, before, budget)
         for c in out.chunks:
-            samples = c.samples
-            c.seq.num_computed_tokens += c.num_tokens
-            if samples:
-                c.seq.append_token(7)
+            run_on_fake_kv(c, slots, block_size, live.values(), keys)
+        sampling = [c.seq for c in out.chunks if c.samples]
+        sched.advance(out)
+        for s in sampling:
+            s.append_token(7)
         for i, s in list(live.items()):
             if s.num_output_tokens >= requests[i].output_len:
                 sched.finish(s)
@@ -81,6 +91,25 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
     assert finished == set(range(len(requests))), "every request finishes"
     assert blocks.num_free_blocks == blocks.num_blocks, "all blocks returned"
     return sched
+
+
+def run_on_fake_kv(chunk, slots, block_size, live, keys) -> None:
+    """What a forward pass does with the KV pool: read the context, write the chunk's tokens.
+    A slot holds a key of the whole prefix up to its token (KV depends on all of it)."""
+    seq, start = chunk.seq, chunk.seq.num_computed_tokens
+    seq_keys = keys.setdefault(id(seq), [])
+    while len(seq_keys) < start + chunk.num_tokens:
+        seq_keys.append(hash((seq_keys[-1] if seq_keys else None, seq.token_ids[len(seq_keys)])))
+    table = seq.block_table
+    for pos in range(start):
+        assert slots[table[pos // block_size]][pos % block_size] == seq_keys[pos], (
+            f"{seq.request_id}: the KV slot of position {pos} was computed for another prefix"
+        )
+    others = {b for s in live if s is not seq for b in s.block_table}
+    for pos in range(start, start + chunk.num_tokens):
+        block = table[pos // block_size]
+        assert block not in others, f"{seq.request_id} writes into block {block} that another sequence holds"
+        slots[block][pos % block_size] = seq_keys[pos]
 
 
 def check_splitfuse(sched, out, before, budget):
