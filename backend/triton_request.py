@@ -67,6 +67,7 @@ class Parsed:
     return_log_probs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_num_cached_tokens: bool = False
 
 
 def parse_request(request: Mapping[str, np.ndarray]) -> Parsed:
@@ -135,4 +136,5 @@ def parse_request(request: Mapping[str, np.ndarray]) -> Parsed:
         return_log_probs=return_log_probs,
         return_num_input_tokens=bool(_scalar(request, "return_num_input_tokens", bool)),
         return_num_output_tokens=bool(_scalar(request, "return_num_output_tokens", bool)),
+        return_num_cached_tokens=bool(_scalar(request, "return_num_cached_tokens", bool)),
     )

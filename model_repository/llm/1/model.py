@@ -92,6 +92,10 @@ class Metrics:
             "prompt": MF(name="splitfuse_prompt_tokens_total", description="Prompt tokens computed",
                          kind=MF.COUNTER),
             "gen": MF(name="splitfuse_generation_tokens_total", description="Tokens generated", kind=MF.COUNTER),
+            "pc_queries": MF(name="splitfuse_prefix_cache_queries_total",
+                             description="Prompt tokens looked up in the prefix cache", kind=MF.COUNTER),
+            "pc_hits": MF(name="splitfuse_prefix_cache_hits_total",
+                          description="Prompt tokens found in the prefix cache (KV reused)", kind=MF.COUNTER),
             "ttft": MF(name="splitfuse_time_to_first_token_seconds",
                        description="Time from request arrival to its first generated token", kind=MF.HISTOGRAM),
             "itl": MF(name="splitfuse_inter_token_latency_seconds",
@@ -105,6 +109,8 @@ class Metrics:
         self.tokens_per_step = f["tps"].Metric(labels=labels, buckets=TOKENS_PER_STEP_BUCKETS)
         self.prompt_tokens = f["prompt"].Metric(labels=labels)
         self.generation_tokens = f["gen"].Metric(labels=labels)
+        self.prefix_cache_queries = f["pc_queries"].Metric(labels=labels)
+        self.prefix_cache_hits = f["pc_hits"].Metric(labels=labels)
         self.ttft = f["ttft"].Metric(labels=labels, buckets=TTFT_BUCKETS)
         self.itl = f["itl"].Metric(labels=labels, buckets=ITL_BUCKETS)
         self._gauges: dict[str, float] = {}
@@ -118,7 +124,7 @@ class Metrics:
     def close(self) -> None:
         # Metrics before their families (see the class docstring).
         for name in ("kv_used", "kv_free", "running", "waiting", "tokens_per_step", "prompt_tokens",
-                     "generation_tokens", "ttft", "itl"):
+                     "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "ttft", "itl"):
             setattr(self, name, None)
         self.families.clear()
 
@@ -276,6 +282,8 @@ class TritonPythonModel:
             tensors.append(pb_utils.Tensor("num_input_tokens", np.array([[len(out.prompt_token_ids)]], np.int32)))
         if p.return_num_output_tokens:
             tensors.append(pb_utils.Tensor("num_output_tokens", np.array([[len(out.token_ids)]], np.int32)))
+        if p.return_num_cached_tokens:
+            tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([[out.num_cached_tokens]], np.int32)))
         if p.return_log_probs:
             tensors.append(pb_utils.Tensor("log_probs", np.array(logprobs or [], np.float32).reshape(1, -1)))
         try:
@@ -343,16 +351,22 @@ class TritonPythonModel:
 
     def _publish_metrics(self) -> None:
         m = self.metrics
-        prompt = generated = 0
+        prompt = generated = cache_queries = cache_hits = 0
         while self.step_stats:
             s = self.step_stats.popleft()
             m.tokens_per_step.observe(s.num_tokens)
             prompt += s.num_prompt_tokens
             generated += s.num_generated_tokens
+            cache_queries += s.prefix_cache_queries
+            cache_hits += s.prefix_cache_hits
         if prompt:
             m.prompt_tokens.increment(prompt)
         if generated:
             m.generation_tokens.increment(generated)
+        if cache_queries:
+            m.prefix_cache_queries.increment(cache_queries)
+        if cache_hits:
+            m.prefix_cache_hits.increment(cache_hits)
         while self.first_token_latencies:
             m.ttft.observe(self.first_token_latencies.popleft())
         while self.inter_token_latencies:
