@@ -13,7 +13,7 @@ No-shared-prefix workload: fastgen_bench's prose prompts, each starting with its
 number so that no two share even their first KV block; caching on and off alternate (on, off,
 on, off, ...) to spread the machine's drift over both.
 
-    .venv/bin/python perf/prefix_cache_bench.py            # full run (~25 min on 2 cores)
+    .venv/bin/python perf/prefix_cache_bench.py            # full run (~15 min on 2 idle cores)
     .venv/bin/python perf/prefix_cache_bench.py --quick    # a few minutes: smaller everything
     .venv/bin/python perf/prefix_cache_bench.py --report-only
 
@@ -523,13 +523,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-size", default="bench")
     ap.add_argument("--system-prompts", type=int, default=3)
     ap.add_argument("--system-tokens", type=int, default=1000)
-    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--user-mean", type=int, default=64)
     ap.add_argument("--gen-mean", type=int, default=32)
-    ap.add_argument("--clients", type=int, default=6)
-    ap.add_argument("--unshared-requests", type=int, default=24)
-    ap.add_argument("--unshared-prompt-mean", type=int, default=512)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--unshared-requests", type=int, default=16)
+    ap.add_argument("--unshared-prompt-mean", type=int, default=384)
     ap.add_argument("--unshared-gen-mean", type=int, default=32)
     ap.add_argument("--unshared-repeats", type=int, default=2, help="on/off pairs of the no-shared-prefix run")
     ap.add_argument("--token-budget", type=int, default=256)
