@@ -53,6 +53,9 @@ class EngineConfig:
     """auto | cpu | cuda | cuda:N."""
     kv_watermark: float = 0.01
     """Share of KV blocks kept free when admitting new prompts, so decodes can grow."""
+    enable_prefix_caching: bool = True
+    """Share the KV of full blocks between requests that start with the same tokens (a system
+    prompt, earlier chat turns); freed blocks stay cached until their room is needed."""
     num_threads: int = 0
     """OpenMP threads on CPU for torch and the C++ kernels; 0 keeps torch's default (one per core)."""
     seed: int = 0
@@ -83,6 +86,8 @@ class EngineConfig:
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not (isinstance(self.default_temperature, (int, float)) and 0.0 <= self.default_temperature < float("inf")):

@@ -44,6 +44,10 @@ class StepStats:
     forward_s: float
     num_preemptions: int = 0
     """Sequences preempted (KV freed, to be recomputed) while scheduling this step."""
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted this step looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found in the cache (not computed)."""
 
 
 @dataclass
@@ -62,7 +66,8 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.args.vocab_size
-        self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, config.kv_watermark)
+        self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, config.kv_watermark,
+                                   enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.token_budget, config.max_num_seqs, config.scheduler_policy)
         self.eos_token_ids = set(_generation_eos_ids(config.model) or self.runner.args.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -178,7 +183,7 @@ class LLMEngine:
         for c in chunks:
             done = c.seq.num_computed_tokens
             num_prompt_tokens += max(0, min(done + c.num_tokens, c.seq.num_prompt_tokens) - done)
-            c.seq.num_computed_tokens += c.num_tokens
+        self.scheduler.advance(decision)
         outputs = []
         num_generated = 0
         for seq, row in zip(sampling, sampled):
@@ -203,6 +208,8 @@ class LLMEngine:
             duration_s=time.perf_counter() - start,
             forward_s=forward_s,
             num_preemptions=len(decision.preempted),
+            prefix_cache_queries=decision.prefix_cache_queries,
+            prefix_cache_hits=decision.prefix_cache_hits,
         )
         return outputs
 
@@ -288,6 +295,7 @@ class LLMEngine:
             seq_logprobs=seq.output_logprobs if want_logprobs else None,
             text_source=detok,
             text_len=detok.text_length,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
     def check_invariants(self) -> None:

@@ -12,6 +12,10 @@ The scheduler never touches tensors; it asks the BlockManager for room. When a r
 sequence cannot get a block, the newest sequence is preempted (its KV freed, to be
 recomputed later). Every request is checked at admission to fit the pool on its own, so
 the oldest sequence can always make progress: no deadlock.
+
+Prefix caching: a sequence is admitted after the longest prefix of full blocks the cache
+holds (the BlockManager's `lookup`), so its first chunk starts at that offset; after each
+step `advance` makes the blocks a chunk filled findable for requests admitted later.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted this step that were looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found (their KV is reused, not computed)."""
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +91,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         return self._schedule_fn()
 
+    def advance(self, out: SchedulerOutput) -> None:
+        """Record that the step `out` ran: each chunk's tokens are computed now, and the
+        blocks they filled become findable in the prefix cache (also by requests admitted
+        while this one is still being split)."""
+        for c in out.chunks:
+            before = c.seq.num_computed_tokens
+            c.seq.num_computed_tokens += c.num_tokens
+            self.blocks.cache_computed_blocks(c.seq, before)
+
     # ---- policies -----------------------------------------------------------------------
     def _schedule_splitfuse(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -96,7 +113,7 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(seq, n))
                 budget -= n
         # New prompts; the last one admitted is cut to fill the budget exactly.
-        while budget > 0 and (seq := self._admit_head()) is not None:
+        while budget > 0 and (seq := self._admit_head(out)) is not None:
             n = min(seq.num_uncomputed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
@@ -111,7 +128,7 @@ class Scheduler:
             head = self.waiting[0]
             if out.chunks and used + head.num_uncomputed_tokens > self.token_budget:
                 break
-            if self._admit_head() is None:
+            if self._admit_head(out) is None:
                 break
             out.chunks.append(ScheduledChunk(head, head.num_uncomputed_tokens))
             used += head.num_uncomputed_tokens
@@ -129,7 +146,7 @@ class Scheduler:
             head = self.waiting[0]
             if out.chunks and head.num_uncomputed_tokens > budget:
                 break
-            if self._admit_head() is None:
+            if self._admit_head(out) is None:
                 break
             out.chunks.append(ScheduledChunk(head, head.num_uncomputed_tokens))
             budget = max(0, budget - head.num_uncomputed_tokens)
@@ -162,16 +179,25 @@ class Scheduler:
             budget -= 1
         return budget
 
-    def _admit_head(self) -> Sequence | None:
-        """Move the head of the waiting queue to running if its KV fits. FIFO: a head that
-        does not fit blocks the others, so long prompts are not starved by short ones."""
+    def _admit_head(self, out: SchedulerOutput) -> Sequence | None:
+        """Move the head of the waiting queue to running if its KV fits, starting it after
+        the longest prefix the cache holds. FIFO: a head that does not fit blocks the others,
+        so long prompts are not starved by short ones."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return None
         seq = self.waiting[0]
-        if not self.blocks.can_admit(seq, seq.num_tokens):
+        cached = self.blocks.lookup(seq)
+        if not self.blocks.can_admit(seq, seq.num_tokens, cached):
             return None
         self.waiting.popleft()
+        self.blocks.take_cached(seq, cached)
         self.blocks.grow(seq, seq.num_tokens)
+        seq.num_computed_tokens = len(cached) * self.blocks.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        if self.blocks.enable_prefix_caching:
+            out.prefix_cache_queries += seq.num_tokens
+            out.prefix_cache_hits += seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
         idx = bisect.bisect(self._running_arrivals, seq.arrival)
         self.running.insert(idx, seq)

@@ -116,6 +116,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     output_logprobs: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None
+    """Prompt tokens whose KV came from the prefix cache when first scheduled (None before)."""
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    """Chained hashes of the leading full blocks of `token_ids` (memo of the BlockManager)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -171,6 +175,8 @@ class RequestOutput:
     text_len: int = 0
     error: str | None = None
     """Why the request failed (finish_reason "error"); None otherwise."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV was found in the prefix cache instead of being computed."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -53,6 +53,14 @@ class MetricsBatch:
     def preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.steps)
 
+    @property
+    def prefix_cache_queries(self) -> int:
+        return sum(s.prefix_cache_queries for s in self.steps)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return sum(s.prefix_cache_hits for s in self.steps)
+
 
 class MetricsRecorder:
     """Collects observations from any thread; `drain()` hands them over and starts afresh."""
@@ -128,6 +136,12 @@ class TritonMetrics:
         self.preemptions = family("splitfuse_preemptions_total",
                                   "Sequences preempted (KV freed, recomputed later) for lack of KV blocks",
                                   MF.COUNTER).Metric(labels=labels)
+        self.prefix_cache_queries = family("splitfuse_prefix_cache_queries_total",
+                                           "Prompt tokens looked up in the prefix cache",
+                                           MF.COUNTER).Metric(labels=labels)
+        self.prefix_cache_hits = family("splitfuse_prefix_cache_hits_total",
+                                        "Prompt tokens found in the prefix cache (KV reused)",
+                                        MF.COUNTER).Metric(labels=labels)
         self.ttft = family("splitfuse_time_to_first_token_seconds",
                            "Time from request arrival to its first generated token",
                            MF.HISTOGRAM).Metric(labels=labels, buckets=TTFT_BUCKETS)
@@ -149,7 +163,8 @@ class TritonMetrics:
         for s in batch.steps:
             self.tokens_per_step.observe(s.num_tokens)
         for name, value in (("prompt_tokens", batch.prompt_tokens), ("generation_tokens", batch.generation_tokens),
-                            ("preemptions", batch.preemptions)):
+                            ("preemptions", batch.preemptions), ("prefix_cache_queries", batch.prefix_cache_queries),
+                            ("prefix_cache_hits", batch.prefix_cache_hits)):
             if value:
                 getattr(self, name).increment(value)
         for v in batch.first_token_latencies:

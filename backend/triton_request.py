@@ -67,6 +67,7 @@ class Parsed:
     return_log_probs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_num_cached_tokens: bool = False
 
 
 def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0) -> Parsed:
@@ -137,4 +138,5 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
         return_log_probs=return_log_probs,
         return_num_input_tokens=bool(_scalar(request, "return_num_input_tokens", bool)),
         return_num_output_tokens=bool(_scalar(request, "return_num_output_tokens", bool)),
+        return_num_cached_tokens=bool(_scalar(request, "return_num_cached_tokens", bool)),
     )

@@ -38,6 +38,8 @@ def response_arrays(parsed: Parsed, out: RequestOutput, echo_prompt: str | None 
         arrays["num_input_tokens"] = np.array([[len(out.prompt_token_ids)]], np.int32)
     if parsed.return_num_output_tokens:
         arrays["num_output_tokens"] = np.array([[len(out.token_ids)]], np.int32)
+    if parsed.return_num_cached_tokens:
+        arrays["num_cached_tokens"] = np.array([[out.num_cached_tokens]], np.int32)
     if parsed.return_log_probs:
         arrays["log_probs"] = np.array(logprobs or [], np.float32).reshape(1, -1)
     return arrays

@@ -48,6 +48,25 @@ def test_triton_backend_matches_hf_on_cpu_interpreter(tiny_model_factory, arch):
     assert llm.engine.blocks.num_used_blocks == 0
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_triton_backend_with_prefix_cache_hits_matches_hf(tiny_model_factory):
+    """A second wave of requests reuses the first wave's blocks: its chunks start at a
+    context offset into cached KV that the Triton kernel reads in place."""
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA test covers the kernels natively")
+    path = tiny_model_factory("llama")
+    first = _prompts()[2]  # 23 tokens
+    second = [first + [5, 6, 7], list(first)]  # shares 5 blocks of 4; the same prompt again
+    llm = LLM(path, dtype="float32", attention_backend="triton", token_budget=24, block_size=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    llm.generate([first], params)
+    outs = llm.generate(second, params)
+    assert [o.num_cached_tokens for o in outs] == [20, 20]
+    assert [o.token_ids for o in outs] == _reference(path, second)
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])
 @pytest.mark.parametrize("backend", ["triton", "auto"])

@@ -23,7 +23,7 @@ INPUT_DTYPES = {
     "min_tokens": "INT32", "min_length": "INT32", "seed": "UINT64", "random_seed": "UINT64",
     "ignore_eos": "BOOL", "stop_words": "BYTES", "end_id": "INT32", "exclude_input_in_output": "BOOL",
     "return_log_probs": "BOOL", "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL",
-    "stop": "BOOL", "apply_chat_template": "BOOL",
+    "return_num_cached_tokens": "BOOL", "stop": "BOOL", "apply_chat_template": "BOOL",
 }
 NP_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32,
              "BOOL": np.bool_, "INT64": np.int64, "FP64": np.float64}
@@ -54,6 +54,7 @@ class Response:
     finish_reason: str = ""
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    num_cached_tokens: int | None = None
     log_probs: list[float] | None = None
     final: bool = False
 
@@ -99,7 +100,7 @@ def _parse(result) -> Response:
     reason = get("finish_reason")
     if reason is not None and reason.size:
         r.finish_reason = bytes(reason[0]).decode()
-    for name in ("num_input_tokens", "num_output_tokens"):
+    for name in ("num_input_tokens", "num_output_tokens", "num_cached_tokens"):
         v = get(name)
         if v is not None:
             setattr(r, name, int(v[0]))

@@ -10,7 +10,15 @@ def test_from_strings_converts_by_field_type():
     assert c.scheduler_policy == "orca" and c.tokenizer == "/m"
 
 
+def test_prefix_caching_is_on_by_default_and_parsed_as_a_bool():
+    assert EngineConfig(model="/m").enable_prefix_caching is True
+    for raw, value in [("false", False), ("0", False), ("off", False), ("true", True), ("1", True), ("", True)]:
+        values = {"model": "/m", "enable_prefix_caching": raw} if raw else {"model": "/m"}
+        assert EngineConfig.from_strings(values).enable_prefix_caching is value
+
+
 @pytest.mark.parametrize("values,field", [
+    ({"model": "/m", "enable_prefix_caching": "maybe"}, "enable_prefix_caching"),
     ({"model": "/m", "token_budgt": "1"}, "token_budgt"),
     ({"model": "/m", "token_budget": "many"}, "token_budget"),
     ({"model": "/m", "token_budget": "0"}, "token_budget"),

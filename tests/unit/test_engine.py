@@ -232,3 +232,27 @@ def test_engine_loop_start_raises_what_building_the_engine_raised(tiny_llama):
     with pytest.raises(ValueError, match="flash_attn"):
         loop.start()
     loop.shutdown(timeout=5)
+
+
+def test_prefix_cache_hits_survive_aborts_and_are_counted(tiny_llama):
+    """Requests sharing a prefix with an aborted one keep their shared blocks and their
+    output; the step stats count the prompt tokens looked up and found."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama, token_budget=32, block_size=4, num_kv_blocks=64,
+                                    attention_backend="torch"))
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prefix = list(range(10, 50))  # 40 tokens = 10 blocks
+    engine.add_request("victim", prefix + [3], greedy)
+    engine.step()
+    engine.step()  # 32 + 9: the victim's prompt is computed
+    engine.add_request("survivor", prefix + [4, 5], greedy)
+    engine.step()
+    stats = engine.last_step
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (42, 40)
+    engine.abort_request("victim")
+    engine.check_invariants()
+    (out,) = run_to_end(engine, ["survivor"])
+    assert out.num_cached_tokens == 40
+    alone = LLM(tiny_llama, attention_backend="torch", enable_prefix_caching=False).generate(prefix + [4, 5], greedy)[0]
+    assert out.token_ids == alone.token_ids and alone.num_cached_tokens == 0
+    engine.check_invariants()
+    assert engine.blocks.num_used_blocks == 0 and engine.blocks.num_cached_free_blocks > 0

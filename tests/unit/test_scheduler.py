@@ -36,17 +36,26 @@ requests_st = st.lists(
 )
 
 
-def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, watermark=0.0, check=None):
+def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, watermark=0.0, check=None,
+             prompts=None, prefix_caching=True):
+    """Run `requests` to completion. Prompts default to one shared run of ids (every prompt a
+    prefix of the longest), so the prefix cache is exercised hard. A fake KV pool records
+    which token each slot holds: every chunk must find its sequence's own tokens in the
+    slots before it, and must never write into a block another sequence holds."""
     # The pool always fits the largest request alone (the engine rejects others at add time).
     largest = max(blocks_needed(r.prompt_len + r.output_len, block_size) for r in requests)
     total = int((largest + extra_blocks) / (1.0 - watermark)) + 1
-    blocks = BlockManager(total, block_size, watermark)
+    blocks = BlockManager(total, block_size, watermark, enable_prefix_caching=prefix_caching)
     assert total - blocks.watermark_blocks >= largest
     sched = Scheduler(blocks, budget, max_num_seqs, policy)
+    if prompts is None:
+        prompts = [list(range(3, 3 + r.prompt_len)) for r in requests]
     seqs = [
-        Sequence(f"r{i}", list(range(3, 3 + r.prompt_len)), SamplingParams(max_tokens=r.output_len), arrival=i)
+        Sequence(f"r{i}", prompts[i], SamplingParams(max_tokens=r.output_len), arrival=i)
         for i, r in enumerate(requests)
     ]
+    slots: list[list[int | None]] = [[None] * block_size for _ in range(total)]
+    keys: dict[int, list[int]] = {}
     pending = sorted(range(len(requests)), key=lambda i: requests[i].arrive_step)
     live: dict[int, Sequence] = {}
     finished: set[int] = set()
@@ -67,10 +76,11 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
         if check is not None:
             check(sched, out, before, budget)
         for c in out.chunks:
-            samples = c.samples
-            c.seq.num_computed_tokens += c.num_tokens
-            if samples:
-                c.seq.append_token(7)
+            run_on_fake_kv(c, slots, block_size, live.values(), keys)
+        sampling = [c.seq for c in out.chunks if c.samples]
+        sched.advance(out)
+        for s in sampling:
+            s.append_token(7)
         for i, s in list(live.items()):
             if s.num_output_tokens >= requests[i].output_len:
                 sched.finish(s)
@@ -81,6 +91,25 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
     assert finished == set(range(len(requests))), "every request finishes"
     assert blocks.num_free_blocks == blocks.num_blocks, "all blocks returned"
     return sched
+
+
+def run_on_fake_kv(chunk, slots, block_size, live, keys) -> None:
+    """What a forward pass does with the KV pool: read the context, write the chunk's tokens.
+    A slot holds a key of the whole prefix up to its token (KV depends on all of it)."""
+    seq, start = chunk.seq, chunk.seq.num_computed_tokens
+    seq_keys = keys.setdefault(id(seq), [])
+    while len(seq_keys) < start + chunk.num_tokens:
+        seq_keys.append(hash((seq_keys[-1] if seq_keys else None, seq.token_ids[len(seq_keys)])))
+    table = seq.block_table
+    for pos in range(start):
+        assert slots[table[pos // block_size]][pos % block_size] == seq_keys[pos], (
+            f"{seq.request_id}: the KV slot of position {pos} was computed for another prefix"
+        )
+    others = {b for s in live if s is not seq for b in s.block_table}
+    for pos in range(start, start + chunk.num_tokens):
+        block = table[pos // block_size]
+        assert block not in others, f"{seq.request_id} writes into block {block} that another sequence holds"
+        slots[block][pos % block_size] = seq_keys[pos]
 
 
 def check_splitfuse(sched, out, before, budget):
@@ -174,3 +203,102 @@ def test_short_prompts_fused_and_last_cut_to_fill_budget():
     out = sched.schedule()
     assert [c.num_tokens for c in out.chunks] == [5, 6, 5]
     assert [c.samples for c in out.chunks] == [True, True, False]
+
+
+# ---- prefix caching ------------------------------------------------------------------------
+
+FAMILIES = [[100 + 7 * f + k for k in range(90)] for f in range(3)]  # three distinct long prefixes
+
+
+@st.composite
+def shared_prefix_workloads(draw):
+    """Requests whose prompts start with part of one of a few shared prefixes (like system
+    prompts), some exactly repeated, followed by tokens of their own."""
+    n = draw(st.integers(1, 20))
+    requests, prompts = [], []
+    for i in range(n):
+        family = FAMILIES[draw(st.integers(0, len(FAMILIES) - 1))]
+        shared = draw(st.integers(0, 60))
+        own = draw(st.integers(0 if shared else 1, 20))
+        prompt = family[:shared] + [5000 + 100 * i + k for k in range(own)]
+        if prompts and draw(st.booleans()):
+            prompt = list(draw(st.sampled_from(prompts)))  # the same prompt again
+        prompts.append(prompt)
+        requests.append(Request(
+            prompt_len=len(prompt), output_len=draw(st.integers(1, 16)),
+            arrive_step=draw(st.integers(0, 30)), abort_step=draw(st.one_of(st.none(), st.integers(0, 60))),
+        ))
+    return requests, prompts
+
+
+def check_admissions(sched, out, before, budget):
+    """A sequence admitted this step starts after whole cached blocks, never at its end."""
+    for c in out.chunks:
+        if id(c.seq) not in before or before[id(c.seq)][0] is not SequenceStatus.RUNNING:
+            assert c.seq.num_computed_tokens % sched.blocks.block_size == 0
+            assert c.seq.num_computed_tokens < c.seq.num_tokens
+    if sched.policy == "splitfuse":
+        check_splitfuse(sched, out, before, budget)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    workload=shared_prefix_workloads(),
+    policy=st.sampled_from(["splitfuse", "splitfuse", "prefill_first", "orca"]),
+    budget=st.integers(1, 96),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    extra_blocks=st.integers(0, 12),  # often a pool so small that cached blocks are evicted
+)
+def test_prefix_cache_properties_under_eviction_preemption_and_aborts(workload, policy, budget, block_size,
+                                                                       extra_blocks):
+    requests, prompts = workload
+    simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs=8, prompts=prompts,
+             check=check_admissions)
+
+
+def test_request_admitted_while_another_is_split_hits_its_completed_blocks():
+    blocks = BlockManager(64, 4)
+    sched = Scheduler(blocks, token_budget=8, max_num_seqs=4, policy="splitfuse")
+    prefix = list(range(10, 30))
+    a = Sequence("a", prefix + [1], SamplingParams(), arrival=0)
+    sched.add(a)
+    out = sched.schedule()
+    sched.advance(out)  # a's first chunk: 8 tokens = 2 full blocks computed
+    b = Sequence("b", prefix + [2], SamplingParams(), arrival=1)
+    sched.add(b)
+    out = sched.schedule()  # a's second chunk fills the budget; b waits
+    assert [c.seq for c in out.chunks] == [a]
+    sched.advance(out)  # 16 computed: 4 blocks
+    out = sched.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(a, 5), (b, 3)]
+    assert b.num_cached_tokens == 16 and b.block_table[:4] == a.block_table[:4]
+    assert (out.prefix_cache_queries, out.prefix_cache_hits) == (21, 16)
+    sched.advance(out)
+    blocks.check_invariants([a, b])
+
+
+def test_preempted_sequence_recomputes_after_its_cached_blocks():
+    blocks = BlockManager(64, 4)
+    sched = Scheduler(blocks, token_budget=64, max_num_seqs=4, policy="splitfuse")
+    a = Sequence("a", list(range(10, 23)), SamplingParams(), arrival=0)
+    sched.add(a)
+    sched.advance(sched.schedule())
+    a.append_token(99)  # 14 tokens, 13 computed: 3 full blocks
+    sched._preempt(a)
+    out = sched.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(a, 2)]
+    assert a.num_computed_tokens == 12 and a.num_cached_tokens == 0  # first admission's count
+    assert out.prefix_cache_hits == 12
+
+
+def test_caching_off_recomputes_everything():
+    blocks = BlockManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(blocks, token_budget=64, max_num_seqs=4, policy="splitfuse")
+    a = Sequence("a", list(range(10, 23)), SamplingParams(), arrival=0)
+    sched.add(a)
+    sched.advance(sched.schedule())
+    b = Sequence("b", list(range(10, 23)), SamplingParams(), arrival=1)
+    sched.add(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 0 and out.chunks[-1].num_tokens == 13
+    assert (out.prefix_cache_queries, out.prefix_cache_hits) == (0, 0)
