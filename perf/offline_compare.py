@@ -151,7 +151,9 @@ def main() -> None:
 
         build_model(args.model_dir, arch="llama", size="bench")
     reqs = make_requests(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)
-    params = dict(p.split("=", 1) for p in args.param)
+    # vLLM's runs have prefix caching off (vllm_offline.py); so do ours unless --param says otherwise
+    # (the single-stream runs repeat a prompt of the batch).
+    params = {"enable_prefix_caching": "false", **dict(p.split("=", 1) for p in args.param)}
     flops = sum(flops_per_request(args.model_dir, len(r["prompt"]), r["max_tokens"]) for r in reqs)
     peak = gemm_peak_gflops(os.cpu_count() or 1)
     results: dict[str, dict] = {}
