@@ -185,6 +185,10 @@ class Scheduler:
         so long prompts are not starved by short ones."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return None
+        if out.preempted:
+            # The pool ran out this step: admitting now could take back the very blocks a
+            # preemption just freed (a victim's cached prefix) and preempt again next step.
+            return None
         seq = self.waiting[0]
         cached = self.blocks.lookup(seq)
         if not self.blocks.can_admit(seq, seq.num_tokens, cached):

@@ -92,10 +92,23 @@ def sweep(grpc_url: str, model_dir: str, args, out: Path) -> list[dict]:
         print(f"[genai_perf_sweep] concurrency {level}: {n} requests", flush=True)
         t = time.time()
         load = os.getloadavg()[0]
-        with open(out / "logs" / f"{args.model}-c{level}.log", "w") as log:
-            code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(out),
-                                  timeout=args.level_timeout).returncode
+        attempts = 0
+        while True:
+            attempts += 1
+            with open(out / "logs" / f"{args.model}-c{level}.log", "w") as log:
+                code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(out),
+                                      timeout=args.level_timeout).returncode
+            export = out / run_dir / "profile_export.json"
+            # perf_analyzer 2.50 now and then leaves an empty profile export although every
+            # request succeeded (seen at 2 of ~20 levels here); genai-perf then fails to parse
+            # it. Such a level runs once more, and the results say so.
+            if code == 0 or attempts > 1 or not export.exists() or export.stat().st_size > 0:
+                break
+            print(f"[genai_perf_sweep] concurrency {level}: empty profile export from perf_analyzer; "
+                  "running the level again", flush=True)
+            shutil.rmtree(out / run_dir, ignore_errors=True)
         runs.append({"model": args.model, "concurrency": level, "requests": n, "exit_code": code,
+                     "attempts": attempts,
                      "wall_s": round(time.time() - t, 1), "loadavg_1m_before": round(load, 2),
                      "loadavg_1m_after": round(os.getloadavg()[0], 2),
                      "artifact_dir": run_dir,

@@ -129,11 +129,12 @@ def check_splitfuse(sched, out, before, budget):
     if unscheduled_decodes:
         assert n == budget and all(kinds), "decodes left out while prompts ran or budget unused"
     # Filled exactly whenever enough work waits: an unfilled budget means every running
-    # sequence got all its tokens and the head of the queue could not be admitted.
+    # sequence got all its tokens and the head of the queue could not be admitted (or the
+    # step preempted: then nothing is admitted, so the freed blocks are not taken back at once).
     if n < budget:
         for s in sched.running:
             assert scheduled.get(id(s), 0) == s.num_uncomputed_tokens, "runnable work left with budget unused"
-        if sched.waiting:
+        if sched.waiting and not out.preempted:
             head = sched.waiting[0]
             assert len(sched.running) >= sched.max_num_seqs or not sched.blocks.can_admit(head, head.num_tokens)
 
@@ -302,3 +303,21 @@ def test_caching_off_recomputes_everything():
     out = sched.schedule()
     assert b.num_cached_tokens == 0 and out.chunks[-1].num_tokens == 13
     assert (out.prefix_cache_queries, out.prefix_cache_hits) == (0, 0)
+
+
+def test_a_step_that_preempts_admits_nothing():
+    """Regression (found by the property test above): a decode preempted the newest sequence,
+    whose prefix then stayed in the cache, and the same step re-admitted it as a prompt chunk
+    ahead of a decode. A step that preempts admits nothing."""
+    # (family, shared prefix length, first own token, own tokens), then prompt/output lengths.
+    spec = [((1, 15, 5000, 20), 5, 1), ((0, 44, 5100, 20), 16, 0), ((None, 0, 5200, 1), 1, 0),
+            ((None, 0, 5300, 1), 1, 0), ((None, 0, 5400, 1), 1, 0), ((None, 0, 5500, 18), 4, 1),
+            ((0, 3, 5600, 20), 1, 2), ((None, 0, 5700, 1), 1, 0), ((None, 0, 5800, 1), 1, 0),
+            ((1, 15, 5000, 20), 1, 0), ((0, 1, 0, 0), 3, 1), ((None, 0, 6100, 4), 2, 0)]
+    requests, prompts = [], []
+    for (family, shared, first, own), output_len, arrive_step in spec:
+        prompt = (FAMILIES[family][:shared] if family is not None else []) + list(range(first, first + own))
+        prompts.append(prompt)
+        requests.append(Request(prompt_len=len(prompt), output_len=output_len, arrive_step=arrive_step,
+                                abort_step=None))
+    simulate(requests, "splitfuse", 12, 1, 4, max_num_seqs=8, prompts=prompts, check=check_admissions)
