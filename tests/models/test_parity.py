@@ -10,7 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from splitfuse import LLM, SamplingParams
-from splitfuse.kernels.cpu import paged_attention as cpu_attention
 
 PROMPT_LENGTHS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 64, 100, 130]
 LLAMA3_ROPE = {
@@ -56,19 +55,6 @@ def case(request, tiny_model_factory):
     vocab = json.loads(open(f"{path}/config.json").read())["vocab_size"]
     prompts = _prompts(vocab)
     return request.param, path, prompts, _hf_reference(path, prompts)
-
-
-CPU_PATHS = {
-    "fast": dict(attention_backend="cpu", linear_backend="auto"),
-    "fallback": dict(attention_backend="torch", linear_backend="torch"),
-}
-
-
-@pytest.fixture(params=list(CPU_PATHS))
-def cpu_path(request):
-    if request.param == "fast" and not cpu_attention.available():
-        pytest.skip("C++ CPU kernels unavailable (no compiler?)")
-    return CPU_PATHS[request.param]
 
 
 def _run(path, prompts, backends, **config):

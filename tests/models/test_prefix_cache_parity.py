@@ -13,7 +13,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from splitfuse import LLM, SamplingParams
-from splitfuse.kernels.cpu import paged_attention as cpu_attention
 
 MAX_TOKENS = 8
 BOUNDARY = 32  # a multiple of every block size tested
@@ -81,19 +80,6 @@ def _build_case(tiny_model_factory, arch: str):
     prompts["turn2"] = prompts["first"] + refs["first"] + [7, 11, 13, 17, 19]
     refs["turn2"] = _hf_generate(model, prompts["turn2"])
     return arch, path, prompts, refs
-
-
-CPU_PATHS = {
-    "fast": dict(attention_backend="cpu", linear_backend="auto"),
-    "fallback": dict(attention_backend="torch", linear_backend="torch"),
-}
-
-
-@pytest.fixture(params=list(CPU_PATHS))
-def cpu_path(request):
-    if request.param == "fast" and not cpu_attention.available():
-        pytest.skip("C++ CPU kernels unavailable (no compiler?)")
-    return CPU_PATHS[request.param]
 
 
 WAVES = [["first"], ["boundary", "mid_block", "again", "inflight_a", "inflight_b"], ["turn2"]]
