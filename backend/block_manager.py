@@ -159,6 +159,17 @@ class BlockManager:
         self._hash_of_block[block] = None
         return block
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks of `seq`'s table past what `num_tokens` tokens need (slots
+        reserved for proposed tokens that were rejected). They were never full and computed,
+        so none carries a hash."""
+        keep = blocks_needed(num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self._ref_counts[block] -= 1
+            assert self._ref_counts[block] == 0 and self._hash_of_block[block] is None, "trimmed a shared block"
+            self._free.append(block)
+
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks (at finish, abort or preemption)."""
         # Freed in reverse: a sequence's last blocks are the least likely to be shared, so they

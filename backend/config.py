@@ -15,6 +15,7 @@ SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("none", "int8")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -47,6 +48,21 @@ class EngineConfig:
     quantization: str = "none"
     """none | int8: int8 quantizes the projections' weights at load (per output channel) and
     their activations per token at run time (CPU, oneDNN); the LM head and MoE routers stay float."""
+    speculative_method: str = "none"
+    """none | ngram | draft: propose tokens cheaply and verify them in one pass (speculative
+    decoding). ngram looks the sequence's last tokens up earlier in its own text; draft runs
+    `speculative_model`, a smaller checkpoint with the same tokenizer."""
+    num_speculative_tokens: int = 4
+    """Tokens proposed per verification (k): a speculating sequence adds 1 + k tokens to a step."""
+    speculative_model: str | None = None
+    """Draft checkpoint directory for speculative_method=draft."""
+    ngram_min: int = 1
+    """Shortest suffix the n-gram proposer looks up."""
+    ngram_max: int = 4
+    """Longest suffix the n-gram proposer looks up (it tries the longest first)."""
+    speculative_disable_batch_size: int = 8
+    """No speculation in a step that decodes more sequences than this: a large batch makes the
+    pass compute-bound, so verifying proposals would cost about what it saves."""
     scheduler_policy: str = "splitfuse"
     """splitfuse | prefill_first | orca (the last two are benchmark baselines)."""
     device: str = "auto"
@@ -84,6 +100,7 @@ class EngineConfig:
         _check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
+        self._check_speculation()
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -92,6 +109,19 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not (isinstance(self.default_temperature, (int, float)) and 0.0 <= self.default_temperature < float("inf")):
             raise ValueError(f"default_temperature must be a finite number >= 0, got {self.default_temperature!r}")
+
+    def _check_speculation(self) -> None:
+        _check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        _check_positive("num_speculative_tokens", self.num_speculative_tokens)
+        _check_positive("ngram_min", self.ngram_min)
+        _check_positive("ngram_max", self.ngram_max)
+        _check_positive("speculative_disable_batch_size", self.speculative_disable_batch_size)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("speculative_method=draft needs speculative_model (a draft checkpoint directory)")
+        if self.speculative_model is not None:
+            self.speculative_model = os.fspath(self.speculative_model)
 
     @classmethod
     def field_names(cls) -> list[str]:

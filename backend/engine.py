@@ -23,8 +23,10 @@ from splitfuse.detokenizer import IncrementalDetokenizer
 from splitfuse.model_runner import ModelRunner
 from splitfuse.ragged_batch import RaggedBatch
 from splitfuse.sampler import Sampler
-from splitfuse.scheduler import Scheduler
+from splitfuse.scheduler import ScheduledChunk, Scheduler
 from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
+from splitfuse.spec_ngram import NgramProposer
+from splitfuse.speculation import SpeculativeDecoder, sampling_rows
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ class StepStats:
     """Tokens of the sequences admitted this step looked up in the prefix cache."""
     prefix_cache_hits: int = 0
     """Of those, tokens found in the cache (not computed)."""
+    spec_draft_tokens: int = 0
+    """Proposed tokens verified this step (speculative decoding)."""
+    spec_accepted_tokens: int = 0
+    """Of those, tokens accepted (each one a decode step saved)."""
 
 
 @dataclass
@@ -68,7 +74,9 @@ class LLMEngine:
         self.vocab_size = self.runner.args.vocab_size
         self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, config.kv_watermark,
                                    enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.token_budget, config.max_num_seqs, config.scheduler_policy)
+        self.scheduler = Scheduler(self.blocks, config.token_budget, config.max_num_seqs, config.scheduler_policy,
+                                   config.speculative_disable_batch_size)
+        self.speculation = _speculative_decoder(config, self.max_model_len, self.vocab_size)
         self.eos_token_ids = set(_generation_eos_ids(config.model) or self.runner.args.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -170,33 +178,47 @@ class LLMEngine:
         start = time.perf_counter()
         self.last_step = None
         decision = self.scheduler.schedule()
+        if self.speculation is not None:
+            for seq in decision.preempted:
+                self.speculation.release(seq)
         if decision.is_empty:
             return []
         chunks = decision.chunks
-        sampling = [c.seq for c in chunks if c.samples]
+        sampling = [c for c in chunks if c.samples]
         batch = RaggedBatch.build(chunks, self.config.block_size, self.runner.device)
         forward_start = time.perf_counter()
         logits = self.runner.execute(batch)
         forward_s = time.perf_counter() - forward_start
-        sampled = self._sample(logits, sampling) if sampling else []
+        rows = sampling_rows(sampling)
+        sampled = self._sample(logits, rows) if rows else []
         num_prompt_tokens = 0
         for c in chunks:
             done = c.seq.num_computed_tokens
             num_prompt_tokens += max(0, min(done + c.num_tokens, c.seq.num_prompt_tokens) - done)
         self.scheduler.advance(decision)
         outputs = []
-        num_generated = 0
-        for seq, row in zip(sampling, sampled):
+        num_generated = num_drafts = num_accepted = 0
+        row = 0
+        for chunk in sampling:
+            seq = chunk.seq
+            group = sampled[row : row + 1 + chunk.num_draft_tokens]
+            row += len(group)
             try:
-                if isinstance(row, Exception):
-                    raise row
-                token, logprob = row
-                seq.append_token(token, logprob)
-                num_generated += 1
-                outputs.append(self._after_token(seq, token))
+                accepted = self._verified_tokens(chunk, group)
+                num_drafts += chunk.num_draft_tokens
+                num_accepted += len(accepted) - 1
+                num_generated += len(accepted)
+                output = self._append_tokens(seq, accepted)
+                if chunk.num_draft_tokens:
+                    self.speculation.record(seq, chunk.num_draft_tokens, len(accepted) - 1)
+                    if not output.finished:
+                        self.scheduler.accept_drafts(seq, len(accepted) - 1)
+                outputs.append(output)
             except Exception as e:  # sampling, stop check or detokenizing of this request alone
                 log.exception("request %s failed; ending it alone", seq.request_id)
                 outputs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
+        if self.speculation is not None:
+            self._propose()
         self.last_step = StepStats(
             num_tokens=batch.num_tokens,
             num_prompt_tokens=num_prompt_tokens,
@@ -210,8 +232,34 @@ class LLMEngine:
             num_preemptions=len(decision.preempted),
             prefix_cache_queries=decision.prefix_cache_queries,
             prefix_cache_hits=decision.prefix_cache_hits,
+            spec_draft_tokens=num_drafts,
+            spec_accepted_tokens=num_accepted,
         )
         return outputs
+
+    @staticmethod
+    def _verified_tokens(chunk: ScheduledChunk, rows: list) -> list[tuple[int, float | None]]:
+        """The (token, log-prob) pairs a sampling chunk yields: the proposals its rows confirmed,
+        then the token sampled where the first one failed (or after the last). Raises what
+        sampling a needed row raised."""
+        drafts = chunk.seq.draft_token_ids[: chunk.num_draft_tokens]
+        out: list[tuple[int, float | None]] = []
+        for i, row in enumerate(rows):
+            if isinstance(row, Exception):
+                raise row
+            out.append(row)
+            if i == len(drafts) or row[0] != drafts[i]:
+                break
+        return out
+
+    def _propose(self) -> None:
+        """Proposals for the sequences the next step decodes, if it may speculate."""
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        if self.scheduler.may_speculate(len(decoding)):
+            self.speculation.propose(decoding)
+        else:
+            for seq in decoding:
+                seq.draft_token_ids = []
 
     def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, float | None] | Exception]:
         """Per sampling row: (token, log-prob), or what sampling that row raised.
@@ -234,36 +282,49 @@ class LLMEngine:
                 rows.append(e)
         return rows
 
-    def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_tokens(self, seq: Sequence, tokens: list[tuple[int, float | None]]) -> RequestOutput:
+        """Append the step's tokens one by one, stopping exactly where decoding them one per
+        step would (EOS, stop token, max_tokens, context, stop string): the rest are dropped."""
         params = seq.params
-        reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            reason = FinishReason.STOP
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            return self._finish(seq, reason, [token])
-        step = self._detokenizers[seq.request_id].step([token], finished=False)
-        if step.stop_matched:
-            return self._finish(seq, FinishReason.STOP, [token], already_detokenized=step.delta_text)
-        return self._output(seq, [token], step.delta_text, None)
+        detok = self._detokenizers[seq.request_id]
+        new_tokens: list[int] = []
+        text = ""
+        for token, logprob in tokens:
+            seq.append_token(token, logprob)
+            new_tokens.append(token)
+            reason = None
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                reason = FinishReason.STOP
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                return self._finish(seq, reason, new_tokens, text, detokenize=[token])
+            step = detok.step([token], finished=False)
+            text += step.delta_text
+            if step.stop_matched:
+                return self._finish(seq, FinishReason.STOP, new_tokens, text, detokenize=None)
+        return self._output(seq, new_tokens, text, None)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int],
-                already_detokenized: str | None = None) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int], text: str = "",
+                detokenize: list[int] | None = ()) -> RequestOutput:
+        """End `seq`: `text` is the new tokens' text so far, `detokenize` the tokens still to
+        decode (None: the detokenizer has seen them all and its stop matched)."""
         seq.finish_reason = reason
         self.scheduler.finish(seq)
+        if self.speculation is not None:
+            self.speculation.release(seq)
         detok = self._detokenizers.pop(seq.request_id)
-        if already_detokenized is None:
-            delta = detok.step(new_tokens, finished=True).delta_text
-        else:
-            delta = already_detokenized
+        if detokenize is not None:
+            text += detok.step(list(detokenize), finished=True).delta_text
         del self._seqs[seq.request_id]
-        return self._output(seq, new_tokens, delta, reason, detok)
+        return self._output(seq, new_tokens, text, reason, detok)
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """Finish `seq` with an error, without its detokenizer (which may be what failed)."""
         seq.finish_reason = FinishReason.ERROR
         self.scheduler.finish(seq)  # safe after a partial _finish: freeing twice frees nothing
+        if self.speculation is not None:
+            self.speculation.release(seq)
         self._detokenizers.pop(seq.request_id, None)
         self._seqs.pop(seq.request_id, None)
         return RequestOutput(
@@ -301,6 +362,18 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Block-pool invariants over every live sequence (for tests)."""
         self.blocks.check_invariants(list(self._seqs.values()))
+
+
+def _speculative_decoder(config: EngineConfig, max_model_len: int, vocab_size: int) -> SpeculativeDecoder | None:
+    if config.speculative_method == "none":
+        return None
+    if config.speculative_method == "ngram":
+        proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    else:
+        from splitfuse.spec_draft import DraftModelProposer
+
+        proposer = DraftModelProposer(config, vocab_size)
+    return SpeculativeDecoder(config, proposer, max_model_len)
 
 
 def _generation_eos_ids(model_dir: str) -> list[int]:

@@ -15,7 +15,7 @@ from splitfuse.scheduler import ScheduledChunk
 class RaggedBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
-    sample_rows: torch.Tensor  # int64 [S]: rows whose hidden state gives the next token
+    sample_rows: torch.Tensor  # int64 [S]: rows whose hidden state gives a next token (1 + proposals per sampling chunk)
     attn: AttentionMetadata
     query_lens: list[int]
     seq_lens: list[int]
@@ -27,7 +27,7 @@ class RaggedBatch:
     @classmethod
     def build(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> "RaggedBatch":
         num_seqs = len(chunks)
-        query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+        query_lens = np.fromiter((c.num_tokens + c.num_draft_tokens for c in chunks), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), dtype=np.int64, count=num_seqs)
         seq_lens = starts + query_lens
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -38,6 +38,8 @@ class RaggedBatch:
         for c in chunks:
             s = c.seq.num_computed_tokens
             token_ids.extend(c.seq.token_ids[s : s + c.num_tokens])
+            if c.num_draft_tokens:
+                token_ids.extend(c.seq.draft_token_ids[: c.num_draft_tokens])
 
         # Position of each token: its sequence's start offset plus its index in the chunk.
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
@@ -50,8 +52,12 @@ class RaggedBatch:
         slot_mapping = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
         slot_mapping += positions % block_size
 
+        # A sampling chunk's last row, and before it one row per proposed token: row i gives the
+        # token after the chunk's first i proposals, to verify proposal i + 1 against.
         samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)
-        sample_rows = query_start_loc[1:][samples] - 1
+        num_rows = np.fromiter((1 + c.num_draft_tokens for c in chunks), dtype=np.int64, count=num_seqs)[samples]
+        ends = query_start_loc[1:][samples]
+        sample_rows = np.repeat(ends - num_rows, num_rows) + _ranges(num_rows)
 
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
@@ -73,3 +79,9 @@ class RaggedBatch:
             query_lens=query_lens.tolist(),
             seq_lens=seq_lens.tolist(),
         )
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """0..n-1 for each n in `lengths`, concatenated."""
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)

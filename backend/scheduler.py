@@ -13,6 +13,11 @@ sequence cannot get a block, the newest sequence is preempted (its KV freed, to 
 recomputed later). Every request is checked at admission to fit the pool on its own, so
 the oldest sequence can always make progress: no deadlock.
 
+Speculative decoding: a decoding sequence with proposed tokens (`draft_token_ids`) gets up to
+all of them after its one token, from the budget the step's decodes leave, when the step
+decodes few enough sequences for the pass to stay memory-bound; their KV slots are reserved
+like any other and handed back by `accept_drafts` past what the verification accepted.
+
 Prefix caching: a sequence is admitted after the longest prefix of full blocks the cache
 holds (the BlockManager's `lookup`), so its first chunk starts at that offset; after each
 step `advance` makes the blocks a chunk filled findable for requests admitted later.
@@ -33,6 +38,8 @@ class ScheduledChunk:
     seq: Sequence
     num_tokens: int
     """New tokens computed for `seq` this step, starting at `seq.num_computed_tokens`."""
+    num_draft_tokens: int = 0
+    """Proposed tokens (`seq.draft_token_ids[:n]`) run after those, to be verified."""
 
     @property
     def samples(self) -> bool:
@@ -51,7 +58,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens + c.num_draft_tokens for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -59,11 +66,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, token_budget: int, max_num_seqs: int, policy: str) -> None:
+    def __init__(self, block_manager: BlockManager, token_budget: int, max_num_seqs: int, policy: str,
+                 speculative_disable_batch_size: int = 0) -> None:
         self.blocks = block_manager
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
         self.policy = policy
+        self.speculative_disable_batch_size = speculative_disable_batch_size
         self._schedule_fn = {
             "splitfuse": self._schedule_splitfuse,
             "prefill_first": self._schedule_prefill_first,
@@ -99,6 +108,19 @@ class Scheduler:
             before = c.seq.num_computed_tokens
             c.seq.num_computed_tokens += c.num_tokens
             self.blocks.cache_computed_blocks(c.seq, before)
+
+    def may_speculate(self, num_decodes: int) -> bool:
+        """Whether a step decoding `num_decodes` sequences runs their proposed tokens."""
+        return 0 < num_decodes <= self.speculative_disable_batch_size
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """Record a verification: the first `num_accepted` proposed tokens (appended to `seq` by
+        now) have their KV computed; the slots of rejected ones are returned (blocks past what
+        the sequence's tokens need)."""
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens += num_accepted
+        self.blocks.cache_computed_blocks(seq, before)
+        self.blocks.trim(seq, seq.num_tokens)
 
     # ---- policies -----------------------------------------------------------------------
     def _schedule_splitfuse(self) -> SchedulerOutput:
@@ -177,6 +199,30 @@ class Scheduler:
                 self.blocks.grow(seq, num_tokens)
             out.chunks.append(ScheduledChunk(seq, 1))
             budget -= 1
+        return self._schedule_drafts(out, budget)
+
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Give the step's decodes their proposed tokens, oldest first, from the budget left,
+        each as far as the pool allows without dipping into the watermark (a proposal never
+        preempts anyone)."""
+        decodes = [c for c in out.chunks if c.seq.draft_token_ids]
+        if not decodes or not self.may_speculate(len(out.chunks)):
+            return budget
+        block_size = self.blocks.block_size
+        for c in decodes:
+            if budget == 0:
+                break
+            seq = c.seq
+            n = min(len(seq.draft_token_ids), budget)
+            room = len(seq.block_table) * block_size - seq.num_tokens
+            spare_blocks = self.blocks.num_free_blocks - self.blocks.watermark_blocks
+            room += max(0, spare_blocks) * block_size
+            n = min(n, room)
+            if n <= 0:
+                continue
+            self.blocks.grow(seq, seq.num_tokens + n)
+            c.num_draft_tokens = n
+            budget -= n
         return budget
 
     def _admit_head(self, out: SchedulerOutput) -> Sequence | None:

@@ -120,6 +120,9 @@ class Sequence:
     """Prompt tokens whose KV came from the prefix cache when first scheduled (None before)."""
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     """Chained hashes of the leading full blocks of `token_ids` (memo of the BlockManager)."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Tokens proposed to follow `token_ids` (speculative decoding), verified by the next step
+    that decodes this sequence; empty when nothing is proposed."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

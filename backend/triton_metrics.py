@@ -61,6 +61,14 @@ class MetricsBatch:
     def prefix_cache_hits(self) -> int:
         return sum(s.prefix_cache_hits for s in self.steps)
 
+    @property
+    def spec_draft_tokens(self) -> int:
+        return sum(s.spec_draft_tokens for s in self.steps)
+
+    @property
+    def spec_accepted_tokens(self) -> int:
+        return sum(s.spec_accepted_tokens for s in self.steps)
+
 
 class MetricsRecorder:
     """Collects observations from any thread; `drain()` hands them over and starts afresh."""
@@ -142,6 +150,12 @@ class TritonMetrics:
         self.prefix_cache_hits = family("splitfuse_prefix_cache_hits_total",
                                         "Prompt tokens found in the prefix cache (KV reused)",
                                         MF.COUNTER).Metric(labels=labels)
+        self.spec_draft_tokens = family("splitfuse_spec_draft_tokens_total",
+                                        "Proposed tokens verified (speculative decoding)",
+                                        MF.COUNTER).Metric(labels=labels)
+        self.spec_accepted_tokens = family("splitfuse_spec_accepted_tokens_total",
+                                           "Proposed tokens accepted (each a decode step saved)",
+                                           MF.COUNTER).Metric(labels=labels)
         self.ttft = family("splitfuse_time_to_first_token_seconds",
                            "Time from request arrival to its first generated token",
                            MF.HISTOGRAM).Metric(labels=labels, buckets=TTFT_BUCKETS)
@@ -164,7 +178,9 @@ class TritonMetrics:
             self.tokens_per_step.observe(s.num_tokens)
         for name, value in (("prompt_tokens", batch.prompt_tokens), ("generation_tokens", batch.generation_tokens),
                             ("preemptions", batch.preemptions), ("prefix_cache_queries", batch.prefix_cache_queries),
-                            ("prefix_cache_hits", batch.prefix_cache_hits)):
+                            ("prefix_cache_hits", batch.prefix_cache_hits),
+                            ("spec_draft_tokens", batch.spec_draft_tokens),
+                            ("spec_accepted_tokens", batch.spec_accepted_tokens)):
             if value:
                 getattr(self, name).increment(value)
         for v in batch.first_token_latencies:
