@@ -1,0 +1,59 @@
+"""Speculative decoding served: a real tritonserver started with `--param speculative_method=ngram`
+and one with a draft model streams the tokens the offline engine gives without speculation (a
+response may carry several tokens), and counts proposed / accepted tokens in its metrics."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import ENGINE_PARAMS, _need_tritonserver
+from triton_helpers import GrpcStream, metric_sum, settled
+
+pytestmark = pytest.mark.serving
+
+METHODS = ["ngram", "draft"]
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def spec_server(request, tiny_llama, tmp_path_factory):
+    _need_tritonserver()
+    from splitfuse.launcher import serve
+
+    params = {**ENGINE_PARAMS, "speculative_method": request.param, "num_speculative_tokens": "4"}
+    if request.param == "draft":
+        params["speculative_model"] = tiny_llama  # drafting for itself: every proposal accepted
+    with serve(tiny_llama, params, instances=1, workdir=tmp_path_factory.mktemp(f"triton-{request.param}")) as server:
+        yield request.param, params, server
+        server.stop()
+
+
+def test_served_speculation_streams_the_plain_greedy_tokens(spec_server, tiny_llama):
+    from splitfuse.llm import LLM
+    from splitfuse.sequence import SamplingParams
+
+    method, params, server = spec_server
+    rng = random.Random(3)
+    prompts = []
+    for n in (4, 9, 15):
+        segment = [rng.randrange(3, 400) for _ in range(n)]
+        prompts.append([1] + segment * 3)
+    plain = LLM(tiny_llama, dtype="float32", token_budget=256)
+    want = [o.token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
+                                                                        ignore_eos=True))]
+    for prompt, expected in zip(prompts, want):
+        with GrpcStream(server.grpc_url) as stream:
+            stream.send("llm", {"input_ids": prompt, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True},
+                        dtypes={"input_ids": "INT32"})
+            result = stream.collect()
+        assert result.error is None, result.error
+        assert result.output_ids == expected, f"{method}: served tokens differ from plain decoding"
+        assert result.finish_reason == "length"
+        if method == "draft":
+            # Accepted proposals arrive together: fewer responses than tokens.
+            assert len(result.data) < len(expected)
+    proposed = settled(lambda: metric_sum(server.metrics_url, "splitfuse_spec_draft_tokens_total"))
+    accepted = metric_sum(server.metrics_url, "splitfuse_spec_accepted_tokens_total")
+    assert 0 < accepted <= proposed
+    if method == "draft":
+        assert accepted == proposed
