@@ -1,0 +1,166 @@
+"""Speculative decoding: decode speed with it on and off, at 1, 4 and 16 concurrent clients.
+
+    .venv/bin/python perf/spec_bench.py                      # every scenario, 1/4/16 clients
+    .venv/bin/python perf/spec_bench.py --scenarios ceiling --clients 1
+
+Clients are closed loops inside one engine process (each sends its next request when the
+previous one finishes), so the figures are the engine's, without serving overhead. Scenarios:
+
+- `ceiling`: a bench-sized Llama whose next token is always its last one (tied embeddings,
+  layers initialised near zero): n-gram proposals (k=4) are all accepted after the first few
+  tokens, the upper bound of what speculation gives.
+- `random`: the random-weight bench model on random prompts: n-gram proposals are made only
+  when its output loops, and then mostly accepted; shows the usual case of a model that does
+  not repeat its input.
+- `rejected`: the bench model with a draft model that is always wrong (another random
+  checkpoint, tiny): every proposal rejected; shows what speculation costs when it fails
+  (verification rows, draft passes, then the adaptive pause).
+
+Writes perf/results/speculative/<name>.json with the machine, CPU flags, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
+
+RESULTS = HERE / "results" / "speculative"
+CACHE = HERE / ".cache"
+
+
+def build_models() -> dict[str, Path]:
+    from splitfuse.demo_model import build_model
+
+    paths = {"bench": CACHE / "bench-llama", "ceiling": CACHE / "spec-ceiling-llama",
+             "draft_wrong": CACHE / "spec-draft-tiny"}
+    if not (paths["bench"] / "config.json").is_file():
+        build_model(paths["bench"], arch="llama", size="bench")
+    if not (paths["ceiling"] / "config.json").is_file():
+        # Near-zero layers: the residual stream stays the token's own embedding, and a tied LM
+        # head scores that token highest: the model repeats its last token.
+        build_model(paths["ceiling"], arch="llama", size="bench", tie_word_embeddings=True,
+                    initializer_range=1e-4)
+    if not (paths["draft_wrong"] / "config.json").is_file():
+        build_model(paths["draft_wrong"], arch="llama", size="tiny", vocab_size=8192)  # the bench tokenizer
+    return paths
+
+
+def closed_loop(llm, requests: list[dict], clients: int) -> dict:
+    """Run `requests` with `clients` in flight; per-request time per output token after the first."""
+    from splitfuse import SamplingParams
+
+    engine = llm.engine
+    queue = deque(enumerate(requests))
+    inflight: dict[str, dict] = {}
+    proposed = accepted = tokens = 0
+    tpots: list[float] = []
+
+    def submit():
+        i, r = queue.popleft()
+        rid = f"r{i}"
+        engine.add_request(rid, r["prompt"], SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
+                                                            ignore_eos=True))
+        inflight[rid] = {"first": None}
+
+    start = time.perf_counter()
+    while queue and len(inflight) < clients:
+        submit()
+    while inflight:
+        outs = engine.step()
+        now = time.perf_counter()
+        proposed += engine.last_step.spec_draft_tokens if engine.last_step else 0
+        accepted += engine.last_step.spec_accepted_tokens if engine.last_step else 0
+        for out in outs:
+            state = inflight[out.request_id]
+            if state["first"] is None:
+                state["first"] = now
+            if out.finished:
+                n = len(out.token_ids)
+                tokens += n
+                if n > 1:
+                    tpots.append((now - state["first"]) / (n - 1))
+                del inflight[out.request_id]
+                if queue:
+                    submit()
+    wall = time.perf_counter() - start
+    tpots.sort()
+    return {
+        "clients": clients, "requests": len(requests), "output_tokens": tokens, "wall_s": round(wall, 3),
+        "output_tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(requests) / wall, 3),
+        "tpot_ms_mean": round(1000 * sum(tpots) / len(tpots), 3),
+        "tpot_ms_p50": round(1000 * tpots[len(tpots) // 2], 3),
+        "proposed": proposed, "accepted": accepted,
+        "acceptance": round(accepted / proposed, 3) if proposed else None,
+    }
+
+
+def make_requests(vocab: int, n: int, prompt_len: int, gen_len: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": [rng.randrange(4, vocab) for _ in range(prompt_len)], "max_tokens": gen_len}
+            for _ in range(n)]
+
+
+SCENARIOS = {
+    # model, speculation settings, prompt length, output length
+    "ceiling": ("ceiling", {"speculative_method": "ngram"}, 128, 128),
+    "random": ("bench", {"speculative_method": "ngram"}, 256, 64),
+    "rejected": ("bench", {"speculative_method": "draft", "speculative_model": "draft_wrong"}, 256, 64),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--requests-per-client", type=int, default=3)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--name", default="spec")
+    args = ap.parse_args()
+
+    import torch
+
+    from splitfuse import LLM
+
+    paths = build_models()
+    results = []
+    for scenario in args.scenarios.split(","):
+        model, spec, prompt_len, gen_len = SCENARIOS[scenario]
+        spec = dict(spec)
+        if "speculative_model" in spec:
+            spec["speculative_model"] = str(paths[spec["speculative_model"]])
+        vocab = json.loads((paths[model] / "config.json").read_text())["vocab_size"]
+        for clients in (int(c) for c in args.clients.split(",")):
+            requests = make_requests(vocab, clients * args.requests_per_client, prompt_len, gen_len, seed=clients)
+            row = {"scenario": scenario, "clients": clients}
+            for label, extra in (("off", {}), ("on", {**spec, "num_speculative_tokens": args.num_speculative_tokens,
+                                                      "speculative_disable_batch_size": max(16, clients)})):
+                llm = LLM(str(paths[model]), max_num_seqs=max(clients, 1), **extra)
+                closed_loop(llm, requests[:1], 1)  # warm-up (kernels, allocator)
+                row[label] = closed_loop(llm, requests, clients)
+                del llm
+            row["speedup_tokens_per_s"] = round(row["on"]["output_tokens_per_s"] / row["off"]["output_tokens_per_s"], 3)
+            row["tpot_ratio_on_off"] = round(row["on"]["tpot_ms_mean"] / row["off"]["tpot_ms_mean"], 3)
+            print(json.dumps({k: row[k] for k in ("scenario", "clients", "speedup_tokens_per_s", "tpot_ratio_on_off")}
+                             | {"acceptance": row["on"]["acceptance"], "tpot_off_ms": row["off"]["tpot_ms_mean"],
+                                "tpot_on_ms": row["on"]["tpot_ms_mean"]}), flush=True)
+            results.append(row)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{args.name}.json"
+    out.write_text(json.dumps({
+        "machine": {"cpu": cpu_model(), "flags": cpu_flags(), "threads": torch.get_num_threads()},
+        "commit": git_commit(), "command": " ".join(sys.argv), "results": results,
+    }, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
