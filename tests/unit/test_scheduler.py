@@ -5,6 +5,7 @@ that reaches its sequence's end appends a token. Requests finish after their own
 output tokens, some are aborted midway, and the KV pool is often far too small for the load.
 """
 
+import random
 from dataclasses import dataclass
 
 from hypothesis import given, settings
@@ -37,17 +38,23 @@ requests_st = st.lists(
 
 
 def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, watermark=0.0, check=None,
-             prompts=None, prefix_caching=True):
+             prompts=None, prefix_caching=True, speculation=None):
     """Run `requests` to completion. Prompts default to one shared run of ids (every prompt a
     prefix of the longest), so the prefix cache is exercised hard. A fake KV pool records
     which token each slot holds: every chunk must find its sequence's own tokens in the
-    slots before it, and must never write into a block another sequence holds."""
+    slots before it, and must never write into a block another sequence holds.
+
+    `speculation` = (k, disable_batch_size, seed): decoding sequences get up to k proposals,
+    each right (the simulated model always samples 7) or wrong at random; the accepted ones
+    are appended and the rest rolled back, as the engine does."""
     # The pool always fits the largest request alone (the engine rejects others at add time).
     largest = max(blocks_needed(r.prompt_len + r.output_len, block_size) for r in requests)
     total = int((largest + extra_blocks) / (1.0 - watermark)) + 1
     blocks = BlockManager(total, block_size, watermark, enable_prefix_caching=prefix_caching)
     assert total - blocks.watermark_blocks >= largest
-    sched = Scheduler(blocks, budget, max_num_seqs, policy)
+    k, disable_batch, seed = speculation or (0, 0, 0)
+    sched = Scheduler(blocks, budget, max_num_seqs, policy, disable_batch)
+    rng = random.Random(seed)
     if prompts is None:
         prompts = [list(range(3, 3 + r.prompt_len)) for r in requests]
     seqs = [
@@ -71,22 +78,32 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
             if requests[i].abort_step == step:
                 sched.finish(live.pop(i))
                 finished.add(i)
+        for s in live.values():
+            s.draft_token_ids = [rng.choice([7, 7, 8]) for _ in range(rng.randint(0, k))] if k else []
         before = {id(s): (s.status, s.num_uncomputed_tokens) for s in live.values()}
         out = sched.schedule()
         if check is not None:
             check(sched, out, before, budget)
         for c in out.chunks:
             run_on_fake_kv(c, slots, block_size, live.values(), keys)
-        sampling = [c.seq for c in out.chunks if c.samples]
+        sampling = [c for c in out.chunks if c.samples]
         sched.advance(out)
-        for s in sampling:
-            s.append_token(7)
+        for c in sampling:
+            drafts = c.seq.draft_token_ids[: c.num_draft_tokens]
+            accepted = next((i for i, t in enumerate(drafts) if t != 7), len(drafts))
+            left = requests[int(c.seq.request_id[1:])].output_len - c.seq.num_output_tokens
+            for _ in range(min(accepted + 1, left)):
+                c.seq.append_token(7)
+            if c.num_draft_tokens and accepted + 1 < left:
+                sched.accept_drafts(c.seq, accepted)
         for i, s in list(live.items()):
             if s.num_output_tokens >= requests[i].output_len:
                 sched.finish(s)
                 del live[i]
                 finished.add(i)
         blocks.check_invariants(list(live.values()))
+        for s in live.values():  # no block kept past what the tokens need (rejected proposals' returned)
+            assert len(s.block_table) <= blocks_needed(s.num_tokens, block_size), s.request_id
         step += 1
     assert finished == set(range(len(requests))), "every request finishes"
     assert blocks.num_free_blocks == blocks.num_blocks, "all blocks returned"
@@ -100,16 +117,21 @@ def run_on_fake_kv(chunk, slots, block_size, live, keys) -> None:
     seq_keys = keys.setdefault(id(seq), [])
     while len(seq_keys) < start + chunk.num_tokens:
         seq_keys.append(hash((seq_keys[-1] if seq_keys else None, seq.token_ids[len(seq_keys)])))
+    # Proposed tokens after the chunk: keys of the prefix they would make (a rejected one's slot
+    # holds a key no accepted prefix has, and must be rewritten before anything reads it).
+    run_keys = seq_keys[: start + chunk.num_tokens]
+    for token in seq.draft_token_ids[: chunk.num_draft_tokens]:
+        run_keys = run_keys + [hash((run_keys[-1], token))]
     table = seq.block_table
     for pos in range(start):
         assert slots[table[pos // block_size]][pos % block_size] == seq_keys[pos], (
             f"{seq.request_id}: the KV slot of position {pos} was computed for another prefix"
         )
     others = {b for s in live if s is not seq for b in s.block_table}
-    for pos in range(start, start + chunk.num_tokens):
+    for pos in range(start, start + chunk.num_tokens + chunk.num_draft_tokens):
         block = table[pos // block_size]
         assert block not in others, f"{seq.request_id} writes into block {block} that another sequence holds"
-        slots[block][pos % block_size] = seq_keys[pos]
+        slots[block][pos % block_size] = run_keys[pos]
 
 
 def check_splitfuse(sched, out, before, budget):
@@ -321,3 +343,29 @@ def test_a_step_that_preempts_admits_nothing():
         requests.append(Request(prompt_len=len(prompt), output_len=output_len, arrive_step=arrive_step,
                                 abort_step=None))
     simulate(requests, "splitfuse", 12, 1, 4, max_num_seqs=8, prompts=prompts, check=check_admissions)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    requests=requests_st, budget=st.integers(1, 64), block_size=st.sampled_from([1, 2, 4, 16]),
+    extra_blocks=st.integers(0, 12), max_num_seqs=st.integers(1, 8), k=st.integers(1, 5),
+    disable_batch=st.integers(1, 8), seed=st.integers(0, 1000), watermark=st.sampled_from([0.0, 0.1]),
+)
+def test_speculation_properties(requests, budget, block_size, extra_blocks, max_num_seqs, k, disable_batch, seed,
+                                watermark):
+    """Proposals accepted and rejected at random, under preemption, aborts and prefix caching:
+    the budget holds (proposals included), every slot read was computed for its sequence's own
+    prefix (rejected tokens' KV never leaks into a later read), block invariants hold, all
+    requests finish and every block returns."""
+
+    def check(sched, out, before, budget):
+        check_splitfuse(sched, out, before, budget)
+        decodes = sum(1 for c in out.chunks if before.get(id(c.seq), (None, None)) == (SequenceStatus.RUNNING, 1))
+        for c in out.chunks:
+            if c.num_draft_tokens:
+                assert decodes <= disable_batch, "proposals verified in a step with too many decodes"
+                assert c.num_tokens == 1 and c.num_draft_tokens <= len(c.seq.draft_token_ids)
+                assert len(c.seq.block_table) * sched.blocks.block_size >= c.seq.num_tokens + c.num_draft_tokens
+
+    simulate(requests, "splitfuse", budget, block_size, extra_blocks, max_num_seqs, watermark, check=check,
+             speculation=(k, disable_batch, seed))
