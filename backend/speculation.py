@@ -95,6 +95,9 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self._acceptance: WeakKeyDictionary[Sequence, _Acceptance] = WeakKeyDictionary()
         self._step = 0
+        self.num_proposed = 0
+        """Proposed tokens verified over the engine's life (with `num_accepted`: its acceptance rate)."""
+        self.num_accepted = 0
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Set `draft_token_ids` of the decoding sequences `seqs` for the next step."""
@@ -118,6 +121,8 @@ class SpeculativeDecoder:
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """Update `seq`'s acceptance rate after a verification; pause it while poor."""
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
         state = self._acceptance.get(seq)
         if state is None:
             state = self._acceptance[seq] = _Acceptance()

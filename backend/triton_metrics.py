@@ -41,33 +41,21 @@ class MetricsBatch:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
 
+    def total(self, field: str) -> int:
+        """A StepStats count summed over the steps."""
+        return sum(getattr(s, field) for s in self.steps)
+
     @property
     def prompt_tokens(self) -> int:
-        return sum(s.num_prompt_tokens for s in self.steps)
+        return self.total("num_prompt_tokens")
 
     @property
     def generation_tokens(self) -> int:
-        return sum(s.num_generated_tokens for s in self.steps)
+        return self.total("num_generated_tokens")
 
     @property
     def preemptions(self) -> int:
-        return sum(s.num_preemptions for s in self.steps)
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return sum(s.prefix_cache_queries for s in self.steps)
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return sum(s.prefix_cache_hits for s in self.steps)
-
-    @property
-    def spec_draft_tokens(self) -> int:
-        return sum(s.spec_draft_tokens for s in self.steps)
-
-    @property
-    def spec_accepted_tokens(self) -> int:
-        return sum(s.spec_accepted_tokens for s in self.steps)
+        return self.total("num_preemptions")
 
 
 class MetricsRecorder:
@@ -108,6 +96,20 @@ class MetricsRecorder:
         return batch
 
 
+STEP_COUNTERS = [
+    # (Prometheus counter, the StepStats count it adds up, description)
+    ("splitfuse_prompt_tokens_total", "num_prompt_tokens", "Prompt tokens computed"),
+    ("splitfuse_generation_tokens_total", "num_generated_tokens", "Tokens generated"),
+    ("splitfuse_preemptions_total", "num_preemptions",
+     "Sequences preempted (KV freed, recomputed later) for lack of KV blocks"),
+    ("splitfuse_prefix_cache_queries_total", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    ("splitfuse_prefix_cache_hits_total", "prefix_cache_hits", "Prompt tokens found in the prefix cache (KV reused)"),
+    ("splitfuse_spec_draft_tokens_total", "spec_draft_tokens", "Proposed tokens verified (speculative decoding)"),
+    ("splitfuse_spec_accepted_tokens_total", "spec_accepted_tokens",
+     "Proposed tokens accepted (each a decode step saved)"),
+]
+
+
 class TritonMetrics:
     """Prometheus families through `pb_utils.MetricFamily`, labelled by model, version and
     instance. The families are kept on self: a Metric whose family was garbage-collected fails
@@ -137,25 +139,10 @@ class TritonMetrics:
                               "UNAVAILABLE errors)", MF.GAUGE).Metric(labels=labels)
         self.tokens_per_step = family("splitfuse_tokens_per_step", "Tokens in each engine step (forward pass)",
                                       MF.HISTOGRAM).Metric(labels=labels, buckets=TOKENS_PER_STEP_BUCKETS)
-        self.prompt_tokens = family("splitfuse_prompt_tokens_total", "Prompt tokens computed",
-                                    MF.COUNTER).Metric(labels=labels)
-        self.generation_tokens = family("splitfuse_generation_tokens_total", "Tokens generated",
-                                        MF.COUNTER).Metric(labels=labels)
-        self.preemptions = family("splitfuse_preemptions_total",
-                                  "Sequences preempted (KV freed, recomputed later) for lack of KV blocks",
-                                  MF.COUNTER).Metric(labels=labels)
-        self.prefix_cache_queries = family("splitfuse_prefix_cache_queries_total",
-                                           "Prompt tokens looked up in the prefix cache",
-                                           MF.COUNTER).Metric(labels=labels)
-        self.prefix_cache_hits = family("splitfuse_prefix_cache_hits_total",
-                                        "Prompt tokens found in the prefix cache (KV reused)",
-                                        MF.COUNTER).Metric(labels=labels)
-        self.spec_draft_tokens = family("splitfuse_spec_draft_tokens_total",
-                                        "Proposed tokens verified (speculative decoding)",
-                                        MF.COUNTER).Metric(labels=labels)
-        self.spec_accepted_tokens = family("splitfuse_spec_accepted_tokens_total",
-                                           "Proposed tokens accepted (each a decode step saved)",
-                                           MF.COUNTER).Metric(labels=labels)
+        self.step_counters = {
+            stat: family(name, description, MF.COUNTER).Metric(labels=labels)
+            for name, stat, description in STEP_COUNTERS
+        }
         self.ttft = family("splitfuse_time_to_first_token_seconds",
                            "Time from request arrival to its first generated token",
                            MF.HISTOGRAM).Metric(labels=labels, buckets=TTFT_BUCKETS)
@@ -176,13 +163,10 @@ class TritonMetrics:
     def publish(self, batch: MetricsBatch, stats: EngineStats | None, healthy: bool) -> None:
         for s in batch.steps:
             self.tokens_per_step.observe(s.num_tokens)
-        for name, value in (("prompt_tokens", batch.prompt_tokens), ("generation_tokens", batch.generation_tokens),
-                            ("preemptions", batch.preemptions), ("prefix_cache_queries", batch.prefix_cache_queries),
-                            ("prefix_cache_hits", batch.prefix_cache_hits),
-                            ("spec_draft_tokens", batch.spec_draft_tokens),
-                            ("spec_accepted_tokens", batch.spec_accepted_tokens)):
+        for stat, counter in self.step_counters.items():
+            value = batch.total(stat)
             if value:
-                getattr(self, name).increment(value)
+                counter.increment(value)
         for v in batch.first_token_latencies:
             self.ttft.observe(v)
         for v in batch.inter_token_latencies:

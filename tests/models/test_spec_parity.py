@@ -9,10 +9,9 @@ import json
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from splitfuse import LLM, SamplingParams
+from test_parity import _hf_reference, _max_tokens
 
 ARCHS = ["llama", "mistral", "qwen2", "mixtral"]
 SEGMENT_LENGTHS = [1, 3, 6, 11, 20]
@@ -27,45 +26,22 @@ def _prompts(vocab: int) -> list[list[int]]:
     return prompts
 
 
-def _max_tokens(i: int) -> int:
-    return 10 + (i * 7) % 15
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request, tiny_model_factory):
     path = tiny_model_factory(request.param)
     vocab = json.loads(open(f"{path}/config.json").read())["vocab_size"]
     prompts = _prompts(vocab)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    refs = []
-    with torch.no_grad():
-        for i, p in enumerate(prompts):
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=_max_tokens(i), do_sample=False)
-            refs.append(out[0, len(p):].tolist())
-    return request.param, path, prompts, refs
+    return request.param, path, prompts, _hf_reference(path, prompts)
 
 
 def _run(path, prompts, **config):
     llm = LLM(path, dtype="float32", num_speculative_tokens=4, **config)
     engine = llm.engine
-    proposed = accepted = 0
-    step = engine.step
-
-    def counting_step():
-        nonlocal proposed, accepted
-        outs = step()
-        if engine.last_step is not None:
-            proposed += engine.last_step.spec_draft_tokens
-            accepted += engine.last_step.spec_accepted_tokens
-        return outs
-
-    engine.step = counting_step
     params = [SamplingParams(max_tokens=_max_tokens(i), temperature=0.0) for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
     engine.check_invariants()
     assert engine.blocks.num_used_blocks == 0
-    return [o.token_ids for o in outs], proposed, accepted
+    return [o.token_ids for o in outs], engine.speculation.num_proposed, engine.speculation.num_accepted
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

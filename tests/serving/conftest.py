@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -45,6 +46,19 @@ def _need_tritonserver() -> None:
         find_tritonserver()
     except FileNotFoundError as e:
         pytest.skip(f"no tritonserver: {e}")
+
+
+@contextmanager
+def one_instance_server(model_dir: str, settings: dict[str, str], workdir):
+    """A server of its own for a module's settings on top of ENGINE_PARAMS, one `llm` instance;
+    yields (the engine parameters, the server)."""
+    _need_tritonserver()
+    from splitfuse.launcher import serve
+
+    params = {**ENGINE_PARAMS, **settings}
+    with serve(model_dir, params, instances=1, workdir=workdir) as server:
+        yield params, server
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import ENGINE_PARAMS, _need_tritonserver
+from conftest import one_instance_server
 from triton_helpers import grpc_generate
 
 from splitfuse.layers.int8_linear import int8_supported
@@ -24,17 +24,13 @@ SETTINGS = {
 def low_precision_server(request, tiny_llama, tmp_path_factory):
     import torch
 
-    _need_tritonserver()
     if request.param == "int8":
         ok, why = int8_supported(torch.device("cpu"))
         if not ok:
             pytest.skip(f"int8 linear unavailable: {why}")
-    from splitfuse.server import serve
-
-    params = {**ENGINE_PARAMS, **SETTINGS[request.param]}
-    with serve(tiny_llama, params, instances=1, workdir=tmp_path_factory.mktemp(f"triton-{request.param}")) as server:
+    with one_instance_server(tiny_llama, SETTINGS[request.param],
+                             tmp_path_factory.mktemp(f"triton-{request.param}")) as (params, server):
         yield request.param, params, server
-        server.stop()
 
 
 def test_served_low_precision_matches_offline_engine(low_precision_server, tiny_llama):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import ENGINE_PARAMS, _need_tritonserver
+from conftest import one_instance_server
 from triton_helpers import GrpcStream, metric_sum, settled
 
 pytestmark = pytest.mark.serving
@@ -17,15 +17,12 @@ METHODS = ["ngram", "draft"]
 
 @pytest.fixture(scope="module", params=METHODS)
 def spec_server(request, tiny_llama, tmp_path_factory):
-    _need_tritonserver()
-    from splitfuse.launcher import serve
-
-    params = {**ENGINE_PARAMS, "speculative_method": request.param, "num_speculative_tokens": "4"}
+    settings = {"speculative_method": request.param, "num_speculative_tokens": "4"}
     if request.param == "draft":
-        params["speculative_model"] = tiny_llama  # drafting for itself: every proposal accepted
-    with serve(tiny_llama, params, instances=1, workdir=tmp_path_factory.mktemp(f"triton-{request.param}")) as server:
+        settings["speculative_model"] = tiny_llama  # drafting for itself: every proposal accepted
+    with one_instance_server(tiny_llama, settings, tmp_path_factory.mktemp(f"triton-{request.param}")) as (params,
+                                                                                                         server):
         yield request.param, params, server
-        server.stop()
 
 
 def test_served_speculation_streams_the_plain_greedy_tokens(spec_server, tiny_llama):
