@@ -12,14 +12,19 @@ sample, which is then distributed as p without d. So the output distribution is 
 greedy output is token-identical to decoding without speculation, and a seeded request draws
 the same tokens with or without it, whatever shares its batch.
 
-Adaptive: a sequence whose proposals keep being rejected pauses speculating for a number of
-steps that doubles while it stays poor (its probes then cost next to nothing); a step that
-decodes more sequences than `speculative_disable_batch_size` runs no proposals (the scheduler's
-rule): the pass is compute-bound there and verification would cost what it saves.
+Adaptive: each sequence keeps an acceptance rate (the share of its proposals accepted, an
+exponential average) and asks for about that share of `num_speculative_tokens` (at least one),
+so a poor proposer costs few verification rows and draft passes; below a floor the sequence
+pauses speculating for a number of steps that doubles while it stays poor. A new sequence
+starts from the rate over all sequences so far, so a draft model that is always wrong stops
+being asked soon for every request, not after a few rounds of each. A step that decodes more
+sequences than `speculative_disable_batch_size` runs no proposals (the scheduler's rule): the
+pass is compute-bound there and verification would cost what it saves.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 from weakref import WeakKeyDictionary
@@ -30,6 +35,8 @@ from splitfuse.sequence import Sequence
 
 _RATE_SMOOTHING = 0.5
 """Weight of the newest verification in a sequence's acceptance rate (exponential average)."""
+_OVERALL_SMOOTHING = 0.1
+"""The same for the rate over all sequences, a new sequence's starting rate."""
 _MIN_RATE = 0.2
 """Below this acceptance rate a sequence pauses speculating."""
 _FIRST_PAUSE, _LONGEST_PAUSE = 2, 64
@@ -95,6 +102,7 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self._acceptance: WeakKeyDictionary[Sequence, _Acceptance] = WeakKeyDictionary()
         self._step = 0
+        self._overall_rate = 1.0
         self.num_proposed = 0
         """Proposed tokens verified over the engine's life (with `num_accepted`: its acceptance rate)."""
         self.num_accepted = 0
@@ -106,10 +114,13 @@ class SpeculativeDecoder:
         for seq in seqs:
             seq.draft_token_ids = []
             state = self._acceptance.get(seq)
-            if state is not None and state.paused_until > self._step:
+            if state is None:
+                state = self._acceptance[seq] = self._new_state()
+            if state.paused_until > self._step:
                 continue
-            # The token sampled after the proposals counts too: never past max_tokens or the context.
-            limit = min(self.num_speculative_tokens,
+            # About the share of k the sequence's proposals have been accepted at (at least one);
+            # the token sampled after them counts too: never past max_tokens or the context.
+            limit = min(max(1, math.ceil(state.rate * self.num_speculative_tokens)),
                         seq.params.max_tokens - seq.num_output_tokens - 1,
                         self.max_model_len - seq.num_tokens - 1)
             if limit > 0:
@@ -123,15 +134,23 @@ class SpeculativeDecoder:
         """Update `seq`'s acceptance rate after a verification; pause it while poor."""
         self.num_proposed += num_proposed
         self.num_accepted += num_accepted
+        share = num_accepted / num_proposed
+        self._overall_rate += _OVERALL_SMOOTHING * (share - self._overall_rate)
         state = self._acceptance.get(seq)
         if state is None:
-            state = self._acceptance[seq] = _Acceptance()
-        state.rate += _RATE_SMOOTHING * (num_accepted / num_proposed - state.rate)
+            state = self._acceptance[seq] = self._new_state()
+        state.rate += _RATE_SMOOTHING * (share - state.rate)
         if state.rate >= _MIN_RATE:
             state.pause = _FIRST_PAUSE
         else:
             state.paused_until = self._step + state.pause
             state.pause = min(2 * state.pause, _LONGEST_PAUSE)
+
+    def _new_state(self) -> _Acceptance:
+        state = _Acceptance(rate=self._overall_rate)
+        if state.rate < _MIN_RATE:
+            state.paused_until = self._step + state.pause
+        return state
 
     def release(self, seq: Sequence) -> None:
         seq.draft_token_ids = []
