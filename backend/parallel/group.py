@@ -15,6 +15,7 @@ rather than waited on.
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,11 +49,25 @@ class RankGroup:
         dist.all_reduce(t, group=self.compute)
         return t
 
-    def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0's `obj`, on every rank (pickled over the default group)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+    def broadcast(self, obj: Any = None, timeout_s: float | None = None) -> Any:
+        """Rank 0's `obj`, on every rank (pickled over the default group). On rank 0 the send
+        waits at most `timeout_s` (a gloo send waits for the receiver, so a hung rank would
+        otherwise hold it for the group's long idle timeout); the others wait for it unbounded."""
+        if self.rank != 0:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(size, src=0)
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.broadcast(data, src=0)
+            return pickle.loads(data.numpy().tobytes())
+        payload = pickle.dumps(obj)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        for tensor in (torch.tensor([data.numel()], dtype=torch.int64), data):
+            work = dist.broadcast(tensor, src=0, async_op=True)
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=timeout_s))
+        return obj
 
     def destroy(self) -> None:
         if dist.is_initialized():

@@ -40,6 +40,7 @@ class Leader:
         KV block count resolved, so every rank builds the same cache) and build the all-reduce
         group."""
         self.world_size = config.tensor_parallel_size
+        self.timeout_s = config.tensor_parallel_timeout_s
         self.processes: list[subprocess.Popen] = []
         self.failure: str | None = None
         self._closed = False
@@ -63,7 +64,7 @@ class Leader:
             raise RankFailedError(self.failure)
         try:
             self.check_alive()
-            self.group.broadcast(StepMessage("step", to_device(batch, torch.device("cpu"))))
+            self.group.broadcast(StepMessage("step", to_device(batch, torch.device("cpu"))), self.timeout_s)
             return forward(batch)
         except Exception as e:
             self._fail(e)
@@ -84,8 +85,9 @@ class Leader:
         exited = [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
                   for r, p in enumerate(self.processes, start=1) if p.poll() is not None]
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        self.failure = ("tensor-parallel group failed: " + ("; ".join(exited) + "; " if exited else "")
-                        + cause)[:500]
+        self.failure = (f"tensor-parallel group failed (a rank died, or gave no answer within "
+                        f"tensor_parallel_timeout_s={self.timeout_s:g} s): "
+                        + ("; ".join(exited) + "; " if exited else "") + cause)[:500]
         log.error("splitfuse: %s; stopping the other ranks", self.failure)
         self._kill_workers()
 
@@ -97,7 +99,7 @@ class Leader:
         self._closed = True
         if self.failure is None:
             try:
-                self.group.broadcast(StepMessage("stop"))
+                self.group.broadcast(StepMessage("stop"), self.timeout_s)
             except Exception:
                 log.exception("splitfuse: could not send stop to the tensor-parallel ranks")
         for process in self.processes:
