@@ -34,6 +34,9 @@ class RankGroup:
     rank: int
     world_size: int
     compute: Any = None  # the all-reduce process group (`open_compute`)
+    all_reduce_s: float = 0.0
+    """Time spent in all-reduces (moving data, and waiting for the slowest rank), for benchmarks."""
+    all_reduce_calls: int = 0
 
     def open_compute(self, device: torch.device, timeout_s: float) -> None:
         """Build the all-reduce group (collective: every rank calls it, once it knows the config)."""
@@ -46,7 +49,10 @@ class RankGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns it."""
+        start = time.perf_counter()
         dist.all_reduce(t, group=self.compute)
+        self.all_reduce_s += time.perf_counter() - start
+        self.all_reduce_calls += 1
         return t
 
     def broadcast(self, obj: Any = None, timeout_s: float | None = None) -> Any:

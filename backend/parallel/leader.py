@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +44,8 @@ class Leader:
         self.timeout_s = config.tensor_parallel_timeout_s
         self.processes: list[subprocess.Popen] = []
         self.failure: str | None = None
+        self.send_s = 0.0
+        """Time spent sending steps to the other ranks, for benchmarks."""
         self._closed = False
         if config.tensor_parallel_launch == "spawn":
             addr, port = "127.0.0.1", _free_port()
@@ -64,7 +67,9 @@ class Leader:
             raise RankFailedError(self.failure)
         try:
             self.check_alive()
+            start = time.perf_counter()
             self.group.broadcast(StepMessage("step", to_device(batch, torch.device("cpu"))), self.timeout_s)
+            self.send_s += time.perf_counter() - start
             return forward(batch)
         except Exception as e:
             self._fail(e)
@@ -84,7 +89,9 @@ class Leader:
             _wait(process, 0.5)
         exited = [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
                   for r, p in enumerate(self.processes, start=1) if p.poll() is not None]
-        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        # gloo's messages go on with generic advice after their first sentence.
+        first_line = str(error).splitlines()[0].split(" This is typically")[0] if str(error) else ""
+        cause = f"{type(error).__name__}: {first_line}"
         self.failure = (f"tensor-parallel group failed (a rank died, or gave no answer within "
                         f"tensor_parallel_timeout_s={self.timeout_s:g} s): "
                         + ("; ".join(exited) + "; " if exited else "") + cause)[:500]
