@@ -52,6 +52,7 @@ def _run_engine(engine, prompts: list[list[int]], max_tokens: int) -> dict:
     runner = engine.runner
     group, leader = runner.group, runner.leader
     reduce0 = group.all_reduce_s if group else 0.0
+    calls0 = group.all_reduce_calls if group else 0
     send0 = leader.send_s if leader else 0.0
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -76,6 +77,7 @@ def _run_engine(engine, prompts: list[list[int]], max_tokens: int) -> dict:
         "step_s": sum(steps),
         "forward_s": forward_s,
         "all_reduce_s": (group.all_reduce_s - reduce0) if group else 0.0,
+        "all_reduce_calls": (group.all_reduce_calls - calls0) if group else 0,
         "send_step_s": (leader.send_s - send0) if leader else 0.0,
     }
 
@@ -135,8 +137,8 @@ def summarize(results: dict) -> str:
         f"Single stream: one {SINGLE_PROMPT}-token prompt, {SINGLE_OUTPUT} output tokens.",
         "",
         "| setting | offline gen tok/s | offline processed tok/s | single TTFT ms | single decode ms/step "
-        "| all-reduce share (offline / single) | step-send share (offline / single) |",
-        "|---|---|---|---|---|---|---|",
+        "| all-reduce share (offline / single) | ms per all-reduce (single) | step-send share (offline / single) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in results["settings"]:
         th, ss = s["throughput"], s["single_stream"]
@@ -144,11 +146,16 @@ def summarize(results: dict) -> str:
         def share(runs, key):
             return 100 * statistics.median(r[key] / r["step_s"] for r in runs)
 
+        def per_call(runs):
+            return statistics.median(1e3 * r["all_reduce_s"] / r["all_reduce_calls"] if r["all_reduce_calls"] else 0.0
+                                     for r in runs)
+
         lines.append(
             f"| TP={s['tp']}, {s['threads_per_rank']} thread(s)/rank | {_median(th, 'generated_tok_s'):.0f} "
             f"| {_median(th, 'processed_tok_s'):.0f} | {1e3 * _median(ss, 'ttft_s'):.1f} "
             f"| {_median(ss, 'decode_ms_per_step'):.2f} | {share(th, 'all_reduce_s'):.1f}% / "
-            f"{share(ss, 'all_reduce_s'):.1f}% | {share(th, 'send_step_s'):.1f}% / {share(ss, 'send_step_s'):.1f}% |")
+            f"{share(ss, 'all_reduce_s'):.1f}% | {per_call(ss):.3f} "
+            f"| {share(th, 'send_step_s'):.1f}% / {share(ss, 'send_step_s'):.1f}% |")
     same = len({json.dumps(s["greedy_tokens"]) for s in results["settings"]}) == 1
     lines += ["", f"Greedy tokens of 4 requests identical across settings: {same}."]
     return "\n".join(lines) + "\n"
