@@ -52,12 +52,15 @@ class Leader:
             self.processes = _spawn_workers(self.world_size, addr, port)
         else:
             addr, port = _env_rendezvous(self.world_size)
+        self.group: RankGroup | None = None
         try:
-            self.group: RankGroup = join(0, self.world_size, addr, port, check=self.check_alive)
+            self.group = join(0, self.world_size, addr, port, check=self.check_alive)
             self.group.broadcast(config)
             self.group.open_compute(device, config.tensor_parallel_timeout_s)
         except BaseException:
             self._kill_workers()
+            if self.group is not None:
+                self.group.destroy()
             raise
 
     # ---- steps ----------------------------------------------------------------------------
