@@ -10,6 +10,8 @@ Per setting, in a fresh process each (so no OpenMP pool or process group carries
 * single-stream latency: one request alone: time to first token and ms per decode step;
 * where rank 0's step time goes: the forward pass, of it the all-reduces (moving the partial
   sums and waiting for the other rank) and sending the step's batch to the other rank.
+Plus the floor under the all-reduce share: gloo's all-reduce between two otherwise idle processes
+on this machine, for the tensor sizes a step all-reduces (`tokens x hidden` fp32).
 The median of `--repeats` runs is reported. Writes --out (perf/results/tensor-parallel/):
 results.json (every run, machine, commit, command, load) and summary.md.
 """
@@ -118,6 +120,37 @@ def _generate(engine, prompts, params):
     return [outs[f"g{i}"] for i in range(len(prompts))]
 
 
+def gloo_latency(rank: int, port: int) -> dict[int, float] | None:
+    """Microseconds per all-reduce of [rows, 512] fp32 between two processes (run by both ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out = {}
+    for rows in (1, 64, 512):
+        t = torch.randn(rows, 512)
+        for _ in range(50):
+            dist.all_reduce(t)
+        start, n = time.perf_counter(), 300
+        for _ in range(n):
+            dist.all_reduce(t)
+        out[rows] = 1e6 * (time.perf_counter() - start) / n
+    dist.destroy_process_group()
+    return out if rank == 0 else None
+
+
+def _run_gloo_latency() -> dict:
+    from splitfuse.parallel.leader import _free_port
+
+    port = str(_free_port())
+    peer = subprocess.Popen([sys.executable, __file__, "--gloo-rank", "1", "--port", port], stdout=subprocess.DEVNULL)
+    out = subprocess.run([sys.executable, __file__, "--gloo-rank", "0", "--port", port], capture_output=True,
+                         text=True, check=True).stdout
+    peer.wait()
+    return json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
+
+
 def _median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -157,7 +190,10 @@ def summarize(results: dict) -> str:
             f"{share(ss, 'all_reduce_s'):.1f}% | {per_call(ss):.3f} "
             f"| {share(th, 'send_step_s'):.1f}% / {share(ss, 'send_step_s'):.1f}% |")
     same = len({json.dumps(s["greedy_tokens"]) for s in results["settings"]}) == 1
-    lines += ["", f"Greedy tokens of 4 requests identical across settings: {same}."]
+    lines += ["", f"Greedy tokens of 4 requests identical across settings: {same}.", "",
+              "gloo all-reduce between two otherwise idle processes on this machine (1 thread each): "
+              + ", ".join(f"{rows} x 512 fp32: {us:.0f} us" for rows, us in results["gloo_allreduce_us"].items())
+              + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +203,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "perf/results/tensor-parallel"))
     ap.add_argument("--setting", type=int, help=argparse.SUPPRESS)  # internal: run one TP size, print JSON
+    ap.add_argument("--gloo-rank", type=int, help=argparse.SUPPRESS)  # internal: one side of gloo_latency
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.gloo_rank is not None:
+        print("RESULT " + json.dumps(gloo_latency(args.gloo_rank, args.port)), flush=True)
+        return
     if args.setting:
         print("RESULT " + json.dumps(run_setting(args.setting, args.threads, args.repeats)), flush=True)
         return
@@ -178,6 +219,7 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--setting", str(tp), "--threads", str(args.threads),
                               "--repeats", str(args.repeats)], capture_output=True, text=True, check=True).stdout
         results["settings"].append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:]))
+    results["gloo_allreduce_us"] = _run_gloo_latency()
     results["load_after"] = os.getloadavg()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
