@@ -4,7 +4,6 @@ Mistral, Qwen2 with a single KV head and qkv bias, Mixtral's sharded experts), t
 batches, a small token budget, preemption and aborts. One two-rank engine per architecture."""
 
 import json
-import os
 import random
 
 import pytest
@@ -116,35 +115,3 @@ def test_shards_are_a_split_of_the_model(case):
     assert runner.args.intermediate_size == cfg["intermediate_size"] // 2
     assert runner.num_kv_blocks == ENGINE["num_kv_blocks"] == tp2.blocks.num_blocks
 
-
-def test_ranks_started_apart_meet_through_env_variables(tiny_llama, monkeypatch):
-    """tensor_parallel_launch="env": rank 1 started on its own (as torchrun would, possibly on
-    another machine) with MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, the engine as rank 0;
-    rank 1 takes its config from rank 0, the tokens equal one rank's, and it exits cleanly when
-    the engine shuts down."""
-    import subprocess
-    import sys
-
-    from splitfuse.parallel.leader import _free_port
-
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-    rank1 = subprocess.Popen([sys.executable, "-m", "splitfuse.parallel.worker"], env=dict(env, RANK="1"))
-    try:
-        for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
-            monkeypatch.setenv(name, env[name])
-        monkeypatch.setenv("RANK", "0")
-        prompts = _prompts(512)[:4]
-        engine = LLMEngine(EngineConfig(model=tiny_llama, tensor_parallel_size=2, tensor_parallel_launch="env",
-                                        **ENGINE))
-        try:
-            assert engine.runner.leader.processes == []  # nothing spawned: rank 1 came on its own
-            two, _ = _run(engine, prompts)
-        finally:
-            engine.shutdown()
-        assert rank1.wait(30) == 0
-        one, _ = _run(LLMEngine(EngineConfig(model=tiny_llama, **(ENGINE | dict(num_threads=1)))), prompts)
-        assert two == one
-    finally:
-        if rank1.poll() is None:
-            rank1.kill()
-            rank1.wait()

@@ -1,4 +1,6 @@
-"""A tensor-parallel rank that dies or hangs fails the engine with a clear error within the
+"""Tensor-parallel ranks as processes: started apart through torchrun's variables, and failing.
+
+A tensor-parallel rank that dies or hangs fails the engine with a clear error within the
 configured bound (`tensor_parallel_timeout_s`), never a hang; no rank process outlives its
 engine or the process that started it.
 
@@ -30,6 +32,17 @@ def _config(path: str, **overrides) -> EngineConfig:
     values = dict(dtype="float32", tensor_parallel_size=2, num_kv_blocks=256, block_size=4,
                   tensor_parallel_timeout_s=TIMEOUT_S, num_threads=2)
     return EngineConfig(model=path, **(values | overrides))
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"g{i}", p, SamplingParams(max_tokens=8, temperature=0.0))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    return [tokens[f"g{i}"] for i in range(len(prompts))]
 
 
 def _worker_pids(parent: int | None = None) -> list[int]:
@@ -167,3 +180,32 @@ def test_shapes_that_do_not_split_are_refused_before_any_rank_starts(tiny_llama)
 def test_config_rejects_bad_tensor_parallel_values(tiny_llama, bad):
     with pytest.raises(ValueError):
         EngineConfig(model=tiny_llama, **bad)
+
+
+def test_ranks_started_apart_meet_through_env_variables(tiny_llama, monkeypatch):
+    """tensor_parallel_launch="env": rank 1 started on its own (as torchrun would, possibly on
+    another machine) with MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, the engine as rank 0;
+    rank 1 takes its config from rank 0, the tokens equal one rank's, and it exits cleanly when
+    the engine shuts down."""
+    from splitfuse.parallel.leader import _free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    rank1 = subprocess.Popen([sys.executable, "-m", "splitfuse.parallel.worker"], env=dict(env, RANK="1"))
+    try:
+        for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
+            monkeypatch.setenv(name, env[name])
+        monkeypatch.setenv("RANK", "0")
+        prompts = [[1, 5, 9], [1, 17, 30, 44, 2, 3], [1] + list(range(10, 40))]
+        engine = LLMEngine(_config(tiny_llama, tensor_parallel_launch="env"))
+        try:
+            assert engine.runner.leader.processes == []  # nothing spawned: rank 1 came on its own
+            two = _greedy(engine, prompts)
+        finally:
+            engine.shutdown()
+        assert rank1.wait(30) == 0
+        one = _greedy(LLMEngine(_config(tiny_llama, tensor_parallel_size=1, num_threads=1)), prompts)
+        assert two == one
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+            rank1.wait()
