@@ -17,6 +17,7 @@ LINEAR_BACKENDS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("none", "int8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TENSOR_PARALLEL_LAUNCHES = ("spawn", "env")
 
 
 @dataclass
@@ -73,7 +74,17 @@ class EngineConfig:
     """Share the KV of full blocks between requests that start with the same tokens (a system
     prompt, earlier chat turns); freed blocks stay cached until their room is needed."""
     num_threads: int = 0
-    """OpenMP threads on CPU for torch and the C++ kernels; 0 keeps torch's default (one per core)."""
+    """OpenMP threads on CPU for torch and the C++ kernels; 0 keeps torch's default (one per core).
+    With tensor parallelism this is the total, divided evenly among the ranks."""
+    tensor_parallel_size: int = 1
+    """Ranks that split each weight (torch.distributed: gloo on CPU, NCCL on CUDA); 1 = off."""
+    tensor_parallel_launch: str = "spawn"
+    """spawn: the engine starts the other ranks on this machine; env: they are started apart
+    (`python -m splitfuse.parallel.worker`, e.g. by torchrun on other machines) and meet at
+    MASTER_ADDR:MASTER_PORT with WORLD_SIZE / RANK from the environment (the engine is rank 0)."""
+    tensor_parallel_timeout_s: float = 30.0
+    """Longest wait on another rank in a step's collective: a rank that died or hangs fails the
+    engine within about this long instead of wedging it."""
     seed: int = 0
     """Seed for requests that give none."""
     default_temperature: float = 0.0
@@ -107,6 +118,11 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        _check_choice("tensor_parallel_launch", self.tensor_parallel_launch, TENSOR_PARALLEL_LAUNCHES)
+        if not (isinstance(self.tensor_parallel_timeout_s, (int, float)) and 0 < self.tensor_parallel_timeout_s < 1e6):
+            raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got "
+                             f"{self.tensor_parallel_timeout_s!r}")
         if not (isinstance(self.default_temperature, (int, float)) and 0.0 <= self.default_temperature < float("inf")):
             raise ValueError(f"default_temperature must be a finite number >= 0, got {self.default_temperature!r}")
 

@@ -161,6 +161,10 @@ class LLMEngine:
             return None
         return self._fail(seq, error)
 
+    def shutdown(self) -> None:
+        """Release what outlives the object (the other tensor-parallel ranks' processes)."""
+        self.runner.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
 

@@ -17,7 +17,8 @@ Failures are contained at the smallest scope that explains them:
 - a whole step (scheduling, the forward pass): every request in flight ends with an error, the
   loop goes on with the next requests;
 - the engine's own bookkeeping (freeing a request fails, the block-pool invariants do not hold
-  after a failure, or the loop itself raises): the engine is broken. Every pending request
+  after a failure, or the loop itself raises), or its resources (`FatalEngineError`: a
+  tensor-parallel rank died or hangs): the engine is broken. Every pending request
   ends with an error, every later `submit` raises `EngineFailedError`, and `failure` says why;
   the thread ends. Nothing waits forever.
 """
@@ -31,6 +32,7 @@ from typing import Callable
 
 from splitfuse.config import EngineConfig
 from splitfuse.engine import EngineStats, LLMEngine, StepStats
+from splitfuse.errors import FatalEngineError
 from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -119,9 +121,17 @@ class EngineLoop:
             self._ready.set()
         try:
             self._serve()
+        except FatalEngineError as e:  # its resources are gone (a tensor-parallel rank died or hangs)
+            log.exception("the engine is broken; failing every request")
+            self._break(str(e))
         except BaseException as e:  # cleaning up after a failure failed: nothing is trusted now
             log.exception("the engine is broken; failing every request")
             self._break(_root_cause(e))
+        finally:
+            try:
+                self.engine.shutdown()
+            except Exception:
+                log.exception("shutting the engine down failed")
 
     def _serve(self) -> None:
         while True:
@@ -143,6 +153,8 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
+            except FatalEngineError:
+                raise
             except Exception as e:  # not tied to one request: every request in flight ends
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_in_flight(f"engine step failed: {type(e).__name__}: {e}")

@@ -12,6 +12,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self._next_id = 0
 
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks), if any."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

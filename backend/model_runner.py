@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 import torch
 
@@ -13,6 +15,8 @@ from splitfuse.layers.linear import check_quantization, resolve_linear_backend
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
 from splitfuse.models.llama import ModelArgs
 from splitfuse.models.loader import load_model, read_hf_config
+from splitfuse.parallel.group import RankGroup, rank_device
+from splitfuse.parallel.sharding import Sharder, local_args
 from splitfuse.ragged_batch import RaggedBatch
 
 log = logging.getLogger(__name__)
@@ -37,16 +41,32 @@ def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dty
     return _DTYPES.get(str(args.checkpoint_dtype), torch.bfloat16)
 
 
+def threads_per_rank(config: EngineConfig) -> int:
+    """CPU threads of one rank: `num_threads` (or the cores this process may use) divided among
+    the tensor-parallel ranks of this machine."""
+    if config.tensor_parallel_size == 1:
+        return config.num_threads or torch.get_num_threads()
+    total = config.num_threads or len(os.sched_getaffinity(0))
+    return max(1, total // config.tensor_parallel_size)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
+        """`group` is given on tensor-parallel ranks 1..N-1 (parallel/worker.py); the engine's
+        runner, rank 0, starts the group itself when `tensor_parallel_size` > 1."""
         self.config = config
         # Also on this thread's OpenMP setting, which the C++ kernels' parallel regions read
         # (torch passes its own count to each of its regions); the engine steps on the thread
         # that built it.
-        torch.set_num_threads(config.num_threads or torch.get_num_threads())
+        torch.set_num_threads(threads_per_rank(config))
         self.hf_config = read_hf_config(config.model)
-        self.args = ModelArgs.from_hf_config(self.hf_config)
+        full_args = ModelArgs.from_hf_config(self.hf_config)
+        world_size = config.tensor_parallel_size
+        # A tensor-parallel rank builds its own heads, KV heads and MLP share (parallel/sharding.py).
+        self.args = local_args(full_args, world_size) if world_size > 1 else full_args
         self.device = resolve_device(config.device)
+        if world_size > 1:
+            self.device = rank_device(self.device, group.rank if group is not None else 0)
         if self.device.type == "cpu":
             # SiLU/exp on denormal floats is ~20x slower on x86; flushing them to zero changes
             # nothing at the precision that matters (values below 1e-38). A per-thread setting:
@@ -57,19 +77,40 @@ class ModelRunner:
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         check_quantization(config.quantization, self.device)
         self.kernels = KernelSet.create(self.attention_backend, self.dtype)
-        self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device)
+        self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
+                                 self.args.max_position_embeddings)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.leader = None
+        if world_size > 1 and group is None:
+            from splitfuse.parallel.leader import Leader
+
+            # The other ranks build from rank 0's config, with the KV block count it decided.
+            self.leader = Leader(dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks), self.device)
+            group = self.leader.group
+        elif group is not None:
+            group.open_compute(self.device, config.tensor_parallel_timeout_s)
+        self.group = group
+        try:
+            self._load(full_args)
+        except BaseException as e:
+            if self.leader is not None:
+                self.leader.abort(f"rank 0 failed to load: {type(e).__name__}: {e}")
+            raise
+
+    def _load(self, full_args: ModelArgs) -> None:
+        config, group = self.config, self.group
+        shard = Sharder(full_args, group.rank, group.world_size) if group is not None else None
+        self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device, shard=shard,
+                                all_reduce=group.all_reduce if group is not None else None)
         self.model.prepare_linears(self.linear_backend, config.quantization)
         log.info("splitfuse: device=%s dtype=%s attention_backend=%s (requested %s) linear_backend=%s "
                  "(requested %s) quantization=%s weights=%s threads=%d", self.device,
                  str(self.dtype).removeprefix("torch."), self.attention_backend, config.attention_backend,
                  self.linear_backend, config.linear_backend, config.quantization, self.weight_memory_summary(),
                  torch.get_num_threads())
-        self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
-                                 self.args.max_position_embeddings)
         inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, self.max_model_len)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
-        self.num_kv_blocks = self._num_kv_blocks()
         # Each backend lays out its blocks as its kernels read them best.
         shape = self.kernels.attention.cache_shape(self.num_kv_blocks, config.block_size, self.args.num_kv_heads,
                                                    self.args.head_dim)
@@ -79,6 +120,8 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.args.num_layers)
         ]
+        if group is not None:
+            group.barrier()  # every rank has its shard and cache
 
     def weight_memory_summary(self) -> str:
         """Weights held, in MB per dtype, e.g. "int8 18.9 MB + float32 17.2 MB"."""
@@ -100,7 +143,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch) -> torch.Tensor:
-        """Run the model over the batch; return float32 logits of the sampling rows [S, V]."""
-        self.kernels.attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, self.args.num_kv_heads)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin)
+        """Run the model over the batch; return float32 logits of the sampling rows [S, V].
+        With tensor parallelism the other ranks get the batch first and run their shards."""
+        if self.leader is not None:
+            return self.leader.run_step(self._execute, batch)
+        return self._execute(batch)
+
+    def _execute(self, batch: RaggedBatch) -> torch.Tensor:
+        hidden = self.forward_hidden(batch)
         return self.model.compute_logits(hidden.index_select(0, batch.sample_rows)).float()
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: RaggedBatch) -> torch.Tensor:
+        """Hidden states of every token (what ranks 1..N-1 run: only rank 0 computes logits)."""
+        self.kernels.attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, self.args.num_kv_heads)
+        return self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0); nothing to do otherwise."""
+        if self.leader is not None:
+            self.leader.shutdown()

@@ -9,6 +9,7 @@ name `mlp`, with the experts' weights stacked.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -154,9 +155,17 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, ops: KernelSet) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, ops: KernelSet,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] = _identity) -> None:
         super().__init__()
+        # Tensor parallelism: attention's and the MLP's outputs are partial sums of this rank's
+        # heads / intermediate features (row-parallel o_proj, down_proj); summed across ranks here.
+        self.all_reduce = all_reduce
         self.self_attn = Attention(args, layer_idx, ops)
         self.mlp: nn.Module
         if args.num_experts:
@@ -173,24 +182,25 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, meta, k_cache, v_cache, cos, sin)
+        h = self.all_reduce(self.self_attn(h, positions, meta, k_cache, v_cache, cos, sin))
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.all_reduce(self.mlp(h)), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, ops: KernelSet) -> None:
+    def __init__(self, args: ModelArgs, ops: KernelSet, all_reduce: Callable | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, ops) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, ops, all_reduce or _identity)
+                                    for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: ModelArgs, ops: KernelSet) -> None:
+    def __init__(self, args: ModelArgs, ops: KernelSet, all_reduce: Callable | None = None) -> None:
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, ops)
+        self.model = LlamaModel(args, ops, all_reduce)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

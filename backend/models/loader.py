@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -43,9 +44,18 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+# (checkpoint tensor name, tensor) -> the part this tensor-parallel rank keeps (parallel/sharding.py)
+Shard = Callable[[str, torch.Tensor], torch.Tensor]
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, device: torch.device,
+               shard: Shard | None = None, all_reduce: AllReduce | None = None) -> LlamaForCausalLM:
+    """Build the model and read its weights. For a tensor-parallel rank, `args` carries the rank's
+    local sizes, `shard` cuts each checkpoint tensor to the rank's part and `all_reduce` sums the
+    row-parallel partial outputs across ranks."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(args, ops)
+        model = LlamaForCausalLM(args, ops, all_reduce)
     model = model.to_empty(device=device).to(dtype)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -58,7 +68,8 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
                     continue
                 if name == "lm_head.weight" and args.tie_word_embeddings:
                     continue
-                _load_one(params, name, f.get_tensor(name), args, loaded)
+                tensor = f.get_tensor(name)
+                _load_one(params, name, tensor if shard is None else shard(name, tensor), args, loaded)
     missing = set(params) - loaded
     if args.tie_word_embeddings:
         missing.discard("lm_head.weight")

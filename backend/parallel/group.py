@@ -1,0 +1,115 @@
+"""One tensor-parallel group over torch.distributed: rendezvous, the all-reduce, step messages.
+
+Two process groups over the same ranks:
+* `compute` (gloo on CPU, NCCL on CUDA) carries the layers' all-reduces, with the engine's
+  `tensor_parallel_timeout_s`: a rank that died or hangs turns into an error within that bound.
+* the default group (gloo, CPU) carries rank 0's step messages (pickled objects). Between steps
+  the other ranks wait on it for as long as the server is idle, so its timeout is long; they
+  leave when rank 0's connection closes (or, when spawned, when their parent dies).
+
+Rendezvous goes through a TCPStore that rank 0 hosts at MASTER_ADDR:MASTER_PORT; rank 0 waits
+for the others in short slices so that a rank that failed to start is noticed (`check` raises)
+rather than waited on.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+# How long the other ranks may wait for rank 0's next step (an idle server sends none).
+IDLE_TIMEOUT = timedelta(days=365)
+_ARRIVED_KEY = "splitfuse/arrived/{}"
+
+
+@dataclass
+class RankGroup:
+    rank: int
+    world_size: int
+    compute: Any = None  # the all-reduce process group (`open_compute`)
+    all_reduce_s: float = 0.0
+    """Time spent in all-reduces (moving data, and waiting for the slowest rank), for benchmarks."""
+    all_reduce_calls: int = 0
+
+    def open_compute(self, device: torch.device, timeout_s: float) -> None:
+        """Build the all-reduce group (collective: every rank calls it, once it knows the config)."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.compute = dist.new_group(list(range(self.world_size)), timeout=timedelta(seconds=timeout_s),
+                                      backend=backend)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place; returns it."""
+        start = time.perf_counter()
+        dist.all_reduce(t, group=self.compute)
+        self.all_reduce_s += time.perf_counter() - start
+        self.all_reduce_calls += 1
+        return t
+
+    def broadcast(self, obj: Any = None, timeout_s: float | None = None) -> Any:
+        """Rank 0's `obj`, on every rank (pickled over the default group). On rank 0 the send
+        waits at most `timeout_s` (a gloo send waits for the receiver, so a hung rank would
+        otherwise hold it for the group's long idle timeout); the others wait for it unbounded."""
+        if self.rank != 0:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(size, src=0)
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.broadcast(data, src=0)
+            return pickle.loads(data.numpy().tobytes())
+        payload = pickle.dumps(obj)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        for tensor in (torch.tensor([data.numel()], dtype=torch.int64), data):
+            work = dist.broadcast(tensor, src=0, async_op=True)
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=timeout_s))
+        return obj
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join(rank: int, world_size: int, master_addr: str, master_port: int, startup_timeout_s: float = 300.0,
+         check: Callable[[], None] | None = None) -> RankGroup:
+    """Meet the other ranks and build the default group. On rank 0, `check` is called while waiting
+    for the others (it raises when one of them has died); the wait is bounded by
+    `startup_timeout_s`."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group "
+                           "(one tensor-parallel engine per process)")
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=startup_timeout_s), wait_for_workers=False)
+    store.set(_ARRIVED_KEY.format(rank), "1")
+    if rank == 0:
+        _wait_for_ranks(store, world_size, startup_timeout_s, check)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT)
+    return RankGroup(rank, world_size)
+
+
+def _wait_for_ranks(store, world_size: int, timeout_s: float, check: Callable[[], None] | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    keys = [_ARRIVED_KEY.format(r) for r in range(1, world_size)]
+    while not store.check(keys):
+        if check is not None:
+            check()
+        time.sleep(0.05)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor parallelism: not every rank of {world_size} joined within {timeout_s:.0f} s")
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """A rank's own GPU (LOCAL_RANK under torchrun, else its rank) when `device` names none."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    return device

@@ -1,0 +1,92 @@
+"""Served with tensor parallelism: a real tritonserver started with `--param tensor_parallel_size=2`
+(one Triton instance per tensor-parallel group; its second rank is a process the instance's
+stub starts) answers greedy requests with the tokens of the offline engine with one rank. Then
+its second rank is killed: requests fail with an error naming it, the model reports not ready,
+and no rank process is left behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+from conftest import ENGINE_PARAMS, _need_tritonserver
+from triton_helpers import GrpcStream, grpc_generate, wait_for
+
+pytestmark = pytest.mark.serving
+
+PARAMS = {**ENGINE_PARAMS, "tensor_parallel_size": "2", "num_threads": "2", "tensor_parallel_timeout_s": "10"}
+
+
+def _descendants(pid: int) -> dict[int, bytes]:
+    """{pid: command line} of every process below `pid`."""
+    children: dict[int, list[int]] = {}
+    cmdlines: dict[int, bytes] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if stat[0] != "Z":
+            children.setdefault(int(stat[1]), []).append(int(entry.name))
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = cmdlines.get(child, b"")
+            todo.append(child)
+    return found
+
+
+def _ranks(server_pid: int) -> list[int]:
+    return [p for p, cmd in _descendants(server_pid).items() if b"splitfuse.parallel.worker" in cmd]
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_llama, tmp_path_factory):
+    _need_tritonserver()
+    from splitfuse.server import serve
+
+    with serve(tiny_llama, PARAMS, instances=1, workdir=tmp_path_factory.mktemp("triton-tp")) as server:
+        yield server
+        server.stop()
+
+
+def test_served_with_two_ranks_matches_one_rank_offline(tp_server, tiny_llama):
+    from splitfuse.config import EngineConfig
+    from splitfuse.llm import LLM
+    from splitfuse.sequence import SamplingParams
+
+    assert len(_ranks(tp_server.process.pid)) == 1, "the instance should have started one more rank"
+    rng = random.Random(3)
+    prompts = [[1] + [rng.randrange(3, 400) for _ in range(n)] for n in (4, 37, 90)]
+    one_rank = {k: v for k, v in PARAMS.items() if not k.startswith("tensor_parallel")}
+    cfg = EngineConfig.from_strings({"model": tiny_llama, **one_rank})
+    with LLM(tiny_llama, **{k: getattr(cfg, k) for k in one_rank}) as offline:
+        want = [o.token_ids for o in offline.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                              ignore_eos=True))]
+    for prompt, expected in zip(prompts, want):
+        r = grpc_generate(tp_server.grpc_url, "llm", {"input_ids": prompt, "max_tokens": 12, "temperature": 0.0,
+                                                      "ignore_eos": True}, dtypes={"input_ids": "INT32"})
+        assert r.error is None, r.error
+        assert r.output_ids == expected
+
+
+def test_killed_rank_fails_requests_and_the_model_reports_not_ready(tp_server):
+    client = grpcclient.InferenceServerClient(tp_server.grpc_url)
+    assert client.is_model_ready("llm")
+    [rank] = _ranks(tp_server.process.pid)
+    with GrpcStream(tp_server.grpc_url) as stream:
+        stream.send("llm", {"input_ids": [1, 5, 9], "max_tokens": 400, "ignore_eos": True, "stream": True},
+                    dtypes={"input_ids": "INT32"})
+        assert stream.next()[1] is None  # generating
+        os.kill(rank, signal.SIGKILL)
+        result = stream.collect(timeout=120)  # a hang fails here, not forever
+    assert result.error is not None and "rank 1" in result.error and "exited with code -9" in result.error, result
+    assert wait_for(lambda: not client.is_model_ready("llm"), timeout=60)
+    assert wait_for(lambda: not _ranks(tp_server.process.pid), timeout=30), "a rank outlived its engine"
