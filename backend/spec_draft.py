@@ -27,7 +27,8 @@ class DraftModelProposer:
     def __init__(self, config: EngineConfig, target_vocab_size: int) -> None:
         draft_config = dataclasses.replace(
             config, model=config.speculative_model, tokenizer=config.speculative_model,
-            speculative_method="none", speculative_model=None, num_kv_blocks=None)
+            speculative_method="none", speculative_model=None, num_kv_blocks=None,
+            tensor_parallel_size=1)  # small: it runs whole beside rank 0's shard
         self.runner = ModelRunner(draft_config)
         if self.runner.args.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_model's vocabulary ({self.runner.args.vocab_size} tokens) differs from "

@@ -70,3 +70,20 @@ def test_rejected_draft_proposals_roll_back(case, tiny_model_factory):
                                    speculative_model=other)
     assert proposed > 0 and accepted < proposed
     assert got == refs, name
+
+
+def test_speculation_with_tensor_parallel_ranks(case):
+    """Speculation on a two-rank engine (verification rows travel with the step to the other
+    rank; a draft model runs whole beside rank 0): still HF's tokens. n-gram for Llama and
+    Qwen2, the model drafting for itself for Mistral and Mixtral (one two-rank engine each)."""
+    name, path, prompts, refs = case
+    spec = dict(speculative_method="ngram")
+    if name in ("mistral", "mixtral"):
+        spec = dict(speculative_method="draft", speculative_model=path)
+    params = [SamplingParams(max_tokens=_max_tokens(i), temperature=0.0) for i in range(len(prompts))]
+    with LLM(path, dtype="float32", num_speculative_tokens=4, tensor_parallel_size=2, num_threads=2,
+             token_budget=16, block_size=4, **spec) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.engine.check_invariants()
+        assert llm.engine.speculation.num_accepted > 0
+    assert got == refs, name
