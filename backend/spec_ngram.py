@@ -2,7 +2,10 @@
 
 The sequence's last n tokens (n from `ngram_max` down to `ngram_min`) are looked up in its own
 earlier text (prompt and output); what followed their most recent earlier occurrence is
-proposed. It costs no model: code, quotes, lists and summaries repeat their input often.
+proposed. It costs no model: code, quotes, lists and summaries repeat their input often. When
+that continuation reaches the end of the text (the occurrence is recent: the text is repeating
+itself with a short period), it goes on with the same period, so a loop is proposed k tokens
+deep rather than up to the end.
 
 Each sequence keeps an index per n from an n-gram to the latest position it started at (with
 at least one token after it), grown as tokens are appended, so a lookup is a dictionary probe
@@ -35,14 +38,18 @@ class NgramIndex:
 
     def propose(self, tokens: list[int], max_tokens: int) -> list[int]:
         """What followed the latest earlier occurrence of the longest suffix found, up to
-        `max_tokens` tokens; [] when no suffix occurs earlier."""
+        `max_tokens` tokens (continued with the same period past the end); [] when no suffix
+        occurs earlier."""
         length = len(tokens)
         for n in self.sizes:
             if length <= n:
                 continue
             start = self._starts[n].get(tuple(tokens[length - n :]))
             if start is not None:
-                return tokens[start + n : start + n + max_tokens]
+                out: list[int] = []
+                for pos in range(start + n, start + n + max_tokens):
+                    out.append(tokens[pos] if pos < length else out[pos - length])
+                return out
         return []
 
 

@@ -8,7 +8,8 @@ from splitfuse.spec_ngram import NgramIndex, NgramProposer
 
 
 def brute_force(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
-    """The rule spelled out: longest suffix first, its latest earlier occurrence, what followed."""
+    """The rule spelled out: longest suffix first, its latest earlier occurrence, what followed,
+    copied on past the end as a text repeating itself would go on."""
     length = len(tokens)
     for n in range(ngram_max, ngram_min - 1, -1):
         if length <= n:
@@ -16,7 +17,10 @@ def brute_force(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> li
         suffix = tokens[length - n :]
         for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                text = list(tokens)
+                for i in range(k):
+                    text.append(text[start + n + i])
+                return text[length:]
     return []
 
 
@@ -30,6 +34,14 @@ def test_longest_suffix_and_latest_occurrence_win():
     index.extend(tokens)
     assert index.propose(tokens, 2) == [4, 1]
     assert NgramIndex(1, 2).propose([3, 4], 4) == []
+    loop = [9, 3, 4, 3, 4]  # "3 4" repeating: proposed on with its period, not cut at the end
+    index = NgramIndex(1, 3)
+    index.extend(loop)
+    assert index.propose(loop, 5) == [3, 4, 3, 4, 3]
+    same = [5, 5, 5]
+    index = NgramIndex(1, 4)
+    index.extend(same)
+    assert index.propose(same, 4) == [5, 5, 5, 5]
 
 
 @settings(max_examples=300, deadline=None)
@@ -49,7 +61,7 @@ def test_proposer_tracks_each_sequence_and_respects_limits():
     proposer = NgramProposer(1, 2)
     a = Sequence("a", [5, 6, 7, 5, 6], SamplingParams(), arrival=0)
     b = Sequence("b", [1, 2, 3], SamplingParams(), arrival=1)
-    assert proposer.propose([a, b], [4, 4]) == [[7, 5, 6], []]
+    assert proposer.propose([a, b], [4, 4]) == [[7, 5, 6, 7], []]
     a.append_token(7)
     assert proposer.propose([a], [1]) == [[5]]
     assert proposer.propose([a], [0]) == [[]]
