@@ -61,7 +61,7 @@ class EngineConfig:
     """Shortest suffix the n-gram proposer looks up."""
     ngram_max: int = 4
     """Longest suffix the n-gram proposer looks up (it tries the longest first)."""
-    speculative_disable_batch_size: int = 16
+    speculative_disable_batch_size: int = 32
     """No speculation in a step that decodes more sequences than this: a large batch makes the
     pass compute-bound, so verifying proposals would cost about what it saves."""
     scheduler_policy: str = "splitfuse"

@@ -28,13 +28,14 @@ def _max_tokens(i: int) -> int:
     return 6 + (i * 7) % 20
 
 
-def _hf_reference(path: str, prompts: list[list[int]]) -> list[list[int]]:
+def _hf_reference(path: str, prompts: list[list[int]], max_tokens=_max_tokens) -> list[list[int]]:
+    """HF greedy continuations; `max_tokens(i)` new tokens for prompt i."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     refs = []
     with torch.no_grad():
         for i, p in enumerate(prompts):
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=_max_tokens(i), do_sample=False)
+                                 max_new_tokens=max_tokens(i), do_sample=False)
             refs.append(out[0, len(p):].tolist())
     return refs
 

@@ -7,11 +7,10 @@ import json
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from splitfuse import LLMEngine, SamplingParams
 from splitfuse.config import EngineConfig
+from test_parity import _hf_reference
 
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 33, 70]
 # Small budget and block size, and a KV pool too small for every request at once: prompts are
@@ -33,17 +32,6 @@ def _max_tokens(i: int) -> int:
 def _prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(1)
     return [[1] + [rng.randrange(3, vocab) for _ in range(n - 1)] for n in PROMPT_LENGTHS]
-
-
-def _hf(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    refs = []
-    with torch.no_grad():
-        for i, p in enumerate(prompts):
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=_max_tokens(i), do_sample=False)
-            refs.append(out[0, len(p):].tolist())
-    return refs
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], abort: set[int] = frozenset()) -> tuple[dict, int]:
@@ -82,7 +70,7 @@ def case(request, tiny_model_factory):
 
 def test_two_ranks_match_one_rank_and_hf(case):
     name, path, prompts, tp2 = case
-    refs = _hf(path, prompts)
+    refs = _hf_reference(path, prompts, _max_tokens)
     # One thread: the many tiny OpenMP regions of the tiny MoE crawl with two on a busy machine.
     tp1 = LLMEngine(EngineConfig(model=path, **(ENGINE | dict(num_threads=1))))
     one, _ = _run(tp1, prompts)
