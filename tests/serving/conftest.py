@@ -33,10 +33,33 @@ class Served:
 
     def engine_kwargs(self) -> dict:
         """ENGINE_PARAMS as LLM(...) keyword arguments."""
-        from splitfuse.config import EngineConfig
+        return engine_kwargs(self.model_dir, self.engine_params)
 
-        cfg = EngineConfig.from_strings({"model": self.model_dir, **self.engine_params})
-        return {k: getattr(cfg, k) for k in self.engine_params}
+
+def engine_kwargs(model_dir: str, params: dict[str, str]) -> dict:
+    """A server's string engine parameters as LLM(...) keyword arguments."""
+    from splitfuse.config import EngineConfig
+
+    cfg = EngineConfig.from_strings({"model": model_dir, **params})
+    return {k: getattr(cfg, k) for k in params}
+
+
+def offline_greedy(model_dir: str, params: dict[str, str], prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The offline engine's greedy tokens (ignore_eos) under a server's engine parameters."""
+    from splitfuse.llm import LLM
+    from splitfuse.sequence import SamplingParams
+
+    with LLM(model_dir, **engine_kwargs(model_dir, params)) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def served_greedy(grpc_url: str, prompt: list[int], max_tokens: int):
+    """One greedy (ignore_eos) request to `llm` over gRPC; the collected stream."""
+    from triton_helpers import grpc_generate
+
+    return grpc_generate(grpc_url, "llm", {"input_ids": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                                           "ignore_eos": True}, dtypes={"input_ids": "INT32"})
 
 
 def _need_tritonserver() -> None:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import one_instance_server
-from triton_helpers import grpc_generate
+from conftest import offline_greedy, one_instance_server, served_greedy
 
 from splitfuse.layers.int8_linear import int8_supported
 
@@ -34,20 +33,12 @@ def low_precision_server(request, tiny_llama, tmp_path_factory):
 
 
 def test_served_low_precision_matches_offline_engine(low_precision_server, tiny_llama):
-    from splitfuse.config import EngineConfig
-    from splitfuse.llm import LLM
-    from splitfuse.sequence import SamplingParams
-
     name, params, server = low_precision_server
     rng = random.Random(7)
     prompts = [[1] + [rng.randrange(3, 400) for _ in range(n)] for n in (5, 40, 90)]
-    cfg = EngineConfig.from_strings({"model": tiny_llama, **params})
-    offline = LLM(tiny_llama, **{k: getattr(cfg, k) for k in params})
-    want = [o.token_ids for o in offline.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
-                                                                          ignore_eos=True))]
+    want = offline_greedy(tiny_llama, params, prompts, max_tokens=12)
     for prompt, expected in zip(prompts, want):
-        r = grpc_generate(server.grpc_url, "llm", {"input_ids": prompt, "max_tokens": 12, "temperature": 0.0,
-                                                   "ignore_eos": True}, dtypes={"input_ids": "INT32"})
+        r = served_greedy(server.grpc_url, prompt, max_tokens=12)
         assert r.error is None, r.error
         assert r.output_ids == expected, f"{name}: served tokens differ from the offline engine's"
     log = open(server.log_file, errors="replace").read()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import one_instance_server
-from triton_helpers import GrpcStream, metric_sum, settled
+from conftest import ENGINE_PARAMS, offline_greedy, one_instance_server
+from triton_helpers import GrpcStream, metric_sum, settled, wait_for
 
 pytestmark = pytest.mark.serving
 
@@ -26,18 +26,13 @@ def spec_server(request, tiny_llama, tmp_path_factory):
 
 
 def test_served_speculation_streams_the_plain_greedy_tokens(spec_server, tiny_llama):
-    from splitfuse.llm import LLM
-    from splitfuse.sequence import SamplingParams
-
     method, params, server = spec_server
     rng = random.Random(3)
     prompts = []
     for n in (4, 9, 15):
         segment = [rng.randrange(3, 400) for _ in range(n)]
         prompts.append([1] + segment * 3)
-    plain = LLM(tiny_llama, dtype="float32", token_budget=256)
-    want = [o.token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
-                                                                        ignore_eos=True))]
+    want = offline_greedy(tiny_llama, ENGINE_PARAMS, prompts, max_tokens=24)  # no speculation
     for prompt, expected in zip(prompts, want):
         with GrpcStream(server.grpc_url) as stream:
             stream.send("llm", {"input_ids": prompt, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True},
@@ -49,8 +44,13 @@ def test_served_speculation_streams_the_plain_greedy_tokens(spec_server, tiny_ll
         if method == "draft":
             # Accepted proposals arrive together: fewer responses than tokens.
             assert len(result.data) < len(expected)
-    proposed = settled(lambda: metric_sum(server.metrics_url, "splitfuse_spec_draft_tokens_total"))
-    accepted = metric_sum(server.metrics_url, "splitfuse_spec_accepted_tokens_total")
+    # The counters are published by the model's housekeeping thread, a little after the responses.
+    def totals():
+        return tuple(metric_sum(server.metrics_url, f"splitfuse_spec_{kind}_tokens_total")
+                     for kind in ("draft", "accepted"))
+
+    assert wait_for(lambda: totals()[1] > 0, timeout=30), totals()
+    proposed, accepted = settled(totals)
     assert 0 < accepted <= proposed
     if method == "draft":
         assert accepted == proposed

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import ENGINE_PARAMS, _need_tritonserver
-from triton_helpers import GrpcStream, grpc_generate, wait_for
+from conftest import ENGINE_PARAMS, offline_greedy, one_instance_server, served_greedy
+from triton_helpers import GrpcStream, wait_for
 
 pytestmark = pytest.mark.serving
 
-PARAMS = {**ENGINE_PARAMS, "tensor_parallel_size": "2", "num_threads": "2", "tensor_parallel_timeout_s": "10"}
+TP_SETTINGS = {"tensor_parallel_size": "2", "num_threads": "2", "tensor_parallel_timeout_s": "10"}
 
 
 def _descendants(pid: int) -> dict[int, bytes]:
@@ -49,30 +49,18 @@ def _ranks(server_pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tp_server(tiny_llama, tmp_path_factory):
-    _need_tritonserver()
-    from splitfuse.server import serve
-
-    with serve(tiny_llama, PARAMS, instances=1, workdir=tmp_path_factory.mktemp("triton-tp")) as server:
+    with one_instance_server(tiny_llama, TP_SETTINGS, tmp_path_factory.mktemp("triton-tp")) as (_, server):
         yield server
-        server.stop()
 
 
 def test_served_with_two_ranks_matches_one_rank_offline(tp_server, tiny_llama):
-    from splitfuse.config import EngineConfig
-    from splitfuse.llm import LLM
-    from splitfuse.sequence import SamplingParams
-
     assert len(_ranks(tp_server.process.pid)) == 1, "the instance should have started one more rank"
     rng = random.Random(3)
     prompts = [[1] + [rng.randrange(3, 400) for _ in range(n)] for n in (4, 37, 90)]
-    one_rank = {k: v for k, v in PARAMS.items() if not k.startswith("tensor_parallel")}
-    cfg = EngineConfig.from_strings({"model": tiny_llama, **one_rank})
-    with LLM(tiny_llama, **{k: getattr(cfg, k) for k in one_rank}) as offline:
-        want = [o.token_ids for o in offline.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
-                                                                              ignore_eos=True))]
+    one_rank = {**ENGINE_PARAMS, "num_threads": TP_SETTINGS["num_threads"]}
+    want = offline_greedy(tiny_llama, one_rank, prompts, max_tokens=12)
     for prompt, expected in zip(prompts, want):
-        r = grpc_generate(tp_server.grpc_url, "llm", {"input_ids": prompt, "max_tokens": 12, "temperature": 0.0,
-                                                      "ignore_eos": True}, dtypes={"input_ids": "INT32"})
+        r = served_greedy(tp_server.grpc_url, prompt, max_tokens=12)
         assert r.error is None, r.error
         assert r.output_ids == expected
 

@@ -218,8 +218,9 @@ def metric_by_instance(metrics_url: str, name: str, **labels: str) -> dict[str, 
     return out
 
 
-def settled(read, quiet_s: float = 0.3, timeout: float = 10.0):
-    """read() once it has stopped changing for quiet_s (metrics are published every 0.1 s)."""
+def settled(read, quiet_s: float = 0.6, timeout: float = 10.0):
+    """read() once it has stopped changing for quiet_s (the llm model publishes metrics every
+    0.5 s: a shorter quiet time can return before the first publish)."""
     deadline = time.monotonic() + timeout
     value = read()
     while time.monotonic() < deadline:
