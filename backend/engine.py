@@ -211,8 +211,8 @@ class LLMEngine:
                 accepted = self._verified_tokens(chunk, group)
                 num_drafts += chunk.num_draft_tokens
                 num_accepted += len(accepted) - 1
-                num_generated += len(accepted)
                 output = self._append_tokens(seq, accepted)
+                num_generated += len(output.delta_token_ids)  # fewer when a stop cut the run
                 if chunk.num_draft_tokens:
                     self.speculation.record(seq, chunk.num_draft_tokens, len(accepted) - 1)
                     if not output.finished:

@@ -231,3 +231,21 @@ def test_configuration_errors(tiny_model_factory, tiny_llama):
     parsed = EngineConfig.from_strings({"model": "/m", "speculative_method": "ngram", "speculative_model": "",
                                         "num_speculative_tokens": "3"})
     assert (parsed.speculative_method, parsed.speculative_model, parsed.num_speculative_tokens) == ("ngram", None, 3)
+
+
+def test_step_counts_only_the_tokens_kept(tiny_llama, vocab):
+    """A stop inside an accepted run: the step's generated-token count (the metrics' source) is
+    what the output carries, not what verification accepted."""
+    prompt = repetitive_prompts(vocab, count=1)[0]
+    ref = _reference_run(tiny_llama, [prompt])[0]
+    llm = LLM(tiny_llama, token_budget=64, block_size=4, **spec_kwargs("draft", tiny_llama))
+    engine = llm.engine
+    engine.add_request("r", prompt, SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[ref[6]],
+                                                   ignore_eos=True))
+    generated = 0
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.delta_token_ids
+        generated += engine.last_step.num_generated_tokens
+    assert tokens == ref[: ref.index(ref[6]) + 1] and generated == len(tokens)
