@@ -39,6 +39,7 @@ class DraftModelProposer:
         self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, watermark=0.0,
                                    enable_prefix_caching=False)
         self._shadows: dict[Sequence, Sequence] = {}
+        self._synced: dict[Sequence, int] = {}  # target tokens seen at each shadow's last sync
         log.info("splitfuse: draft model %s, %d KV blocks", config.speculative_model, self.runner.num_kv_blocks)
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
@@ -68,6 +69,7 @@ class DraftModelProposer:
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq, None)
+        self._synced.pop(seq, None)
         if shadow is not None:
             self.blocks.free(shadow)
 
@@ -77,12 +79,17 @@ class DraftModelProposer:
         if shadow is None:
             shadow = Sequence(seq.request_id, seq.prompt_token_ids, _GREEDY, arrival=0)
             self._shadows[seq] = shadow
-        agree = 0
-        limit = min(shadow.num_computed_tokens, seq.num_tokens)
+            self._synced[seq] = 0
         theirs, ours = seq.token_ids, shadow.token_ids
+        # The target's tokens only grow: those seen at the last sync still agree; only the
+        # shadow's own proposals after them can differ.
+        limit = min(shadow.num_computed_tokens, seq.num_tokens)
+        agree = min(self._synced[seq], limit)
         while agree < limit and theirs[agree] == ours[agree]:
             agree += 1
-        shadow.token_ids = list(theirs)
+        del ours[agree:]
+        ours.extend(theirs[agree:])
+        self._synced[seq] = len(theirs)
         shadow.num_computed_tokens = agree
         self.blocks.trim(shadow, shadow.num_tokens)
         return shadow
