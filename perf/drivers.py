@@ -2,6 +2,8 @@
 
 Triton: tritonclient gRPC streaming against our `ensemble` or `llm` model (TensorRT-LLM tensor
 names). OpenAI: streaming /v1/completions against any OpenAI-compatible server (e.g. vLLM).
+Engine: our engine in this process (`EngineLoop`, no server, no transport), the "offline"
+reference that says what serving costs.
 """
 
 from __future__ import annotations
@@ -90,7 +92,6 @@ class TritonDriver(Driver):
         return inputs
 
     def run_one(self, spec: RequestSpec, client: int, timeout: float) -> RequestRecord:
-        g = self._grpc
         c = self._client()
         events: queue.Queue = queue.Queue()
 
@@ -249,3 +250,50 @@ class OpenAIDriver(Driver):
                 rec.end = time.perf_counter()
             conn.close()
         return rec
+
+
+class EngineDriver(Driver):
+    """Submits to an in-process `EngineLoop` and times the outputs its callback receives: the
+    same closed-loop clients and request list as the servers, without Triton, tokenizing models,
+    gRPC or the client's process. Prompts are tokenized by the engine (text in, as the ensemble
+    does)."""
+
+    name = "engine"
+
+    def __init__(self, loop: Any, temperature: float = 0.0):
+        self.loop = loop
+        self.temperature = temperature
+        self._ids = iter(range(1 << 62))
+        self._ids_lock = threading.Lock()
+
+    def run_one(self, spec: RequestSpec, client: int, timeout: float) -> RequestRecord:
+        from splitfuse.sequence import SamplingParams
+
+        events: queue.Queue = queue.Queue()
+        with self._ids_lock:
+            request_id = f"{spec.idx}-{client}-{next(self._ids)}"
+        params = SamplingParams(max_tokens=spec.gen_tokens, min_tokens=spec.gen_tokens, ignore_eos=True,
+                                temperature=self.temperature)
+        rec = RequestRecord(spec.idx, client, spec.prompt_tokens, spec.gen_tokens, start=time.perf_counter())
+        try:
+            self.loop.submit(request_id, spec.prompt, params, lambda out: events.put((time.perf_counter(), out)))
+        except Exception as e:  # noqa: BLE001 - recorded as the request's error
+            rec.error, rec.end = f"{type(e).__name__}: {e}", time.perf_counter()
+            return rec
+        deadline = rec.start + timeout
+        while True:
+            try:
+                t, out = events.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                self.loop.abort(request_id)
+                rec.error, rec.end = "timeout", time.perf_counter()
+                return rec
+            if out.delta_token_ids:
+                rec.chunks.append((t, len(out.delta_token_ids)))
+            rec.server_prompt_tokens = len(out.prompt_token_ids)
+            rec.server_output_tokens = len(out.token_ids)
+            if out.finished:
+                rec.end = t
+                if out.error is not None:
+                    rec.error = out.error
+                return rec

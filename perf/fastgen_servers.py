@@ -1,5 +1,6 @@
 """Running one system: start its server (our tritonserver, or vLLM's OpenAI server), sweep
-the client counts against it, stop it. One server at a time, so systems never share the CPU."""
+the client counts against it, stop it. One server at a time, so systems never share the CPU.
+The `engine` system is our engine inside this process (no server), built and stopped the same way."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from closed_loop import sweep
-from drivers import OpenAIDriver, TritonDriver
+from drivers import EngineDriver, OpenAIDriver, TritonDriver
 from systems import VLLM_SYSTEMS, base_of, budget_of, file_stem
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,16 +30,41 @@ def _free_port() -> int:
 
 
 # ------------------------------------------------------------------------------------ systems
+def engine_params(system: str, args) -> dict[str, str]:
+    """Our engine's parameters for a system: its policy and token budget, then --param."""
+    policy = "splitfuse" if base_of(system) == "engine" else base_of(system)
+    params = {"scheduler_policy": policy, "token_budget": str(budget_of(system) or args.token_budget)}
+    for item in args.param:
+        k, _, v = item.partition("=")
+        params[k] = v
+    return params
+
+
+def run_engine(system: str, args, specs, clients) -> dict:
+    """Our engine in this process, driven by the same closed-loop clients: the serving path's
+    reference (what Triton, the tokenizing model, gRPC and the client process cost)."""
+    from splitfuse.config import EngineConfig
+    from splitfuse.engine_loop import EngineLoop
+
+    params = engine_params(system, args)
+    config = EngineConfig.from_strings({"model": str(Path(args.model_dir).resolve()), **params})
+    log(f"{system}: building the engine in this process ({params})")
+    loop = EngineLoop(config)
+    loop.start()
+    try:
+        res = _sweep(EngineDriver(loop), specs, clients, args, lambda: [])
+    finally:
+        loop.shutdown(timeout=60)
+    res["server"] = {"kind": "in-process engine", "params": params}
+    return res
+
+
 def run_triton(system: str, args, specs, clients) -> dict:
     """One server per system; if tritonserver dies during a point, it is restarted and that point
     is measured again (up to --max-restarts times per system; the summary reports restarts)."""
     from splitfuse.server import serve
 
-    policy = base_of(system)
-    params = {"scheduler_policy": policy, "token_budget": str(budget_of(system) or args.token_budget)}
-    for item in args.param:
-        k, _, v = item.partition("=")
-        params[k] = v
+    params = engine_params(system, args)
     workdir = (Path(args.workdir) / file_stem(system)).resolve()
     points: list[dict] = []
     crashes: list[dict] = []

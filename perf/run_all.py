@@ -5,6 +5,8 @@ For each system in turn (one server at a time, so they never share the CPU):
   * splitfuse / prefill_first / orca [@TOKEN_BUDGET]: our Triton server (`splitfuse.server.serve`)
     with that `scheduler_policy` (and token budget; everything else identical), driven through
     the `ensemble` model over tritonclient gRPC streaming;
+  * engine[@TOKEN_BUDGET]: our SplitFuse engine inside this process (EngineLoop, no server),
+    driven by the same clients: the reference that says what serving costs;
   * vllm / vllm_2c: vLLM's CPU build (perf/.venv-vllm) serving the same checkpoint through its
     OpenAI-compatible server on loopback, driven with streaming /v1/completions (vllm: its own
     CPU thread binding, vllm_2c: compute threads on both cores).
@@ -32,9 +34,9 @@ sys.path.insert(0, str(HERE))
 
 from closed_loop import parse_ints  # noqa: E402
 from fastgen_report import RELAXED_PROMPT_TPS, report, save_raw  # noqa: E402
-from fastgen_servers import log, run_triton, run_vllm  # noqa: E402
+from fastgen_servers import log, run_engine, run_triton, run_vllm  # noqa: E402
 from machine import machine_info  # noqa: E402
-from systems import SYSTEM_ORDER, TRITON_POLICIES, VLLM_SYSTEMS, base_of, budget_of, file_stem  # noqa: E402
+from systems import BUDGETED, ENGINE_SYSTEM, SYSTEM_ORDER, VLLM_SYSTEMS, base_of, budget_of, file_stem  # noqa: E402
 from workload import VARIANCE, ensure_model, make_workload, model_info  # noqa: E402
 
 
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     clients = parse_ints(args.clients)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
-        if base_of(s) not in SYSTEM_ORDER or (budget_of(s) and base_of(s) not in TRITON_POLICIES):
+        if base_of(s) not in SYSTEM_ORDER or (budget_of(s) and base_of(s) not in BUDGETED):
             raise SystemExit(f"unknown system {s!r}; choose from {SYSTEM_ORDER} (ours may take @BUDGET)")
     specs = make_workload(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.variance,
                              args.seed, args.max_model_len)
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if base_of(s) in VLLM_SYSTEMS:
                 res = run_vllm(s, args, specs, clients)
+            elif base_of(s) == ENGINE_SYSTEM:
+                res = run_engine(s, args, specs, clients)
             else:
                 res = run_triton(s, args, specs, clients)
         except Exception as exc:  # noqa: BLE001 - the other systems still run

@@ -6,7 +6,10 @@ A system is a base name, optionally with a token budget for our engine: "prefill
 from __future__ import annotations
 
 TRITON_POLICIES = ("splitfuse", "prefill_first", "orca")
-SYSTEM_ORDER = ("splitfuse", "prefill_first", "orca", "vllm", "vllm_2c")
+# Our SplitFuse engine inside the benchmark's process (EngineLoop, no server): what serving costs.
+ENGINE_SYSTEM = "engine"
+BUDGETED = (*TRITON_POLICIES, ENGINE_SYSTEM)
+SYSTEM_ORDER = ("splitfuse", "prefill_first", "orca", "engine", "vllm", "vllm_2c")
 VLLM_SYSTEMS = {
     # vLLM's own CPU defaults: on 2 cores it binds its OpenMP threads to core 0 and keeps core 1
     # for the API server (VLLM_CPU_OMP_THREADS_BIND=auto).
@@ -18,12 +21,14 @@ LABELS = {
     "splitfuse": "SplitFuse (ours)",
     "prefill_first": "prefill_first (ours, vLLM-v0 style)",
     "orca": "orca (ours)",
+    "engine": "SplitFuse engine in-process (no server)",
     "vllm": "vLLM-CPU 0.32.0",
     "vllm_2c": "vLLM-CPU 0.32.0 (2 compute cores)",
 }
-COLORS = {"splitfuse": "tab:blue", "prefill_first": "tab:orange", "orca": "tab:green", "vllm": "tab:red",
+COLORS = {"splitfuse": "tab:blue", "prefill_first": "tab:orange", "orca": "tab:green", "engine": "tab:gray",
+          "vllm": "tab:red",
           "vllm_2c": "tab:purple"}
-MARKERS = {"splitfuse": "o", "prefill_first": "x", "orca": "s", "vllm": "^", "vllm_2c": "v"}
+MARKERS = {"splitfuse": "o", "prefill_first": "x", "orca": "s", "engine": "D", "vllm": "^", "vllm_2c": "v"}
 
 
 # A system is a base name, optionally with a token budget for our engine: "prefill_first@2048".

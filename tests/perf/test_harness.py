@@ -110,15 +110,17 @@ def test_openai_driver_against_fake_sse_server():
 
 
 # ---------------------------------------------------------------------------------- report
-def _synthetic_raw(out: Path) -> None:
+def _synthetic_raw(out: Path, names: tuple[str, ...] = ("splitfuse", "prefill_first", "vllm")) -> None:
+    """Every system gets the same requests; system k's token gaps are 50 * (k + 1) ms, except the
+    in-process engine's, which equal the first system's."""
     raw = out / "raw"
     raw.mkdir(parents=True)
-    for k, name in enumerate(("splitfuse", "prefill_first", "vllm")):
+    for k, name in enumerate(names):
         points = []
         for c in (1, 2, 4):
             recs = []
             for i in range(c * 2):
-                gap = 0.05 * (k + 1)
+                gap = 0.05 * (1 if name == "engine" else k + 1)
                 start = i * 0.5
                 arrivals = [0.3 + gap * j for j in range(8)]
                 recs.append(fm.RequestRecord(i, i % c, 256, 8, start, start + arrivals[-1],
@@ -149,6 +151,18 @@ def test_report_writes_plots_csv_and_summary(tmp_path):
     assert "| splitfuse / vllm: max effective throughput @6 tok/s | " in text
 
 
+def test_report_compares_served_with_in_process_engine(tmp_path):
+    """The `engine` system (no server) is not a peer: the report gives the served system's share of
+    its throughput at each client count, with the >= 0.9x target at the token-latency count."""
+    _synthetic_raw(tmp_path, names=("splitfuse", "engine"))
+    text = fastgen_report.report(tmp_path, token_clients=2).read_text()
+    # Both synthetic systems have the same request timings: share 1.00 everywhere.
+    assert "| splitfuse / engine: throughput @2 clients (served share of in-process) | 1.00x | >= 0.9x | yes |" in text
+    assert "| splitfuse / engine: throughput @4 clients (served share of in-process) | 1.00x | (info) | - |" in text
+    assert "splitfuse / engine: max effective throughput" not in text
+    assert "SplitFuse engine in-process (no server)" in text
+
+
 # ---------------------------------------------------------------------------------- Triton
 @pytest.mark.serving
 def test_tiny_sweep_against_real_triton_server(tiny_llama, tmp_path):
@@ -176,3 +190,32 @@ def test_tiny_sweep_against_real_triton_server(tiny_llama, tmp_path):
                 m = p["metrics"]
                 assert m["throughput_rps"] > 0 and m["token_latency_p95_s"] > 0
                 assert m["length_mismatches"] == 0
+
+
+# ---------------------------------------------------------------------------------- in-process engine
+def test_tiny_sweep_against_in_process_engine(tiny_llama):
+    from splitfuse.config import EngineConfig
+    from splitfuse.engine_loop import EngineLoop
+
+    specs = workload.make_workload(tiny_llama, 8, prompt_mean=32, gen_mean=5, seed=0, max_model_len=256)
+    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=64, device="cpu", num_kv_blocks=64, num_threads=1))
+    loop.start()
+    try:
+        res = closed_loop.sweep(drivers.EngineDriver(loop), specs, [1, 3], per_client=2, min_requests=2, warmup=1,
+                                log=lambda m: None)
+        # A request the engine refuses comes back as that request's error, not an exception.
+        too_long = workload.RequestSpec(99, specs[0].prompt, specs[0].prompt_tokens, 10_000)
+        refused = drivers.EngineDriver(loop).run_one(too_long, 0, timeout=10)
+    finally:
+        loop.shutdown(timeout=30)
+    for p in res["points"]:
+        recs = [fm.RequestRecord.from_json(r) for r in p["records"]]
+        assert len(recs) == p["requests"] == max(2, 2 * p["clients"])
+        assert all(r.ok for r in recs), [r.error for r in recs]
+        for r in recs:
+            assert r.output_tokens == r.gen_tokens == r.server_output_tokens
+            assert r.server_prompt_tokens == r.prompt_tokens
+            assert r.start < r.chunks[0][0] <= r.chunks[-1][0] <= r.end
+        assert p["metrics"]["length_mismatches"] == 0
+    assert not refused.ok and "max_model_len" in refused.error
+    assert loop.engine.blocks.num_used_blocks == 0
