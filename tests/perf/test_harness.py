@@ -163,6 +163,21 @@ def test_report_compares_served_with_in_process_engine(tmp_path):
     assert "SplitFuse engine in-process (no server)" in text
 
 
+def _check_sweep_point(p: dict) -> None:
+    """Every request of a point (per_client=2, min_requests=2) completed with exactly its drawn
+    lengths, as the server counted them, its tokens timed between its start and end."""
+    recs = [fm.RequestRecord.from_json(r) for r in p["records"]]
+    assert len(recs) == p["requests"] == max(2, 2 * p["clients"])
+    assert all(r.ok for r in recs), [r.error for r in recs]
+    for r in recs:
+        assert r.output_tokens == r.gen_tokens == r.server_output_tokens
+        assert r.server_prompt_tokens == r.prompt_tokens
+        assert r.start < r.chunks[0][0] <= r.chunks[-1][0] <= r.end
+    m = p["metrics"]
+    assert m["throughput_rps"] > 0 and m["token_latency_p95_s"] > 0
+    assert m["length_mismatches"] == 0
+
+
 # ---------------------------------------------------------------------------------- Triton
 @pytest.mark.serving
 def test_tiny_sweep_against_real_triton_server(tiny_llama, tmp_path):
@@ -180,16 +195,7 @@ def test_tiny_sweep_against_real_triton_server(tiny_llama, tmp_path):
             driver = drivers.TritonDriver(srv.grpc_url, model)
             res = closed_loop.sweep(driver, specs, [1, 2], per_client=2, min_requests=2, warmup=1, log=lambda m: None)
             for p in res["points"]:
-                recs = [fm.RequestRecord.from_json(r) for r in p["records"]]
-                assert len(recs) == p["requests"] == max(2, 2 * p["clients"])
-                assert all(r.ok for r in recs), [r.error for r in recs]
-                for r in recs:
-                    assert r.output_tokens == r.gen_tokens == r.server_output_tokens
-                    assert r.server_prompt_tokens == r.prompt_tokens
-                    assert r.start < r.chunks[0][0] <= r.chunks[-1][0] <= r.end
-                m = p["metrics"]
-                assert m["throughput_rps"] > 0 and m["token_latency_p95_s"] > 0
-                assert m["length_mismatches"] == 0
+                _check_sweep_point(p)
 
 
 # ---------------------------------------------------------------------------------- in-process engine
@@ -209,13 +215,6 @@ def test_tiny_sweep_against_in_process_engine(tiny_llama):
     finally:
         loop.shutdown(timeout=30)
     for p in res["points"]:
-        recs = [fm.RequestRecord.from_json(r) for r in p["records"]]
-        assert len(recs) == p["requests"] == max(2, 2 * p["clients"])
-        assert all(r.ok for r in recs), [r.error for r in recs]
-        for r in recs:
-            assert r.output_tokens == r.gen_tokens == r.server_output_tokens
-            assert r.server_prompt_tokens == r.prompt_tokens
-            assert r.start < r.chunks[0][0] <= r.chunks[-1][0] <= r.end
-        assert p["metrics"]["length_mismatches"] == 0
+        _check_sweep_point(p)
     assert not refused.ok and "max_model_len" in refused.error
     assert loop.engine.blocks.num_used_blocks == 0
