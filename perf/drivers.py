@@ -9,6 +9,7 @@ reference that says what serving costs.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import queue
 import threading
@@ -263,7 +264,7 @@ class EngineDriver(Driver):
     def __init__(self, loop: Any, temperature: float = 0.0):
         self.loop = loop
         self.temperature = temperature
-        self._ids = iter(range(1 << 62))
+        self._ids = itertools.count()
         self._ids_lock = threading.Lock()
 
     def run_one(self, spec: RequestSpec, client: int, timeout: float) -> RequestRecord:
@@ -291,7 +292,7 @@ class EngineDriver(Driver):
             if out.delta_token_ids:
                 rec.chunks.append((t, len(out.delta_token_ids)))
             rec.server_prompt_tokens = len(out.prompt_token_ids)
-            rec.server_output_tokens = len(out.token_ids)
+            rec.server_output_tokens = out.num_tokens - len(out.prompt_token_ids)
             if out.finished:
                 rec.end = t
                 if out.error is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from closed_loop import sweep
 from drivers import EngineDriver, OpenAIDriver, TritonDriver
-from systems import VLLM_SYSTEMS, base_of, budget_of, file_stem
+from systems import ENGINE_SYSTEM, VLLM_SYSTEMS, base_of, budget_of, file_stem
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ def _free_port() -> int:
 # ------------------------------------------------------------------------------------ systems
 def engine_params(system: str, args) -> dict[str, str]:
     """Our engine's parameters for a system: its policy and token budget, then --param."""
-    policy = "splitfuse" if base_of(system) == "engine" else base_of(system)
+    policy = "splitfuse" if base_of(system) == ENGINE_SYSTEM else base_of(system)
     params = {"scheduler_policy": policy, "token_budget": str(budget_of(system) or args.token_budget)}
     for item in args.param:
         k, _, v = item.partition("=")
