@@ -205,9 +205,9 @@ class Scheduler:
         """Give the step's decodes their proposed tokens, oldest first, from the budget left,
         each as far as the pool allows without dipping into the watermark (a proposal never
         preempts anyone)."""
-        decodes = [c for c in out.chunks if c.seq.draft_token_ids]
-        if not decodes or not self.may_speculate(len(out.chunks)):
+        if not self.may_speculate(len(out.chunks)):  # always so with speculation off: no scan
             return budget
+        decodes = [c for c in out.chunks if c.seq.draft_token_ids]
         block_size = self.blocks.block_size
         for c in decodes:
             if budget == 0:
