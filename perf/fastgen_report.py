@@ -10,7 +10,7 @@ from pathlib import Path
 from fastgen_metrics import EMA_SPAN, SLA_GEN_RATES, SLA_PROMPT_TOKENS_PER_S, RequestRecord, percentile, summarize, \
     token_gen_times, ttft
 from fastgen_plots import make_plots
-from systems import BUDGETED, ENGINE_SYSTEM, TRITON_POLICIES, base_of, label_of, order_key
+from systems import BUDGETED, ENGINE_SYSTEM, TRITON_POLICIES, base_of, float_twin, label_of, order_key, precision_of
 
 # Supplementary first-token SLA: prompt_tokens / 128 s. The blog's 512 tokens/s is a small share
 # of a GPU's prefill rate; our engine prefills ~1000 tokens/s on 2 CPU cores, so under the blog's
@@ -84,6 +84,31 @@ def _ratio(a, b):
     if b == 0:
         return float("inf") if a > 0 else None
     return a / b
+
+
+# The quantization issue's targets: our throughput in low precision over our own float32's.
+PRECISION_TARGETS = {"bf16": 1.5, "int8": 2.0}
+
+
+def _same_precision(ours: str, peer: str) -> str:
+    """Our system in the peer's precision: peers are compared in their own precision."""
+    return float_twin(ours) + (f":{precision_of(peer)}" if precision_of(peer) else "")
+
+
+def _precision_rows(best: dict, system: str) -> list[str]:
+    """One of our systems in low precision against the same system in float32 (when it ran)."""
+    twin = float_twin(system)
+    if twin not in best:
+        return []
+    target = PRECISION_TARGETS[precision_of(system)]
+    out = []
+    for key, what in [("max_throughput", "max raw throughput"),
+                      *((f"{r:g}", f"max effective throughput @{r:g} tok/s") for r in SLA_GEN_RATES)]:
+        mine, theirs = best[system][key], best[twin][key]  # a value, or (value, clients) per SLA
+        ratio = _ratio(*(x[0] if isinstance(x, tuple) else x for x in (mine, theirs)))
+        met = "-" if ratio is None else ("yes" if ratio >= target else "no")
+        out.append(f"| {system} / {twin}: {what} | {_fmt(ratio, 2)}x | >= {target:g}x | {met} |")
+    return out
 
 
 def _serving_cost_rows(rows: list[dict], served: str, engine: str, token_clients: int) -> list[str]:
@@ -187,7 +212,6 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
         lines.append("### Against the targets\n")
         lines.append("| comparison | measured | target | met |")
         lines.append("|---|---|---|---|")
-        sf = best[sf_name]
         # vLLM: the CPU fast-path issue's targets (1.5x its effective and raw throughput, single-stream
         # inter-token latency p50 no worse); prefill_first: the FastGen blog's.
         targets = {"prefill_first": (1.5, 0.5), "vllm": (1.5, 1.0), "vllm_2c": (1.5, 1.0), "orca": (None, None),
@@ -196,26 +220,34 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
             if other == sf_name:
                 continue
             if base_of(other) == ENGINE_SYSTEM:  # the same engine without the server: what serving costs
-                lines.extend(_serving_cost_rows(rows, sf_name, other, token_clients))
+                if precision_of(other) == precision_of(sf_name):
+                    lines.extend(_serving_cost_rows(rows, sf_name, other, token_clients))
                 continue
+            if base_of(other) in TRITON_POLICIES and precision_of(other):
+                lines.extend(_precision_rows(best, other))
+                continue
+            me = _same_precision(sf_name, other)
+            if me not in best:
+                continue
+            sf = best[me]
             thr_target, lat_target = targets[base_of(other)]
             for r in SLA_GEN_RATES:
                 ratio = _ratio(sf[f"{r:g}"][0], best[other][f"{r:g}"][0])
                 tgt = f">= {thr_target:g}x" if thr_target else "(info)"
                 met = "-" if thr_target is None or ratio is None else ("yes" if ratio >= thr_target else "no")
-                lines.append(f"| {sf_name} / {other}: max effective throughput @{r:g} tok/s | "
+                lines.append(f"| {me} / {other}: max effective throughput @{r:g} tok/s | "
                              f"{_fmt(ratio, 2)}x | {tgt} | {met} |")
             if base_of(other) in ("vllm", "vllm_2c"):
                 ratio = _ratio(sf["max_throughput"], best[other]["max_throughput"])
                 met = "-" if ratio is None else ("yes" if ratio >= thr_target else "no")
-                lines.append(f"| {sf_name} / {other}: max raw throughput | {_fmt(ratio, 2)}x | >= {thr_target:g}x | {met} |")
+                lines.append(f"| {me} / {other}: max raw throughput | {_fmt(ratio, 2)}x | >= {thr_target:g}x | {met} |")
                 ratio = _ratio(sf["p50_token_1client_s"], best[other]["p50_token_1client_s"])
                 met = "-" if ratio is None else ("yes" if ratio <= 1.0 else "no")
-                lines.append(f"| {sf_name} / {other}: P50 token latency @1 client | {_fmt(ratio, 2)}x | <= 1x | {met} |")
+                lines.append(f"| {me} / {other}: P50 token latency @1 client | {_fmt(ratio, 2)}x | <= 1x | {met} |")
             ratio = _ratio(sf["p95_token_s"], best[other]["p95_token_s"])
             tgt = f"<= {lat_target:g}x" if lat_target else "(info)"
             met = "-" if lat_target is None or ratio is None else ("yes" if ratio <= lat_target else "no")
-            lines.append(f"| {sf_name} / {other}: P95 token latency @{token_clients} clients | {_fmt(ratio, 2)}x | "
+            lines.append(f"| {me} / {other}: P95 token latency @{token_clients} clients | {_fmt(ratio, 2)}x | "
                          f"{tgt} | {met} |")
         lines.append("")
     if relaxed_prompt_tps:
@@ -239,11 +271,12 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
         if sf_r is not None:
             lines.append("")
             for other in sorted(rbest, key=order_key):
-                if other == sf_r:
+                me = _same_precision(sf_r, other)
+                if other == me or me not in rbest or (base_of(other) in TRITON_POLICIES and precision_of(other)):
                     continue
-                ratios = [_fmt(_ratio(rbest[sf_r][f"{r:g}"][0], rbest[other][f"{r:g}"][0]), 2) + "x"
+                ratios = [_fmt(_ratio(rbest[me][f"{r:g}"][0], rbest[other][f"{r:g}"][0]), 2) + "x"
                           for r in SLA_GEN_RATES]
-                lines.append(f"- {sf_r} / {other}, relaxed SLA @2/4/6 tok/s: {' / '.join(ratios)}")
+                lines.append(f"- {me} / {other}, relaxed SLA @2/4/6 tok/s: {' / '.join(ratios)}")
         lines.append("")
     costs = single_request_costs(rows_records=meta.get("_records_by_system", {}))
     if costs:

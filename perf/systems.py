@@ -1,6 +1,7 @@
-"""The systems run_all.py compares: their names, labels and plot styles.
+"""The systems run_all.py and offline_compare.py compare: their names, labels and plot styles.
 
-A system is a base name, optionally with a token budget for our engine: "prefill_first@2048".
+A system is a base name, optionally with a token budget for our engine and a precision:
+"prefill_first@2048", "splitfuse@256:bf16", "vllm_2c:bf16", "splitfuse@256:int8".
 """
 
 from __future__ import annotations
@@ -29,20 +30,38 @@ COLORS = {"splitfuse": "tab:blue", "prefill_first": "tab:orange", "orca": "tab:g
           "vllm": "tab:red",
           "vllm_2c": "tab:purple"}
 MARKERS = {"splitfuse": "o", "prefill_first": "x", "orca": "s", "engine": "D", "vllm": "^", "vllm_2c": "v"}
+# Precisions after a colon ("" = float32): our engine's parameters for each, and vLLM's --dtype
+# (vLLM-CPU has no int8 weight quantization of a float checkpoint).
+PRECISIONS = {"": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+VLLM_DTYPES = {"": "float32", "bf16": "bfloat16"}
+PRECISION_MARKERS = {"bf16": "P", "int8": "*"}
 
 
-# A system is a base name, optionally with a token budget for our engine: "prefill_first@2048".
+def _name_and_budget(system: str) -> str:
+    return system.partition(":")[0]
+
+
 def base_of(system: str) -> str:
-    return system.split("@", 1)[0]
+    return _name_and_budget(system).split("@", 1)[0]
 
 
 def budget_of(system: str) -> int | None:
-    return int(system.split("@", 1)[1]) if "@" in system else None
+    name = _name_and_budget(system)
+    return int(name.split("@", 1)[1]) if "@" in name else None
+
+
+def precision_of(system: str) -> str:
+    return system.partition(":")[2]
+
+
+def float_twin(system: str) -> str:
+    """The same system in float32: "splitfuse@256:int8" -> "splitfuse@256"."""
+    return _name_and_budget(system)
 
 
 def label_of(system: str) -> str:
-    b = budget_of(system)
-    return LABELS[base_of(system)] + (f", budget {b}" if b else "")
+    b, p = budget_of(system), precision_of(system)
+    return LABELS[base_of(system)] + (f", budget {b}" if b else "") + (f", {p}" if p else "")
 
 
 def color_of(system: str) -> str:
@@ -50,12 +69,20 @@ def color_of(system: str) -> str:
 
 
 def marker_of(system: str) -> str:
-    return MARKERS[base_of(system)]
+    return PRECISION_MARKERS.get(precision_of(system), MARKERS[base_of(system)])
 
 
 def order_key(system: str) -> tuple:
-    return (SYSTEM_ORDER.index(base_of(system)), budget_of(system) or 0)
+    return (SYSTEM_ORDER.index(base_of(system)), budget_of(system) or 0, list(PRECISIONS).index(precision_of(system)))
 
 
 def file_stem(system: str) -> str:
-    return system.replace("@", "_b")
+    return system.replace("@", "_b").replace(":", "_")
+
+
+def check_precision(system: str, vllm: bool) -> None:
+    """Raises ValueError for an unknown precision or one the system cannot run."""
+    p = precision_of(system)
+    if p not in PRECISIONS or (vllm and p not in VLLM_DTYPES):
+        choices = list(VLLM_DTYPES if vllm else PRECISIONS)[1:]
+        raise ValueError(f"system {system!r}: precision {p!r} not one of {choices}")

@@ -163,6 +163,36 @@ def test_report_compares_served_with_in_process_engine(tmp_path):
     assert "SplitFuse engine in-process (no server)" in text
 
 
+def test_system_names_carry_budget_and_precision():
+    import systems
+
+    s = "splitfuse@256:bf16"
+    assert (systems.base_of(s), systems.budget_of(s), systems.precision_of(s)) == ("splitfuse", 256, "bf16")
+    assert systems.float_twin(s) == "splitfuse@256" and systems.file_stem(s) == "splitfuse_b256_bf16"
+    assert systems.label_of("vllm_2c:bf16").endswith("(2 compute cores), bf16")
+    assert (systems.base_of("vllm_2c"), systems.budget_of("vllm_2c"), systems.precision_of("vllm_2c")) == ("vllm_2c", None, "")
+    assert systems.order_key("splitfuse@256") < systems.order_key(s) < systems.order_key("splitfuse@256:int8")
+    systems.check_precision("splitfuse@256:int8", vllm=False)
+    with pytest.raises(ValueError, match="precision 'int8'"):
+        systems.check_precision("vllm_2c:int8", vllm=True)
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        systems.check_precision("splitfuse:fp8", vllm=False)
+
+
+def test_report_compares_each_precision_with_its_own(tmp_path):
+    """Our low-precision systems against our float32 (the quantization issue's targets), and each
+    vLLM peer against ours in the peer's precision, never across precisions."""
+    _synthetic_raw(tmp_path, names=("splitfuse", "splitfuse:bf16", "vllm", "vllm:bf16"))
+    text = fastgen_report.report(tmp_path, token_clients=2, relaxed_prompt_tps=10).read_text()
+    # Gaps 50 / 100 / 150 / 200 ms for the four systems, in that order.
+    assert "| splitfuse:bf16 / splitfuse: max raw throughput | " in text and "| >= 1.5x | no |" in text
+    assert "| splitfuse / vllm: P95 token latency @2 clients | 0.33x |" in text
+    assert "| splitfuse:bf16 / vllm:bf16: P95 token latency @2 clients | 0.50x |" in text
+    assert "- splitfuse:bf16 / vllm:bf16, relaxed SLA" in text and "- splitfuse / vllm, relaxed SLA" in text
+    for across in ("splitfuse / vllm:bf16", "splitfuse:bf16 / vllm: ", "splitfuse:bf16 / vllm, "):
+        assert across not in text
+
+
 def _check_sweep_point(p: dict) -> None:
     """Every request of a point (per_client=2, min_requests=2) completed with exactly its drawn
     lengths, as the server counted them, its tokens timed between its start and end."""
