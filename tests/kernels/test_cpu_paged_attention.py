@@ -317,6 +317,17 @@ def test_bf16_cache_mixed_batch(block_size, group):
     torch.testing.assert_close(b.run(num_splits=3), ref, **TOL)
 
 
+@pytest.mark.parametrize("head_dim", [36, 40, 72, 128])
+def test_bf16_cache_read_in_place_any_head_dim(head_dim):
+    # Blocks of 16 with K transposed: the strips widen bf16 as they load it (vector body, 8-wide
+    # and scalar head-dim tails), also when a long decode is split across threads.
+    pairs = [(1, 700), (23, 40), (1, 5), (9, 0)]
+    b = _as_bf16(Batch(pairs, num_kv_heads=2, group=2, head_dim=head_dim, block_size=16, seed=24))
+    ref = b.reference()
+    torch.testing.assert_close(b.run(), ref, **TOL)
+    torch.testing.assert_close(b.run(num_splits=4), ref, **TOL)
+
+
 @pytest.mark.parametrize("window", [5, 37])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_bf16_cache_sliding_window(window, block_size):

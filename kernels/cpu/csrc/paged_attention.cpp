@@ -1,7 +1,7 @@
 // Paged attention over a ragged batch (prompt chunks + decodes in one call) and the KV-cache
 // write, for CPUs. fp32 queries and outputs, fp32 accumulation; the K/V cache in fp32 or bf16
-// (bf16 tiles are widened to fp32 into L1 buffers as they are read: half the memory traffic of
-// an fp32 cache, the same arithmetic). Called through ctypes from
+// (bf16 values are widened to fp32 in registers as the strips load them, read in place like
+// fp32: half the memory traffic of an fp32 cache, the same arithmetic). Called through ctypes from
 // splitfuse/kernels/cpu/paged_attention.py, which documents the API and validates arguments.
 //
 // Cache layout (one flat tile per (block, kv head)):
@@ -15,8 +15,9 @@
 // Work decomposition: a work item is (sequence, kv head, tile of query tokens, KV split). The
 // GROUP = Hq / Hkv query heads sharing the kv head are rows of the same tile (row = token * G +
 // head), so each K/V load serves all of them. The item walks its key range in tiles of 16 keys
-// read in place through the block table (block_size a multiple of 16; smaller or odd block sizes
-// pack the 16 keys into an L1 buffer), and the rows in register strips of MR rows:
+// read in place through the block table (block_size a multiple of 16; smaller or odd block
+// sizes, and bf16 with K row-major, pack the 16 keys into an L1 buffer), and the rows in
+// register strips of MR rows:
 //   S = Q.K^T (MR x 16 in registers) -> mask (causal offset, sliding window, tail) -> online
 //   softmax in base 2 (running max m, running sum l) -> O = alpha * O + P.V (MR x 16 columns of
 //   the head dim in registers per step).
@@ -138,15 +139,36 @@ static thread_local Scratch tls_scratch;
 static thread_local Scratch tls_workspace;
 
 // ---------------------------------------------------------------------------------------------
-// Micro-kernels.
+// Micro-kernels. T is the cache's element type: float, or uint16_t holding bf16 bits, widened to
+// fp32 as it is loaded (exact: bf16 is the high half of a float), so a bf16 cache is read in
+// place at half the memory traffic, with the same fp32 arithmetic.
+
+static inline vf load_kv(const float* p) { return loadu(p); }
+static inline vf load_kv(const uint16_t* p) {
+    typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2), may_alias));
+    return (vf)(__builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16);
+}
+static inline v8 load_kv8(const float* p) { return loadu8(p); }
+static inline v8 load_kv8(const uint16_t* p) {
+    typedef uint16_t h8 __attribute__((vector_size(16), aligned(2), may_alias));
+    typedef uint32_t u8x __attribute__((vector_size(32)));
+    return (v8)(__builtin_convertvector(*reinterpret_cast<const h8*>(p), u8x) << 16);
+}
+static inline float kv_to_f32(float x) { return x; }
+static inline float kv_to_f32(uint16_t h) {
+    const uint32_t w = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &w, sizeof(f));
+    return f;
+}
 
 // S[R][16] = Q . Kt[D][16] (Kt rows ldk apart), Q packed d-major for the strip: Q[d * R + i]
 // (one pointer, immediate offsets: no general register per row). Strips of few rows (decode:
 // R = group size) use ilp_factor(R) accumulator sets over d, so that enough independent FMA
 // chains fill both pipes.
-template <int R, bool PF>
-static inline void qk_strip(const float* __restrict Q, int D, const float* __restrict kt, int64_t ldk,
-                            const float* pf, vf (&s)[R][NV]) {
+template <int R, bool PF, typename T>
+static inline void qk_strip(const float* __restrict Q, int D, const T* __restrict kt, int64_t ldk,
+                            const T* pf, vf (&s)[R][NV]) {
     constexpr int U = ilp_factor(R);  // accumulator sets over d
     vf acc[U][R][NV];
     for (int u = 0; u < U; ++u)
@@ -157,7 +179,7 @@ static inline void qk_strip(const float* __restrict Q, int D, const float* __res
         for (int u = 0; u < U; ++u) {
             if (PF) prefetch(pf + (d + u) * ldk);  // the same row of a later tile (64 bytes)
             vf b[NV];
-            for (int c = 0; c < NV; ++c) { b[c] = loadu(kt + (d + u) * ldk + c * VL); in_reg(b[c]); }
+            for (int c = 0; c < NV; ++c) { b[c] = load_kv(kt + (d + u) * ldk + c * VL); in_reg(b[c]); }
             for (int i = 0; i < R; ++i) {
                 const float a = Q[(d + u) * R + i];
                 for (int c = 0; c < NV; ++c) acc[u][i][c] += a * b[c];
@@ -167,7 +189,7 @@ static inline void qk_strip(const float* __restrict Q, int D, const float* __res
     for (; d < D; ++d) {
         if (PF) prefetch(pf + d * ldk);
         vf b[NV];
-        for (int c = 0; c < NV; ++c) { b[c] = loadu(kt + d * ldk + c * VL); in_reg(b[c]); }
+        for (int c = 0; c < NV; ++c) { b[c] = load_kv(kt + d * ldk + c * VL); in_reg(b[c]); }
         for (int i = 0; i < R; ++i) {
             const float a = Q[d * R + i];
             for (int c = 0; c < NV; ++c) acc[0][i][c] += a * b[c];
@@ -182,9 +204,9 @@ static inline void qk_strip(const float* __restrict Q, int D, const float* __res
 }
 
 // CH consecutive 16-column chunks of O[R][..] = alpha * O + P[R][jlo:jhi] . V[jlo:jhi][..].
-template <int R, int CH, bool PF>
-static inline void pv_chunks(const float* __restrict P, const float* __restrict v, int64_t ldv, int jlo, int jhi,
-                             const float* alpha, float* __restrict O, int D, const float* pf, int d0) {
+template <int R, int CH, bool PF, typename T>
+static inline void pv_chunks(const float* __restrict P, const T* __restrict v, int64_t ldv, int jlo, int jhi,
+                             const float* alpha, float* __restrict O, int D, const T* pf, int d0) {
     vf acc[R][CH * NV];
     for (int i = 0; i < R; ++i) {
         const vf a = splat(alpha[i]);
@@ -195,7 +217,7 @@ static inline void pv_chunks(const float* __restrict P, const float* __restrict 
             for (int h = 0; h < CH; ++h) prefetch(pf + j * ldv + d0 + h * TN);
     for (int j = jlo; j < jhi; ++j) {
         vf b[CH * NV];
-        for (int c = 0; c < CH * NV; ++c) { b[c] = loadu(v + j * ldv + d0 + c * VL); in_reg(b[c]); }
+        for (int c = 0; c < CH * NV; ++c) { b[c] = load_kv(v + j * ldv + d0 + c * VL); in_reg(b[c]); }
         for (int i = 0; i < R; ++i) {
             const float p = P[i * TN + j];
             for (int c = 0; c < CH * NV; ++c) acc[i][c] += p * b[c];
@@ -208,19 +230,19 @@ static inline void pv_chunks(const float* __restrict P, const float* __restrict 
 // O[R][D] = alpha * O + P[R][jlo:jhi] . V[jlo:jhi][D] (V rows ldv apart, P rows TN apart).
 // Few rows (decode) take several 16-column chunks per pass: more independent FMA chains and
 // one P broadcast per chunk group.
-template <int R, bool PF>
-static inline void pv_strip(const float* __restrict P, const float* __restrict v, int64_t ldv, int jlo, int jhi,
-                            const float* alpha, float* __restrict O, int D, const float* pf) {
+template <int R, bool PF, typename T>
+static inline void pv_strip(const float* __restrict P, const T* __restrict v, int64_t ldv, int jlo, int jhi,
+                            const float* alpha, float* __restrict O, int D, const T* pf) {
     constexpr int CH = ilp_factor(R);
     int d0 = 0;
     if (CH > 1)
-        for (; d0 + CH * TN <= D; d0 += CH * TN) pv_chunks<R, CH, PF>(P, v, ldv, jlo, jhi, alpha, O, D, pf, d0);
-    for (; d0 + TN <= D; d0 += TN) pv_chunks<R, 1, PF>(P, v, ldv, jlo, jhi, alpha, O, D, pf, d0);
+        for (; d0 + CH * TN <= D; d0 += CH * TN) pv_chunks<R, CH, PF, T>(P, v, ldv, jlo, jhi, alpha, O, D, pf, d0);
+    for (; d0 + TN <= D; d0 += TN) pv_chunks<R, 1, PF, T>(P, v, ldv, jlo, jhi, alpha, O, D, pf, d0);
     if (d0 + 8 <= D) {
         v8 acc[R];
         for (int i = 0; i < R; ++i) acc[i] = loadu8(O + i * D + d0) * alpha[i];
         for (int j = jlo; j < jhi; ++j) {
-            const v8 b = loadu8(v + j * ldv + d0);
+            const v8 b = load_kv8(v + j * ldv + d0);
             for (int i = 0; i < R; ++i) acc[i] += P[i * TN + j] * b;
         }
         for (int i = 0; i < R; ++i) storeu8(O + i * D + d0, acc[i]);
@@ -229,7 +251,7 @@ static inline void pv_strip(const float* __restrict P, const float* __restrict v
     for (; d0 < D; ++d0) {
         for (int i = 0; i < R; ++i) {
             float acc = O[i * D + d0] * alpha[i];
-            for (int j = jlo; j < jhi; ++j) acc += P[i * TN + j] * v[j * ldv + d0];
+            for (int j = jlo; j < jhi; ++j) acc += P[i * TN + j] * kv_to_f32(v[j * ldv + d0]);
             O[i * D + d0] = acc;
         }
     }
@@ -237,9 +259,9 @@ static inline void pv_strip(const float* __restrict P, const float* __restrict v
 
 struct StripArgs {
     const float* Q;  // the strip's R rows of the pre-scaled query tile, packed d-major [D][R]
-    const float* kt;
+    const void* kt;  // float, or bf16 bits (the strip kernel's T)
     int64_t ldk;
-    const float* v;
+    const void* v;
     int64_t ldv;
     int D, n0, nv, jlo, jhi, window;
     bool need_mask;
@@ -248,17 +270,17 @@ struct StripArgs {
     float* l;
     float* O;
     float* P;  // scratch [MR][TN]
-    const float* pf_k;  // a later tile's K (same ldk) and V (same ldv) to prefetch, or null
-    const float* pf_v;
+    const void* pf_k;  // a later tile's K (same ldk) and V (same ldv) to prefetch, or null
+    const void* pf_v;
 };
 
 // One register strip of R rows against one tile of 16 keys: scores, mask, online softmax, P.V.
 // The row statistics m (running max, base 2) and l (running sum) of the R rows are handled as
 // one vector (R <= VL); m and l point into buffers padded by VL floats.
-template <int R, bool PF>
+template <int R, bool PF, typename T>
 static void attend_strip(const StripArgs& a) {
     vf s[R][NV];
-    qk_strip<R, PF>(a.Q, a.D, a.kt, a.ldk, a.pf_k, s);
+    qk_strip<R, PF>(a.Q, a.D, static_cast<const T*>(a.kt), a.ldk, static_cast<const T*>(a.pf_k), s);
     if (a.need_mask) {
         const vf ninf = splat(-INFINITY);
         const vi lane = iota_vi();
@@ -304,27 +326,31 @@ static void attend_strip(const StripArgs& a) {
         a.m[i] = mn[i];
         a.l[i] = ln[i];
     }
-    pv_strip<R, PF>(a.P, a.v, a.ldv, a.jlo, a.jhi, al, a.O, a.D, a.pf_v);
+    pv_strip<R, PF>(a.P, static_cast<const T*>(a.v), a.ldv, a.jlo, a.jhi, al, a.O, a.D, static_cast<const T*>(a.pf_v));
 }
 
 typedef void (*StripFn)(const StripArgs&);
 
-// fns[PF][R - 1]: one kernel per row count 1..MR, without and with prefetch.
-template <int... Rs>
+// fns[PF][R - 1]: one kernel per row count 1..MR, without and with prefetch, for caches of T.
+template <typename T, int... Rs>
 struct StripTable {
-    static constexpr StripFn fns[2][sizeof...(Rs)] = {{&attend_strip<Rs, false>...}, {&attend_strip<Rs, true>...}};
+    static constexpr StripFn fns[2][sizeof...(Rs)] = {{&attend_strip<Rs, false, T>...},
+                                                      {&attend_strip<Rs, true, T>...}};
 };
-template <int... Rs>
-constexpr StripFn StripTable<Rs...>::fns[2][sizeof...(Rs)];
+template <typename T, int... Rs>
+constexpr StripFn StripTable<T, Rs...>::fns[2][sizeof...(Rs)];
 
 #if SF_ATTN_WIDTH == 16
-using Strips = StripTable<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
+template <typename T>
+using Strips = StripTable<T, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
 #elif SF_ATTN_WIDTH == 8
-using Strips = StripTable<1, 2, 3, 4, 5, 6>;
+template <typename T>
+using Strips = StripTable<T, 1, 2, 3, 4, 5, 6>;
 #else
-using Strips = StripTable<1, 2, 3, 4>;
+template <typename T>
+using Strips = StripTable<T, 1, 2, 3, 4>;
 #endif
-static_assert(sizeof(Strips::fns[0]) / sizeof(StripFn) == MR, "one strip kernel per row count 1..MR");
+static_assert(sizeof(Strips<float>::fns[0]) / sizeof(StripFn) == MR, "one strip kernel per row count 1..MR");
 
 // dst[d * dst_ld + j] = src[j * src_ld + d] for j < n, d < D: 8 x 8 blocks through shuffles
 // (unpack / shuffle / lane permute on AVX), scalar edges. Used to transpose a row-major K tile
@@ -362,14 +388,6 @@ static void transpose_rows(const float* __restrict src, int64_t src_ld, int n, i
         for (int j = n8; j < n; ++j) dst[d * dst_ld + j] = src[j * src_ld + d];
 }
 
-// bf16 -> fp32 is exact: the 16 bits are the high half of the float.
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t w = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &w, sizeof(f));
-    return f;
-}
-
 static void bf16_to_f32_row(const uint16_t* __restrict src, float* __restrict dst, int n) {
     typedef uint16_t u16x8 __attribute__((vector_size(16)));
     typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -380,7 +398,7 @@ static void bf16_to_f32_row(const uint16_t* __restrict src, float* __restrict ds
         const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
         std::memcpy(dst + i, &w, sizeof(w));
     }
-    for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+    for (; i < n; ++i) dst[i] = kv_to_f32(src[i]);
 }
 
 // The keys [n0, n0 + nv) of a bf16 cache widened into the L1 tiles Kt [D][16] and Vt [16][D].
@@ -395,7 +413,7 @@ static void load_bf16_tile(const Ctx& c, const int32_t* btr, int h, int n0, int 
             if (c.k_layout == 1)
                 bf16_to_f32_row(c.kc16 + base + int64_t(d) * bs + off, Kt + d * TN, nv);
             else
-                for (int j = 0; j < nv; ++j) Kt[d * TN + j] = bf16_to_f32(c.kc16[base + int64_t(off + j) * D + d]);
+                for (int j = 0; j < nv; ++j) Kt[d * TN + j] = kv_to_f32(c.kc16[base + int64_t(off + j) * D + d]);
         }
         bf16_to_f32_row(c.vc16 + base + int64_t(off) * D, Vt, nv * D);
         return;
@@ -405,27 +423,26 @@ static void load_bf16_tile(const Ctx& c, const int32_t* btr, int h, int n0, int 
         const int64_t base = (int64_t(btr[p / bs]) * c.Hkv + h) * tile_elems;
         const int off = p % bs;
         for (int d = 0; d < D; ++d)
-            Kt[d * TN + j] = bf16_to_f32(c.k_layout == 1 ? c.kc16[base + off + int64_t(d) * bs]
+            Kt[d * TN + j] = kv_to_f32(c.k_layout == 1 ? c.kc16[base + off + int64_t(d) * bs]
                                                          : c.kc16[base + int64_t(off) * D + d]);
         bf16_to_f32_row(c.vc16 + base + int64_t(off) * D, Vt + size_t(j) * D, D);
     }
 }
 
-// Software prefetch of the bf16 tile of keys [n0, n0 + 16) (blocks a multiple of 16 keys):
-// tiles of different blocks sit in different pages, where the hardware prefetchers stop.
-static inline void prefetch_bf16_tile(const Ctx& c, const int32_t* btr, int h, int n0) {
-    const int D = c.D, bs = c.bs;
+// Software prefetch of the K/V tile of keys [n0, n0 + 16) of kv head h, fp32 or bf16 (blocks a
+// multiple of 16 keys): tiles of different blocks sit in different pages, where the hardware
+// prefetchers stop.
+static inline void prefetch_tile(const Ctx& c, const int32_t* btr, int h, int n0) {
+    const int D = c.D, bs = c.bs, es = c.kv_bf16 ? 2 : 4;
     const int64_t base = (int64_t(btr[n0 / bs]) * c.Hkv + h) * int64_t(bs) * D;
     const int off = n0 % bs;
-    constexpr int LINE = 32;  // bf16 values per 64-byte line
-    if (c.k_layout == 1 && bs == TN) {  // the K tile is D * 16 consecutive values
-        for (int e = 0; e < D * TN; e += LINE) prefetch(c.kc16 + base + e);
-    } else if (c.k_layout == 1) {
-        for (int d = 0; d < D; ++d) prefetch(c.kc16 + base + int64_t(d) * bs + off);
-    } else {
-        for (int e = 0; e < TN * D; e += LINE) prefetch(c.kc16 + base + int64_t(off) * D + e);
-    }
-    for (int e = 0; e < TN * D; e += LINE) prefetch(c.vc16 + base + int64_t(off) * D + e);
+    const char* k = reinterpret_cast<const char*>(c.kc) + base * es;
+    const char* v = reinterpret_cast<const char*>(c.vc) + (base + int64_t(off) * D) * es;
+    if (c.k_layout == 1)
+        for (int d = 0; d < D; ++d) prefetch(k + (int64_t(d) * bs + off) * es);
+    else
+        for (int e = 0; e < TN * D * es; e += 64) prefetch(k + int64_t(off) * D * es + e);
+    for (int e = 0; e < TN * D * es; e += 64) prefetch(v + e);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -475,24 +492,18 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
         l[r] = 0.0f;
     }
     const int32_t* btr = c.bt + int64_t(it.b) * c.bt_st;
-    const bool inplace = !c.kv_bf16 && bs % TN == 0;
+    // In place: the strips read the tile where it sits in the cache (fp32, or bf16 with K
+    // transposed); otherwise it is gathered (and widened) into the L1 buffers Kt, Vt.
+    const bool inplace = bs % TN == 0 && (!c.kv_bf16 || c.k_layout == 1);
+    // The element `e` of the K or V cache, in the cache's type.
+    auto k_at = [&](int64_t e) -> const void* { return c.kv_bf16 ? (const void*)(c.kc16 + e) : (const void*)(c.kc + e); };
+    auto v_at = [&](int64_t e) -> const void* { return c.kv_bf16 ? (const void*)(c.vc16 + e) : (const void*)(c.vc + e); };
+    const StripFn(*strips)[MR] = inplace && c.kv_bf16 ? Strips<uint16_t>::fns : Strips<float>::fns;
 
     // The first PF_TILES tiles: nothing earlier prefetched them (later ones are prefetched by
     // the strips, PF_TILES tiles ahead).
-    if (inplace) {
-        for (int kt = it.kt0; kt < std::min(it.kt1, it.kt0 + PF_TILES); ++kt) {
-            const int n0 = kt * TN;
-            const int64_t base = (int64_t(btr[n0 / bs]) * Hkv + it.h) * tile_elems;
-            const float* k0 = c.kc + base + (c.k_layout == 1 ? n0 % bs : int64_t(n0 % bs) * D);
-            const float* v0 = c.vc + base + int64_t(n0 % bs) * D;
-            for (int d = 0; d < D; ++d) prefetch(k0 + (c.k_layout == 1 ? int64_t(d) * bs : int64_t(d) * TN));
-            for (int e = 0; e < TN * D; e += 16) prefetch(v0 + e);
-        }
-    }
-
-    const bool bf16_pf = c.kv_bf16 && bs % TN == 0 && kv_lo == 0;
-    if (bf16_pf)
-        for (int kt = it.kt0; kt < std::min(it.kt1, it.kt0 + PF_TILES); ++kt) prefetch_bf16_tile(c, btr, it.h, kt * TN);
+    if (inplace)
+        for (int kt = it.kt0; kt < std::min(it.kt1, it.kt0 + PF_TILES); ++kt) prefetch_tile(c, btr, it.h, kt * TN);
 
     StripArgs sa;
     sa.D = D;
@@ -507,17 +518,16 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
             const int off = n0 % bs;
             const int64_t base = (blk * Hkv + it.h) * tile_elems;
             if (c.k_layout == 1) {
-                sa.kt = c.kc + base + off;
+                sa.kt = k_at(base + off);
                 sa.ldk = bs;
-            } else {
+            } else {  // fp32 only (see inplace)
                 transpose_rows(c.kc + base + int64_t(off) * D, D, nv, D, Kt, TN);
                 sa.kt = Kt;
                 sa.ldk = TN;
             }
-            sa.v = c.vc + base + int64_t(off) * D;
+            sa.v = v_at(base + int64_t(off) * D);
             sa.ldv = D;
         } else if (c.kv_bf16) {
-            if (bf16_pf && kt + PF_TILES < it.kt1) prefetch_bf16_tile(c, btr, it.h, (kt + PF_TILES) * TN);
             load_bf16_tile(c, btr, it.h, n0, nv, kv_lo, Kt, Vt);
             sa.kt = Kt;
             sa.ldk = TN;
@@ -546,13 +556,13 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
         sa.n0 = n0;
         sa.nv = nv;
         // Prefetch a later tile (in place only) while the first strip works on this one.
-        const float* pf_k = nullptr;
-        const float* pf_v = nullptr;
+        const void* pf_k = nullptr;
+        const void* pf_v = nullptr;
         if (inplace && kt + PF_TILES < it.kt1) {
             const int n2 = (kt + PF_TILES) * TN;
             const int64_t base2 = (int64_t(btr[n2 / bs]) * Hkv + it.h) * tile_elems;
-            pf_k = c.kc + base2 + (c.k_layout == 1 ? n2 % bs : int64_t(n2 % bs) * D);
-            pf_v = c.vc + base2 + int64_t(n2 % bs) * D;
+            pf_k = k_at(base2 + (c.k_layout == 1 ? n2 % bs : int64_t(n2 % bs) * D));
+            pf_v = v_at(base2 + int64_t(n2 % bs) * D);
         }
         int r0 = 0;
         for (int si = 0; si < nstrips; ++si) {
@@ -575,7 +585,7 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
             sa.pf_v = pf_v;
             // (k_layout 0: qk reads the L1 tile with ldk 16, so its prefetch of pf_k + d * 16,
             // d < D, covers the next row-major 16 x D K tile exactly.)
-            Strips::fns[pf_k != nullptr][rn - 1](sa);
+            strips[pf_k != nullptr][rn - 1](sa);
             pf_k = pf_v = nullptr;
         }
     }
