@@ -44,7 +44,7 @@ import torch
 from .build import library
 
 __all__ = ["K_ROW_MAJOR", "K_TRANSPOSED", "allocate_cache", "available", "cache_shape", "from_reference_layout",
-           "huge_page_empty", "paged_attention", "plan", "to_reference_layout", "write_kv_cache"]
+           "huge_page_empty", "paged_attention", "plan", "to_reference_layout", "vector_width", "write_kv_cache"]
 
 K_ROW_MAJOR = 0   # K tile [block_size, D] like V (kept to measure the layout choice)
 K_TRANSPOSED = 1  # K tile [D, block_size]: the engine's layout
@@ -96,6 +96,15 @@ def _arg_blocks():
 def available() -> bool:
     """Whether the C++ library built and loaded here."""
     return library() is not None
+
+
+def vector_width() -> int:
+    """Floats per vector the kernel was compiled for: 16 (AVX-512), 8 (AVX2), 4 (other)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the C++ CPU kernels are not available (see splitfuse.kernels.cpu.build)")
+    lib.sf_attn_simd_width.restype = ctypes.c_int
+    return int(lib.sf_attn_simd_width())
 
 
 def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
