@@ -17,6 +17,7 @@ LINEAR_BACKENDS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("none", "int8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 TENSOR_PARALLEL_LAUNCHES = ("spawn", "env")
 
 
@@ -40,6 +41,11 @@ class EngineConfig:
     """Longest prompt + generation; defaults to the model's max_position_embeddings."""
     dtype: str = "auto"
     """float32 | bfloat16 | float16 | auto (checkpoint dtype on GPU, float32 on CPU)."""
+    kv_cache_dtype: str = "auto"
+    """auto | bfloat16: the KV cache's element type (auto: the model's dtype). bfloat16 under a
+    float32 model halves the cache's memory (twice the blocks for `kv_cache_memory_gb`) and the
+    bytes decode attention reads; K/V are rounded to bf16 as they are stored, so outputs can
+    differ from float32's. Needs the C++ CPU attention (attention_backend cpu)."""
     attention_backend: str = "auto"
     """auto | cpu | torch | triton | flash_attn (auto: flash_attn or triton on GPUs; on CPUs the
     C++ `cpu` kernels when they build on the machine, else torch)."""
@@ -107,6 +113,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             _check_positive("max_model_len", self.max_model_len)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)

@@ -9,7 +9,7 @@ import os
 import torch
 
 from splitfuse.config import EngineConfig
-from splitfuse.layers.attention import resolve_backend
+from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import check_quantization, resolve_linear_backend
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
@@ -76,6 +76,7 @@ class ModelRunner:
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         check_quantization(config.quantization, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attention_backend)
         self.kernels = KernelSet.create(self.attention_backend, self.dtype)
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
@@ -103,9 +104,10 @@ class ModelRunner:
         self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device, shard=shard,
                                 all_reduce=group.all_reduce if group is not None else None)
         self.model.prepare_linears(self.linear_backend, config.quantization)
-        log.info("splitfuse: device=%s dtype=%s attention_backend=%s (requested %s) linear_backend=%s "
-                 "(requested %s) quantization=%s weights=%s threads=%d", self.device,
-                 str(self.dtype).removeprefix("torch."), self.attention_backend, config.attention_backend,
+        log.info("splitfuse: device=%s dtype=%s kv_cache_dtype=%s attention_backend=%s (requested %s) "
+                 "linear_backend=%s (requested %s) quantization=%s weights=%s threads=%d", self.device,
+                 str(self.dtype).removeprefix("torch."), str(self.kv_cache_dtype).removeprefix("torch."),
+                 self.attention_backend, config.attention_backend,
                  self.linear_backend, config.linear_backend, config.quantization, self.weight_memory_summary(),
                  torch.get_num_threads())
         inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
@@ -116,8 +118,8 @@ class ModelRunner:
                                                    self.args.head_dim)
         # Zeroed so padded block slots read by batched kernels are finite.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(self.args.num_layers)
         ]
         if group is not None:
@@ -130,7 +132,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         a = self.args
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * a.num_layers * self.config.block_size * a.num_kv_heads * a.head_dim * itemsize
 
     def _num_kv_blocks(self) -> int:

@@ -87,6 +87,17 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, bl
     return requested
 
 
+def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+    """The KV cache's dtype: the model's for `auto`; bfloat16 only where the attention reads it
+    (the C++ CPU kernel takes a bf16 cache under float32 queries)."""
+    if requested == "auto" or getattr(torch, requested) == dtype:
+        return dtype
+    if attention_backend != "cpu":
+        raise ValueError(f"kv_cache_dtype={requested!r} under a {str(dtype).removeprefix('torch.')} model needs "
+                         f"the C++ CPU attention (attention_backend cpu), not {attention_backend!r}")
+    return getattr(torch, requested)
+
+
 def make_backend(name: str):
     if name == "torch":
         from splitfuse.layers.attention_torch import TorchAttention

@@ -4,7 +4,9 @@ One kernel call per layer covers the whole ragged batch, reading K/V blocks in p
 the block tables (no gather, no padding to the longest sequence); one more writes the new
 tokens' K/V. The layout is the kernel's own (`cache_shape`: K transposed inside a block).
 Nothing to plan per step: the kernel splits its work itself. A bfloat16 model keeps a bfloat16
-cache; its queries enter the kernel as float32 and the output leaves in bfloat16.
+cache, and so may a float32 model (`kv_cache_dtype`): the new tokens' K/V are rounded to the
+cache's dtype as they are written. Queries enter the kernel as float32 and the output leaves in
+the model's dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class CpuAttention:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
+        if k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -26,6 +26,7 @@ def test_prefix_caching_is_on_by_default_and_parsed_as_a_bool():
     ({"model": "/m", "attention_backend": "cudnn"}, "attention_backend"),
     ({"model": "/m", "scheduler_policy": "fifo"}, "scheduler_policy"),
     ({"model": "/m", "dtype": "int8"}, "dtype"),
+    ({"model": "/m", "kv_cache_dtype": "int8"}, "kv_cache_dtype"),
     ({"model": "/m", "kv_watermark": "1.5"}, "kv_watermark"),
     ({"model": "/m", "default_temperature": "-0.5"}, "default_temperature"),
     ({"model": "/m", "default_temperature": "nan"}, "default_temperature"),
