@@ -97,6 +97,11 @@ class EngineConfig:
     """Temperature of server requests that send no `temperature` input: 0 = greedy, as
     TensorRT-LLM's ensemble is when no sampling inputs are sent. (`SamplingParams` built in
     Python carry their own temperature.)"""
+    stream_interval: int = 1
+    """A streaming request's new tokens go to its caller every this many tokens (its first token
+    and its end at once). Each Triton response is a round trip to the server process (~1 ms on 2
+    busy cores): larger values send fewer responses per token under load, the tokens arriving in
+    groups. 1 sends every step's tokens."""
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
@@ -125,6 +130,7 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        _check_positive("stream_interval", self.stream_interval)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_choice("tensor_parallel_launch", self.tensor_parallel_launch, TENSOR_PARALLEL_LAUNCHES)
         if not (isinstance(self.tensor_parallel_timeout_s, (int, float)) and 0 < self.tensor_parallel_timeout_s < 1e6):

@@ -71,6 +71,7 @@ class EngineLoop:
         self._stopping = False
         self._failure: str | None = None
         self._delivery_pool: ThreadPoolExecutor | None = None
+        self._held: dict[str, RequestOutput] = {}  # stream_interval: undelivered outputs (engine thread)
         self._thread = threading.Thread(target=self._run, name="splitfuse-engine", daemon=True)
 
     def start(self) -> LLMEngine:
@@ -244,9 +245,26 @@ class EngineLoop:
         for future in [self._delivery_pool.submit(d) for d in deliveries]:
             future.result()
 
+    def _coalesced(self, out: RequestOutput) -> RequestOutput | None:
+        """`out` with the request's held deltas in front, or None while it carries fewer than
+        stream_interval new tokens (a request's first output and its last go at once)."""
+        interval = self.config.stream_interval
+        if interval == 1:
+            return out
+        held = self._held.pop(out.request_id, None)
+        if held is not None:
+            out = out.after(held)
+        if out.finished or out.is_first or len(out.delta_token_ids) >= interval:
+            return out
+        self._held[out.request_id] = out
+        return None
+
     def _delivery_of(self, out: RequestOutput) -> Delivery | None:
-        """The call of `out`'s callback (None: nobody waits for it). The callback is looked up,
-        and for a final output forgotten, here on the engine thread."""
+        """The call of `out`'s callback (None: nobody waits for it, or stream_interval holds it).
+        The callback is looked up, and for a final output forgotten, here on the engine thread."""
+        out = self._coalesced(out)
+        if out is None:
+            return None
         with self._lock:
             callback = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
         if callback is None:

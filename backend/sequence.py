@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -197,3 +197,14 @@ class RequestOutput:
         if self.seq_logprobs is None:
             return None
         return self.seq_logprobs[: self.num_tokens - len(self.prompt_token_ids)]
+
+    @property
+    def is_first(self) -> bool:
+        """Whether the deltas hold every output token so far (nothing was delivered before)."""
+        return self.num_tokens - len(self.prompt_token_ids) == len(self.delta_token_ids)
+
+    def after(self, earlier: RequestOutput) -> RequestOutput:
+        """This output with an earlier, undelivered one's deltas in front of its own."""
+        logprobs = None if self.delta_logprobs is None else (earlier.delta_logprobs or []) + self.delta_logprobs
+        return replace(self, delta_token_ids=earlier.delta_token_ids + self.delta_token_ids,
+                       delta_text=earlier.delta_text + self.delta_text, delta_logprobs=logprobs)

@@ -226,6 +226,64 @@ def test_engine_loop_threads_submit_abort_shutdown(tiny_llama):
         loop.submit("after", "hello", SamplingParams(), on_output)
 
 
+def _stream(loop: EngineLoop, requests: dict[str, SamplingParams]) -> dict[str, list]:
+    results: dict[str, list] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def on_output(out):
+        with lock:
+            results.setdefault(out.request_id, []).append(out)
+            if sum(1 for v in results.values() if v[-1].finished) == len(requests):
+                done.set()
+
+    for request_id, params in requests.items():
+        loop.submit(request_id, f"hello {request_id}", params, on_output)
+    assert done.wait(60)
+    return results
+
+
+def test_stream_interval_groups_tokens_but_not_the_first_or_last(tiny_llama):
+    """stream_interval=3: the first token alone, then groups of 3, the end at once (with the
+    rest, or with the abort); the tokens, text and log-probs are those of stream_interval=1."""
+    greedy = dict(ignore_eos=True, temperature=0.0)
+    params = {"a": SamplingParams(max_tokens=11, logprobs=True, **greedy), "b": SamplingParams(max_tokens=7, **greedy),
+              "c": SamplingParams(max_tokens=1, **greedy)}
+    streams = {}
+    for interval in (1, 3):
+        loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, stream_interval=interval))
+        loop.start()
+        try:
+            streams[interval] = _stream(loop, params)
+            if interval == 3:  # an abort delivers what was held, with the final output
+                outs, first = [], threading.Event()
+                done = threading.Event()
+
+                def on_output(out):
+                    outs.append(out)
+                    first.set()
+                    if out.finished:
+                        done.set()
+                loop.submit("long", "hello", SamplingParams(max_tokens=500, **greedy), on_output)
+                assert first.wait(60)
+                loop.abort("long")
+                assert done.wait(60)
+                assert outs[-1].finish_reason == "abort"
+                assert [t for o in outs for t in o.delta_token_ids] == outs[-1].token_ids
+        finally:
+            loop.shutdown(timeout=30)
+    every, grouped = streams[1], streams[3]
+    assert [len(o.delta_token_ids) for o in every["a"]] == [1] * 11
+    assert [len(o.delta_token_ids) for o in grouped["a"]] == [1, 3, 3, 3, 1]
+    assert [len(o.delta_token_ids) for o in grouped["b"]] == [1, 3, 3]
+    assert [len(o.delta_token_ids) for o in grouped["c"]] == [1]
+    for rid in params:
+        assert [o.finished for o in grouped[rid]] == [False] * (len(grouped[rid]) - 1) + [True]
+        assert [t for o in grouped[rid] for t in o.delta_token_ids] == every[rid][-1].token_ids
+        assert "".join(o.delta_text for o in grouped[rid]) == grouped[rid][-1].text == every[rid][-1].text
+    assert [p for o in grouped["a"] for p in o.delta_logprobs] == pytest.approx(every["a"][-1].logprobs)
+
+
 def test_engine_loop_start_raises_what_building_the_engine_raised(tiny_llama):
     """The engine is built on the loop's thread; what fails there reaches start()'s caller."""
     loop = EngineLoop(EngineConfig(model=tiny_llama, device="cpu", attention_backend="flash_attn"))
