@@ -1,9 +1,12 @@
 """Drives an LLMEngine from a background thread, for servers.
 
 Callers submit and abort from any thread; the engine thread applies those between steps
-and hands each request's outputs to its callback as they are produced: a step's outputs on a
-few delivery threads at once (a Triton response send is a round trip to the server process),
-the next step starting once they are all out.
+and hands each request's outputs to a few delivery threads, which call the request's callback
+(a Triton response send is a round trip to the server process) while the engine goes on with
+the next step. A request has at most one delivery in flight: outputs produced meanwhile wait in
+its mailbox and go out merged into one (their deltas joined) when the callback returns, so a
+slow consumer gets fewer, larger outputs instead of a growing queue, and a request's outputs
+always arrive in order, its final one last.
 
 The engine is built on the engine thread too, so that every OpenMP parallel region of the
 process (loading and packing the weights, then every step) starts from that one thread. Each
@@ -41,15 +44,23 @@ from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
-Delivery = Callable[[], None]
-"""One output's callback call, bound (its errors handled inside)."""
 
-# A step's outputs are handed to their callbacks by this many threads at once. A Triton
-# response send is a round trip to the server process (~1 ms on 2 busy cores, mostly waiting):
-# one after another, 16 of them took ~20% of the engine thread's time. With 4 threads the
-# engine thread's delivery time per output fell from ~1.0 to ~0.7 ms (16 clients, 2 cores;
-# 16 threads did no better: the server process takes the responses one at a time).
+# Threads that call the output callbacks. A Triton response send is a round trip to the server
+# process (~1 ms on 2 busy cores, mostly waiting); 16 threads did no better than 4 (the server
+# process takes the responses one at a time).
 DELIVERY_THREADS = 4
+
+
+class _Mailbox:
+    """One request's delivery state: its callback, whether a delivery is in flight, and the
+    output produced since (merged)."""
+
+    __slots__ = ("callback", "busy", "pending")
+
+    def __init__(self, callback: OutputCallback) -> None:
+        self.callback = callback
+        self.busy = False
+        self.pending: RequestOutput | None = None
 
 __all__ = ["EngineLoop", "EngineFailedError", "EngineStats", "StepStats", "OutputCallback"]
 
@@ -72,6 +83,8 @@ class EngineLoop:
         self._failure: str | None = None
         self._delivery_pool: ThreadPoolExecutor | None = None
         self._held: dict[str, RequestOutput] = {}  # stream_interval: undelivered outputs (engine thread)
+        self._mail_lock = threading.Lock()
+        self._mailboxes: dict[str, _Mailbox] = {}  # requests with a delivery in flight or waiting
         self._thread = threading.Thread(target=self._run, name="splitfuse-engine", daemon=True)
 
     def start(self) -> LLMEngine:
@@ -175,7 +188,8 @@ class EngineLoop:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_in_flight(f"engine step failed: {type(e).__name__}: {e}")
                 continue
-            self._deliver_step([d for d in map(self._delivery_of, outputs) if d is not None])
+            for out in outputs:
+                self._deliver(out)
             if self.on_step is not None and self.engine.last_step is not None:
                 try:
                     self.on_step(self.engine.last_step)
@@ -223,27 +237,18 @@ class EngineLoop:
             self._inbox.clear()
         error = f"the engine failed and serves no more requests: {reason}"
         for request_id, callback in callbacks.items():
-            try:
-                callback(_error_output(request_id, error))
-            except Exception:
-                log.exception("output callback for %s failed", request_id)
+            self._post(callback, _error_output(request_id, error))
 
     def _deliver(self, out: RequestOutput) -> None:
-        delivery = self._delivery_of(out)
-        if delivery is not None:
-            delivery()
-
-    def _deliver_step(self, deliveries: list[Delivery]) -> None:
-        """Run one step's deliveries (one per request) on the delivery threads and wait for all
-        of them, so the next step starts after its outputs are out, as when sent one by one."""
-        if len(deliveries) <= 1:
-            for delivery in deliveries:
-                delivery()
+        """Hand `out` to its request's callback (engine thread). The callback is looked up, and
+        for a final output forgotten, here; stream_interval may hold the output back."""
+        out = self._coalesced(out)
+        if out is None:
             return
-        if self._delivery_pool is None:
-            self._delivery_pool = ThreadPoolExecutor(DELIVERY_THREADS, thread_name_prefix="splitfuse-delivery")
-        for future in [self._delivery_pool.submit(d) for d in deliveries]:
-            future.result()
+        with self._lock:
+            callback = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
+        if callback is not None:
+            self._post(callback, out)
 
     def _coalesced(self, out: RequestOutput) -> RequestOutput | None:
         """`out` with the request's held deltas in front, or None while it carries fewer than
@@ -259,25 +264,37 @@ class EngineLoop:
         self._held[out.request_id] = out
         return None
 
-    def _delivery_of(self, out: RequestOutput) -> Delivery | None:
-        """The call of `out`'s callback (None: nobody waits for it, or stream_interval holds it).
-        The callback is looked up, and for a final output forgotten, here on the engine thread."""
-        out = self._coalesced(out)
-        if out is None:
-            return None
-        with self._lock:
-            callback = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
-        if callback is None:
-            return None
+    def _post(self, callback: OutputCallback, out: RequestOutput) -> None:
+        """Deliver `out` on a delivery thread, or merge it into the request's mailbox while an
+        earlier output of the request is still being delivered."""
+        with self._mail_lock:
+            box = self._mailboxes.get(out.request_id)
+            if box is None:
+                box = self._mailboxes[out.request_id] = _Mailbox(callback)
+            if box.busy:
+                box.pending = out if box.pending is None else out.after(box.pending)
+                return
+            box.busy = True
+            if self._delivery_pool is None:
+                self._delivery_pool = ThreadPoolExecutor(DELIVERY_THREADS, thread_name_prefix="splitfuse-delivery")
+        self._delivery_pool.submit(self._drain, box, out)
 
-        def deliver() -> None:
+    def _drain(self, box: _Mailbox, out: RequestOutput) -> None:
+        """Delivery thread: call the callback with `out`, then with whatever arrived meanwhile."""
+        while True:
             try:
-                callback(out)
+                box.callback(out)
             except Exception:
                 log.exception("output callback for %s failed; aborting it", out.request_id)
                 if not out.finished:
                     self.abort(out.request_id)
-        return deliver
+            with self._mail_lock:
+                if box.pending is None:
+                    box.busy = False
+                    if out.finished:
+                        self._mailboxes.pop(out.request_id, None)
+                    return
+                out, box.pending = box.pending, None
 
 
 def _root_cause(e: BaseException, limit: int = 300) -> str:

@@ -19,17 +19,21 @@ def _is_multibyte(text: str) -> bool:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_grpc_streaming_one_delta_per_step(served, model):
+def test_grpc_streaming_deltas_in_order(served, model):
+    """The first token alone, then the tokens produced since the last response (several when
+    the engine steps faster than responses are sent: they are merged, not queued), in order,
+    the final flag and finish reason on the last."""
     prompt = "hello world"
     r = grpc_generate(served.grpc_url, model, {
         "text_input": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stream": True,
         "return_num_input_tokens": True, "return_num_output_tokens": True,
     })
     assert r.error is None
-    assert len(r.responses) == 12 and r.responses[-1].final  # the final flag rides on the last delta
-    assert all(len(x.output_ids) == 1 for x in r.responses)
-    assert [x.finish_reason for x in r.responses] == [""] * 11 + ["length"]
-    assert [x.num_output_tokens for x in r.responses] == list(range(1, 13))
+    assert r.responses[-1].final and not any(x.final for x in r.responses[:-1])
+    sizes = [len(x.output_ids) for x in r.responses]
+    assert sizes[0] == 1 and all(n >= 1 for n in sizes) and sum(sizes) == 12
+    assert [x.finish_reason for x in r.responses] == [""] * (len(sizes) - 1) + ["length"]
+    assert [x.num_output_tokens for x in r.responses] == [sum(sizes[: i + 1]) for i in range(len(sizes))]
     assert r.responses[0].num_input_tokens >= 2
 
 
@@ -51,7 +55,7 @@ def test_http_generate_and_generate_stream(served):
         assert "error" not in whole, whole
         assert whole["finish_reason"] == "length"
         events = http_generate_stream(served.http_url, model, {**body, "stream": True})
-        assert len(events) == 16
+        assert 1 <= len(events) <= 16  # tokens made while a response is in flight go out merged
         assert "".join(e["text_output"] for e in events) == whole["text_output"]
         assert events[-1]["finish_reason"] == "length"
 
