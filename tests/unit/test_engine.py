@@ -183,20 +183,30 @@ def test_logprobs_are_log_softmax_of_chosen_tokens(tiny_llama):
     assert out.logprobs == pytest.approx(expected, abs=1e-4)
 
 
+class _Collector:
+    """An output callback keeping every request's outputs; `done` is set once `expected`
+    requests have finished."""
+
+    def __init__(self, expected: int) -> None:
+        self.results: dict[str, list] = {}
+        self.done = threading.Event()
+        self._expected = expected
+        self._lock = threading.Lock()
+
+    def __call__(self, out) -> None:
+        with self._lock:
+            self.results.setdefault(out.request_id, []).append(out)
+            if sum(1 for v in self.results.values() if v[-1].finished) == self._expected:
+                self.done.set()
+
+
 def test_engine_loop_threads_submit_abort_shutdown(tiny_llama):
     steps = []
     loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, attention_backend="torch"),
                       on_step=steps.append)
     engine = loop.start()
-    results: dict[str, list] = {}
-    done = threading.Event()
-    lock = threading.Lock()
-
-    def on_output(out):
-        with lock:
-            results.setdefault(out.request_id, []).append(out)
-            if sum(1 for v in results.values() if v[-1].finished) == 9:
-                done.set()
+    on_output = _Collector(9)
+    results, done = on_output.results, on_output.done
 
     def client(i):
         loop.submit(f"c{i}", f"hello {i}", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), on_output)
@@ -228,20 +238,11 @@ def test_engine_loop_threads_submit_abort_shutdown(tiny_llama):
 
 
 def _stream(loop: EngineLoop, requests: dict[str, SamplingParams]) -> dict[str, list]:
-    results: dict[str, list] = {}
-    done = threading.Event()
-    lock = threading.Lock()
-
-    def on_output(out):
-        with lock:
-            results.setdefault(out.request_id, []).append(out)
-            if sum(1 for v in results.values() if v[-1].finished) == len(requests):
-                done.set()
-
+    on_output = _Collector(len(requests))
     for request_id, params in requests.items():
         loop.submit(request_id, f"hello {request_id}", params, on_output)
-    assert done.wait(60)
-    return results
+    assert on_output.done.wait(60)
+    return on_output.results
 
 
 def test_stream_interval_groups_tokens_but_not_the_first_or_last(tiny_llama):
