@@ -1,8 +1,8 @@
 """The set of kernels a model runs with: torch references, C++ CPU kernels, or Triton-lang kernels.
 
 Chosen once at start-up from the resolved attention backend and the dtype (the C++
-elementwise kernels are float32); the model layers call through it and never branch on the
-device themselves.
+elementwise kernels take float32 and bfloat16); the model layers call through it and never
+branch on the device themselves.
 
 Contract of `rms_norm(x, weight, eps, residual)`: with a residual it returns
 (normed(x + residual), x + residual) and may overwrite both inputs (the model never reads
@@ -36,9 +36,9 @@ class KernelSet:
     @classmethod
     def create(cls, attention_backend: str, dtype: torch.dtype = torch.float32) -> "KernelSet":
         attention = make_backend(attention_backend)
-        if attention_backend == "cpu" and dtype is torch.float32 and elementwise.available():
+        if attention_backend == "cpu" and dtype in (torch.float32, torch.bfloat16) and elementwise.available():
             return cls(attention_backend, attention, _cpu_rms_norm, _cpu_apply_rotary, elementwise.silu_and_mul)
-        if attention_backend in ("torch", "cpu"):  # cpu: not float32, or the elementwise kernels failed to bind
+        if attention_backend in ("torch", "cpu"):  # cpu: float16, or the elementwise kernels failed to bind
             return cls(attention_backend, attention, rms_norm_reference, apply_rotary_reference, silu_and_mul_reference)
         # The Triton-lang backends also take the fused elementwise kernels.
         from splitfuse.kernels import apply_rotary, rms_norm, silu_and_mul

@@ -1,16 +1,19 @@
-"""Fused elementwise C++ CPU kernels (fp32): RMSNorm (+ residual add), rotary, SwiGLU gate,
-per-row int8 quantization.
+"""Fused elementwise C++ CPU kernels: RMSNorm (+ residual add), rotary, SwiGLU gate (float32 or
+bfloat16), per-row int8 quantization (float32).
 
 Thin ctypes wrappers over `csrc/elementwise.cpp` in the shared CPU kernel library (`build.py`).
 They compute what the torch references in `splitfuse.kernels.reference` compute (HF Llama
 numerics): the residual sum x + residual and the rotary outputs are bit-identical to torch;
 rms_norm differs by ~2 ulp (its sum of squares runs in another order than torch's mean);
-silu_and_mul by ~2 ulp (a vectorised exp within ~1 ulp); quantize_rows is bit-identical. Each function says which tensors it
+silu_and_mul by ~2 ulp (a vectorised exp within ~1 ulp); quantize_rows is bit-identical. In
+bfloat16 the arithmetic is fp32, rounded to bf16 where torch's bf16 ops round (the residual sum
+and the rotary outputs are bit-identical to torch's; rms_norm and silu_and_mul within 2 bf16
+ulps, where an fp32 difference of a few ulps crosses a rounding boundary, rarely). Each function says which tensors it
 writes; in-place and `out=` forms avoid allocations. Callers check `available()` first; the
 functions raise ValueError on inputs they do not take (dtype, device, shape, stride) and never
 fall back themselves.
 
-Only float32 CPU tensors. The calls release the GIL (ctypes) and run on the OpenMP pool shared
+CPU tensors, all of one call in the dtype of its first (the rotary tables stay float32). The calls release the GIL (ctypes) and run on the OpenMP pool shared
 with torch (`torch.set_num_threads` applies) once a call has enough work
 (`set_parallel_threshold`); smaller calls stay on the calling thread. Results do not depend on
 the thread count (rows are independent).
@@ -29,6 +32,7 @@ __all__ = ["apply_rotary", "available", "get_parallel_threshold", "quantize_rows
            "set_parallel_threshold", "silu_and_mul", "vector_width"]
 
 _F32 = torch.float32
+_BF16 = torch.bfloat16
 _I64 = torch.int64
 
 # Arguments travel packed (struct.pack -> bytes -> const int64_t*) to the *_packed entry points:
@@ -42,6 +46,7 @@ _QUANT_ARGS = struct.Struct("=8q")
 
 _bound = False
 _rms = _rot = _silu = _quant = None
+_bf16: dict[str, ctypes._CFuncPtr] = {}  # rms / rot / silu for bfloat16 tensors
 _lib: ctypes.CDLL | None = None
 
 
@@ -55,12 +60,16 @@ def _bind() -> bool:
         try:
             rms, rot, silu = lib.sf_ew_rms_norm_f32_packed, lib.sf_ew_rotary_f32_packed, lib.sf_ew_silu_and_mul_f32_packed
             quant = lib.sf_ew_quantize_rows_u8_packed
+            bf16 = {"rms": lib.sf_ew_rms_norm_bf16_packed, "rot": lib.sf_ew_rotary_bf16_packed,
+                    "silu": lib.sf_ew_silu_and_mul_bf16_packed}
         except AttributeError:  # a library built without elementwise.cpp
             lib = None
     if lib is not None:
-        for fn, res in ((rms, None), (rot, ctypes.c_int64), (silu, None), (quant, None)):
+        for fn, res in ((rms, None), (rot, ctypes.c_int64), (silu, None), (quant, None), (bf16["rms"], None),
+                        (bf16["rot"], ctypes.c_int64), (bf16["silu"], None)):
             fn.argtypes = [ctypes.c_char_p]
             fn.restype = res
+        _bf16.update(bf16)
         lib.sf_ew_set_parallel_threshold.argtypes = [ctypes.c_int64]
         lib.sf_ew_set_parallel_threshold.restype = None
         lib.sf_ew_get_parallel_threshold.argtypes = []
@@ -107,12 +116,24 @@ def _bad(name: str, what: str) -> ValueError:
     return ValueError(f"{name}: {what}")
 
 
-def _rows(name: str, label: str, t: torch.Tensor, shape: torch.Size | tuple[int, ...] | None) -> tuple[int, int]:
+def _dtype(name: str, t: torch.Tensor) -> torch.dtype:
+    """The call's dtype: its first tensor's, float32 or bfloat16."""
+    if t.dtype not in (_F32, _BF16) or not t.is_cpu:
+        raise _bad(name, f"tensors must be float32 or bfloat16 on the CPU, got {t.dtype} on {t.device}")
+    return t.dtype
+
+
+def _kernel(dtype: torch.dtype, f32_fn, key: str):
+    return f32_fn if dtype is _F32 else _bf16[key]
+
+
+def _rows(name: str, label: str, t: torch.Tensor, shape: torch.Size | tuple[int, ...] | None,
+          dtype: torch.dtype = _F32) -> tuple[int, int]:
     """(data_ptr, row stride) of `t` seen as [rows, last dim], without a copy. `t` must be a
-    float32 CPU tensor (of `shape`, unless None) whose rows are evenly strided with a contiguous
-    last dim."""
-    if t.dtype is not _F32 or not t.is_cpu:
-        raise _bad(name, f"{label} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    CPU tensor of `dtype` (and of `shape`, unless None) whose rows are evenly strided with a
+    contiguous last dim."""
+    if t.dtype is not dtype or not t.is_cpu:
+        raise _bad(name, f"{label} must be a {str(dtype).removeprefix('torch.')} CPU tensor, got {t.dtype} on {t.device}")
     if shape is not None and t.shape != shape:
         raise _bad(name, f"{label} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     st = t.stride()
@@ -135,23 +156,24 @@ def _rows(name: str, label: str, t: torch.Tensor, shape: torch.Size | tuple[int,
     return v.data_ptr(), v.stride(0)
 
 
-def _output(label: str, t: torch.Tensor | None, shape: torch.Size,
-            inputs: list[tuple[torch.Tensor, tuple[int, int]]]) -> tuple[torch.Tensor, tuple[int, int]]:
+def _output(label: str, t: torch.Tensor | None, shape: torch.Size, inputs: list[tuple[torch.Tensor, tuple[int, int]]],
+            dtype: torch.dtype) -> tuple[torch.Tensor, tuple[int, int]]:
     """An rms_norm output and its (pointer, row stride): a new tensor when None, an input's
     already checked rows when it is one of `inputs` (in place), else checked like an input."""
     if t is None:
-        t = torch.empty(shape, dtype=_F32)
+        t = torch.empty(shape, dtype=dtype)
         return t, (t.data_ptr(), shape[-1])
     for tensor, rows in inputs:
         if t is tensor:
             return t, rows
-    return t, _rows("rms_norm", label, t, shape)
+    return t, _rows("rms_norm", label, t, shape, dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
              out: torch.Tensor | None = None,
              residual_out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """HF LlamaRMSNorm over the last dim of x [..., H] with weight [H] (all float32, CPU).
+    """HF LlamaRMSNorm over the last dim of x [..., H] with weight [H] (all float32, or all
+    bfloat16, CPU).
 
     Without `residual`: writes and returns `out` = weight * normed(x).
     With `residual` (shape of x): writes `residual_out` = x + residual, then
@@ -163,41 +185,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     other (partial) overlaps between inputs and outputs are not checked and give undefined
     results. Rows may be strided (e.g. slices); the last dim must be contiguous.
     """
-    fn = _rms
-    if fn is None:
+    if _rms is None:
         _need()
-        fn = _rms
+    dtype = _dtype("rms_norm", x)
+    fn = _kernel(dtype, _rms, "rms")
     shape = x.shape
     if not shape or shape[-1] == 0:
         raise _bad("rms_norm", f"x must be [..., H] with H > 0, got {tuple(shape)}")
     h = shape[-1]
-    px, sx = _rows("rms_norm", "x", x, None)
+    px, sx = _rows("rms_norm", "x", x, None, dtype)
     rows = shape[0] if len(shape) == 2 else x.numel() // h
-    if weight.dtype is not _F32 or not weight.is_cpu or weight.shape != (h,) or weight.stride(0) != 1:
-        raise _bad("rms_norm", f"weight must be a contiguous float32 CPU tensor [{h}], got "
-                   f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if weight.dtype is not dtype or not weight.is_cpu or weight.shape != (h,) or weight.stride(0) != 1:
+        raise _bad("rms_norm", f"weight must be a contiguous {str(dtype).removeprefix('torch.')} CPU tensor [{h}], "
+                   f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
     inputs = [(x, (px, sx))]
     if residual is not None:
-        pr, sr = _rows("rms_norm", "residual", residual, shape)
+        pr, sr = _rows("rms_norm", "residual", residual, shape, dtype)
         inputs.append((residual, (pr, sr)))
-    out, (po, so) = _output("out", out, shape, inputs)
+    out, (po, so) = _output("out", out, shape, inputs, dtype)
     if residual is None:
         if residual_out is not None:
             raise _bad("rms_norm", "residual_out given without residual")
         fn(_RMS_ARGS.pack(px, sx, 0, 0, weight.data_ptr(), po, so, 0, 0, rows, h, eps))
         return out
     given = residual_out is not None
-    residual_out, (pro, sro) = _output("residual_out", residual_out, shape, inputs)
+    residual_out, (pro, sro) = _output("residual_out", residual_out, shape, inputs, dtype)
     if given and pro == po:
         raise _bad("rms_norm", "out and residual_out must be different tensors")
     fn(_RMS_ARGS.pack(px, sx, pr, sr, weight.data_ptr(), po, so, pro, sro, rows, h, eps))
     return out, residual_out
 
 
-def _heads(name: str, label: str, t: torch.Tensor, tokens: int, heads: int | None, d: int) -> tuple[int, int, int]:
-    """(data_ptr, token stride, head stride) of a float32 CPU [tokens, heads, d] tensor."""
-    if t.dtype is not _F32 or not t.is_cpu:
-        raise _bad(name, f"{label} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+def _heads(name: str, label: str, t: torch.Tensor, tokens: int, heads: int | None, d: int,
+           dtype: torch.dtype) -> tuple[int, int, int]:
+    """(data_ptr, token stride, head stride) of a CPU [tokens, heads, d] tensor of `dtype`."""
+    if t.dtype is not dtype or not t.is_cpu:
+        raise _bad(name, f"{label} must be a {str(dtype).removeprefix('torch.')} CPU tensor, got {t.dtype} on {t.device}")
     shape = t.shape
     if len(shape) != 3 or shape[0] != tokens or shape[2] != d or (heads is not None and shape[1] != heads):
         want = f"[{tokens}, {'heads' if heads is None else heads}, {d}]"
@@ -212,7 +235,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
                  *, inplace: bool = False, q_out: torch.Tensor | None = None,
                  k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """HF rotate-half rotary embedding of q [T, Hq, D] and k [T, Hk, D] at positions [T] (int64),
-    with cos/sin tables [max_pos, D/2] (all float32, CPU); returns the rotated (q, k).
+    with float32 cos/sin tables [max_pos, D/2] (q and k float32, or both bfloat16; CPU); returns
+    the rotated (q, k).
 
     q and k may be strided views (any token and head strides, e.g. slices of a fused qkv
     projection output); only the last dim must be contiguous. Written tensors:
@@ -220,10 +244,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     contiguous tensors; given ones may be strided the same way), which must not overlap q or k.
     A position outside [0, max_pos) raises ValueError before anything is written.
     """
-    fn = _rot
-    if fn is None:
+    if _rot is None:
         _need()
-        fn = _rot
+    dtype = _dtype("apply_rotary", q)
+    fn = _kernel(dtype, _rot, "rot")
     qs = q.shape
     if len(qs) != 3:
         raise _bad("apply_rotary", f"q must be [T, Hq, D], got {tuple(qs)}")
@@ -231,8 +255,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     half = d >> 1
     if d & 1:
         raise _bad("apply_rotary", f"head_dim {d} must be even")
-    pq, sqt, sqh = _heads("apply_rotary", "q", q, tokens, None, d)
-    pk, skt, skh = _heads("apply_rotary", "k", k, tokens, None, d)
+    pq, sqt, sqh = _heads("apply_rotary", "q", q, tokens, None, d, dtype)
+    pk, skt, skh = _heads("apply_rotary", "k", k, tokens, None, d, dtype)
     hk = k.shape[1]
     cs, ss = cos.stride(), sin.stride()
     if (cos.dtype is not _F32 or sin.dtype is not _F32 or not cos.is_cpu or not sin.is_cpu or len(cs) != 2
@@ -251,15 +275,15 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
         pqo, sqot, sqoh, pko, skot, skoh = pq, sqt, sqh, pk, skt, skh
     else:
         if q_out is None:
-            q_out = torch.empty((tokens, hq, d), dtype=_F32)
+            q_out = torch.empty((tokens, hq, d), dtype=dtype)
             pqo, sqot, sqoh = q_out.data_ptr(), hq * d, d
         else:
-            pqo, sqot, sqoh = _heads("apply_rotary", "q_out", q_out, tokens, hq, d)
+            pqo, sqot, sqoh = _heads("apply_rotary", "q_out", q_out, tokens, hq, d, dtype)
         if k_out is None:
-            k_out = torch.empty((tokens, hk, d), dtype=_F32)
+            k_out = torch.empty((tokens, hk, d), dtype=dtype)
             pko, skot, skoh = k_out.data_ptr(), hk * d, d
         else:
-            pko, skot, skoh = _heads("apply_rotary", "k_out", k_out, tokens, hk, d)
+            pko, skot, skoh = _heads("apply_rotary", "k_out", k_out, tokens, hk, d, dtype)
     bad = fn(_ROT_ARGS.pack(pq, sqt, sqh, pk, skt, skh, pqo, sqot, sqoh, pko, skot, skoh, positions.data_ptr(),
                             cos.data_ptr(), cs[0], sin.data_ptr(), ss[0], cos.shape[0], tokens, hq, hk, d))
     if bad >= 0:
@@ -269,25 +293,25 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
 
 
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU gate of x [..., 2I] (float32, CPU): writes and returns `out` [..., I] =
+    """SwiGLU gate of x [..., 2I] (float32 or bfloat16, CPU): writes and returns `out` [..., I] =
     silu(x[..., :I]) * x[..., I:] (default: a new contiguous tensor; a given one must not
     overlap x). Rows may be strided; the last dim must be contiguous."""
-    fn = _silu
-    if fn is None:
+    if _silu is None:
         _need()
-        fn = _silu
+    dtype = _dtype("silu_and_mul", x)
+    fn = _kernel(dtype, _silu, "silu")
     shape = x.shape
     if not shape or shape[-1] & 1 or shape[-1] == 0:
         raise _bad("silu_and_mul", f"x must be [..., 2I] with an even last dim > 0, got {tuple(shape)}")
     n = shape[-1] >> 1
-    px, sx = _rows("silu_and_mul", "x", x, shape)
+    px, sx = _rows("silu_and_mul", "x", x, shape, dtype)
     rows = shape[0] if len(shape) == 2 else x.numel() // (2 * n)
     out_shape = shape[:-1] + (n,)
     if out is None:
-        out = torch.empty(out_shape, dtype=_F32)
+        out = torch.empty(out_shape, dtype=dtype)
         po, so = out.data_ptr(), n
     else:
-        po, so = _rows("silu_and_mul", "out", out, out_shape)
+        po, so = _rows("silu_and_mul", "out", out, out_shape, dtype)
     fn(_SILU_ARGS.pack(px, sx, po, so, rows, n))
     return out
 

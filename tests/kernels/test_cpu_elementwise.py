@@ -4,6 +4,11 @@ Tolerances (fp32): rms_norm rtol=1e-6, atol=1e-6 (the sum of squares is accumula
 different order than torch's mean: ~2 ulp); the residual stream x + residual and rotary are
 bit-exact (torch.equal); silu_and_mul rtol=1e-6, atol=1e-6 (a vectorised exp within ~1 ulp of
 torch's).
+
+bfloat16 (fp32 arithmetic, rounded to bf16 where torch's bf16 ops round): the residual stream
+and rotary bit-exact; rms_norm and silu_and_mul within 2 bf16 ulps of torch: an fp32 difference
+of a few ulps (the sum of squares' order, the exp) can cross a bf16 rounding boundary of the
+intermediate, which the following product can widen to 2 ulps (2 of 2M elements here).
 """
 
 from __future__ import annotations
@@ -371,3 +376,62 @@ def test_quantize_rows_rejects_bad_input():
         with pytest.raises(ValueError):
             fn()
             pytest.fail(f"case {i} did not raise")
+
+
+# ------------------------------------------------------------------------------------ bfloat16
+BF16_ULP = {"rtol": 2.0 ** -6, "atol": 1e-30}  # within two bf16 ulps of the reference
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17, 512])
+@pytest.mark.parametrize("hidden", [64, 100, 4096])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_rms_norm_matches_reference(tokens, hidden, with_residual, threading_mode):
+    g = _gen("bf16", tokens, hidden, with_residual)
+    x = (torch.randn(tokens, hidden, generator=g) * 3).bfloat16()
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).bfloat16()
+    res = torch.randn(tokens, hidden, generator=g).bfloat16() if with_residual else None
+    ref = rms_norm_reference(x, w, 1e-6, res)
+    if not with_residual:
+        torch.testing.assert_close(ew.rms_norm(x, w, 1e-6), ref, **BF16_ULP)
+        return
+    # The engine's zero-allocation form: x receives the normed output, res the residual stream.
+    (ref_out, ref_sum), x_, res_ = ref, x.clone(), res.clone()
+    out, new_res = ew.rms_norm(x_, w, 1e-6, res_, out=x_, residual_out=res_)
+    assert out is x_ and new_res is res_ and out.dtype is torch.bfloat16
+    assert torch.equal(new_res, ref_sum)
+    torch.testing.assert_close(out, ref_out, **BF16_ULP)
+
+
+@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize("d", [2, 64, 80, 128])
+def test_bf16_rotary_strided_views_match_reference_exactly(tokens, d, threading_mode):
+    g = _gen("bf16", tokens, d)
+    hq, hk = 8, 2
+    qkv = torch.randn(tokens, hq + 2 * hk, d, generator=g).bfloat16()
+    q, k = qkv[:, :hq], qkv[:, hq:hq + hk]
+    cos, sin = rope_cos_sin(rope_inverse_frequencies(d, 10000.0, None), 64)
+    pos = torch.randint(0, 64, (tokens,), generator=g)
+    ref_q, ref_k = apply_rotary_reference(q, k, pos, cos, sin)
+    got_q, got_k = ew.apply_rotary(q, k, pos, cos, sin, inplace=True)
+    assert got_q.dtype is torch.bfloat16 and torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+@pytest.mark.parametrize("inter", [7, 64, 1537, 2816])
+def test_bf16_silu_and_mul_matches_reference(tokens, inter, threading_mode):
+    x = (torch.randn(tokens, 2 * inter, generator=_gen("bf16", tokens, inter)) * 4).bfloat16()
+    got = ew.silu_and_mul(x)
+    assert got.dtype is torch.bfloat16
+    torch.testing.assert_close(got, silu_and_mul_reference(x), **BF16_ULP)
+
+
+def test_bf16_calls_take_one_dtype():
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(ValueError, match="weight must be a contiguous bfloat16"):
+        ew.rms_norm(x, torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="residual must be a bfloat16"):
+        ew.rms_norm(x, torch.ones(64).bfloat16(), 1e-6, torch.randn(4, 64))
+    with pytest.raises(ValueError, match="out must be a bfloat16"):
+        ew.silu_and_mul(x, out=torch.empty(4, 32))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ew.silu_and_mul(x.half())

@@ -1,6 +1,6 @@
-// Fused elementwise CPU kernels (fp32): RMSNorm with optional residual add, rotary embedding
-// (HF rotate-half), SwiGLU gate, per-row int8 quantization. Python wrappers:
-// splitfuse/kernels/cpu/elementwise.py.
+// Fused elementwise CPU kernels: RMSNorm with optional residual add, rotary embedding (HF
+// rotate-half), SwiGLU gate (fp32 or bf16 tensors), per-row int8 quantization (fp32). Python
+// wrappers: splitfuse/kernels/cpu/elementwise.py.
 //
 // Every exported symbol starts with sf_ew_. Tensors are passed as base pointers plus row strides
 // in elements; the innermost dimension is contiguous. Work is split over rows (silu_and_mul: rows
@@ -15,6 +15,10 @@
 //   rotary:       o1 = x1*c - x2*s; o2 = x2*c + x1*s  (products rounded separately, as torch)
 //   silu_and_mul: out = (g / (1 + exp(-g))) * u
 //   quantize_rows: scale = max(max|x|, 1e-12) / levels; q = nearbyint(x / scale) + zero_point
+// In bf16 (T = uint16_t bits) the arithmetic is fp32 and values are rounded to bf16 wherever
+// torch's bf16 ops round them (round_to<T>): the residual sum; the normed value before the
+// weight and the product after it; the rotary tables, each product and each sum; silu's output
+// and the product.
 #include <omp.h>
 
 #include <cmath>
@@ -38,7 +42,8 @@ inline bool go_parallel(int64_t rows, int64_t row_len, int64_t cost) {
 }
 
 // ---------------------------------------------------------------------------------------- rms
-inline float sum_squares(const float* s, int64_t h) {
+template <typename T>
+inline float sum_squares(const T* s, int64_t h) {
     vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
     int64_t j = 0;
     for (; j + 4 * VW <= h; j += 4 * VW) {
@@ -53,69 +58,73 @@ inline float sum_squares(const float* s, int64_t h) {
         a0 += v * v;
     }
     float acc = hsum((a0 + a1) + (a2 + a3));
-    for (; j < h; ++j) acc += s[j] * s[j];
+    for (; j < h; ++j) acc += load1(s + j) * load1(s + j);
     return acc;
 }
 
-inline void rms_row(const float* x, const float* res, const float* w, float* out, float* res_out,
-                    int64_t h, float eps) {
-    const float* s = x;
+template <typename T>
+inline void rms_row(const T* x, const T* res, const T* w, T* out, T* res_out, int64_t h, float eps) {
+    const T* s = x;
     if (res) {
         // Pass 1: the residual stream s = x + res, written out first (res_out may alias x or res).
         int64_t j = 0;
         for (; j + VW <= h; j += VW) storeu(res_out + j, loadu(x + j) + loadu(res + j));
-        for (; j < h; ++j) res_out[j] = x[j] + res[j];
+        for (; j < h; ++j) store1(res_out + j, load1(x + j) + load1(res + j));
         s = res_out;
     }
     const float ss = sum_squares(s, h);
     const float r = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
     const vf rv = splat(r);
     int64_t j = 0;
-    for (; j + VW <= h; j += VW) storeu(out + j, loadu(w + j) * (loadu(s + j) * rv));
-    for (; j < h; ++j) out[j] = w[j] * (s[j] * r);
+    for (; j + VW <= h; j += VW) storeu(out + j, loadu(w + j) * round_to<T>(loadu(s + j) * rv));
+    for (; j < h; ++j) store1(out + j, load1(w + j) * round_to<T>(load1(s + j) * r));
 }
 
 // ------------------------------------------------------------------------------------- rotary
-inline void rotate_heads(const float* src, int64_t s_h, float* dst, int64_t d_h, int64_t nh, int64_t half,
+template <typename T>
+inline void rotate_heads(const T* src, int64_t s_h, T* dst, int64_t d_h, int64_t nh, int64_t half,
                          const float* c, const float* sn) {
     for (int64_t hh = 0; hh < nh; ++hh) {
-        const float* x = src + hh * s_h;
-        float* o = dst + hh * d_h;
+        const T* x = src + hh * s_h;
+        T* o = dst + hh * d_h;
         int64_t j = 0;
         for (; j + VW <= half; j += VW) {
-            vf x1 = loadu(x + j), x2 = loadu(x + half + j), cv = loadu(c + j), sv = loadu(sn + j);
-            vf o1 = rounded(x1 * cv) - rounded(x2 * sv);
-            vf o2 = rounded(x2 * cv) + rounded(x1 * sv);
+            vf x1 = loadu(x + j), x2 = loadu(x + half + j);
+            vf cv = round_to<T>(loadu(c + j)), sv = round_to<T>(loadu(sn + j));
+            vf o1 = round_to<T>(x1 * cv) - round_to<T>(x2 * sv);
+            vf o2 = round_to<T>(x2 * cv) + round_to<T>(x1 * sv);
             storeu(o + j, o1);
             storeu(o + half + j, o2);
         }
         for (; j < half; ++j) {
-            float x1 = x[j], x2 = x[half + j];
-            float o1 = rounded(x1 * c[j]) - rounded(x2 * sn[j]);
-            float o2 = rounded(x2 * c[j]) + rounded(x1 * sn[j]);
-            o[j] = o1;
-            o[half + j] = o2;
+            float x1 = load1(x + j), x2 = load1(x + half + j);
+            float cj = round_to<T>(c[j]), sj = round_to<T>(sn[j]);
+            float o1 = round_to<T>(x1 * cj) - round_to<T>(x2 * sj);
+            float o2 = round_to<T>(x2 * cj) + round_to<T>(x1 * sj);
+            store1(o + j, o1);
+            store1(o + half + j, o2);
         }
     }
 }
 
 // ------------------------------------------------------------------------------- silu_and_mul
-inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
     int64_t j = 0;
     const vf one = splat(1.0f);
     for (; j + VW <= n; j += VW) {
         vf gv = loadu(g + j);
-        storeu(o + j, (gv / (one + exp_v(-gv))) * loadu(u + j));
+        storeu(o + j, round_to<T>(gv / (one + exp_v(-gv))) * loadu(u + j));
     }
     if (j < n) {  // tail through a padded vector: the same exp as the body
         float gt[VW] = {}, ut[VW] = {}, ot[VW];
         for (int64_t i = j; i < n; ++i) {
-            gt[i - j] = g[i];
-            ut[i - j] = u[i];
+            gt[i - j] = load1(g + i);
+            ut[i - j] = load1(u + i);
         }
         vf gv = loadu(gt);
-        storeu(ot, (gv / (one + exp_v(-gv))) * loadu(ut));
-        for (int64_t i = j; i < n; ++i) o[i] = ot[i - j];
+        storeu(ot, round_to<T>(gv / (one + exp_v(-gv))) * loadu(ut));
+        for (int64_t i = j; i < n; ++i) store1(o + i, ot[i - j]);
     }
 }
 
@@ -159,22 +168,11 @@ inline void quantize_row(const float* x, uint8_t* q, float* scale, int64_t k, fl
     for (; j < k; ++j) q[j] = static_cast<uint8_t>(static_cast<int32_t>((rounded(x[j] / s + magic) - magic) + zero_point));
 }
 
-}  // namespace
-
-extern "C" {
-
-// Calls with at least this many weighted elements (rows * row length * op cost) run on the
-// OpenMP pool.
-void sf_ew_set_parallel_threshold(int64_t elements) { g_parallel_threshold = elements; }
-int64_t sf_ew_get_parallel_threshold(void) { return g_parallel_threshold; }
-// Vector width in floats the library was compiled for (16 = AVX-512, 8 = AVX2, 4 = other).
-int sf_ew_vector_width(void) { return VW; }
-
 // out[t] = w * normed(x[t] (+ res[t])); with res, res_out[t] = x[t] + res[t] (written first, so
 // res_out may be x or res itself; out may be x; out must not be res_out). res == nullptr: no add.
-void sf_ew_rms_norm_f32(const float* x, int64_t sx, const float* res, int64_t sr, const float* w,
-                        float* out, int64_t so, float* res_out, int64_t sro, int64_t rows, int64_t h,
-                        float eps) {
+template <typename T>
+void rms_norm(const T* x, int64_t sx, const T* res, int64_t sr, const T* w, T* out, int64_t so, T* res_out,
+              int64_t sro, int64_t rows, int64_t h, float eps) {
 #pragma omp parallel for schedule(static) if (go_parallel(rows, h, kCostNorm))
     for (int64_t t = 0; t < rows; ++t)
         rms_row(x + t * sx, res ? res + t * sr : nullptr, w, out + t * so, res ? res_out + t * sro : nullptr,
@@ -182,13 +180,13 @@ void sf_ew_rms_norm_f32(const float* x, int64_t sx, const float* res, int64_t sr
 }
 
 // Rotate q [T, Hq, D] and k [T, Hk, D] (strides per token and per head, in elements; the head
-// dimension contiguous) into qo / ko (which may be q / k with the same strides: in place).
-// Returns -1 on success; otherwise the index of the first token whose position is outside
-// [0, max_pos), and nothing was written.
-int64_t sf_ew_rotary_f32(const float* q, int64_t sqt, int64_t sqh, const float* k, int64_t skt, int64_t skh,
-                         float* qo, int64_t sqot, int64_t sqoh, float* ko, int64_t skot, int64_t skoh,
-                         const int64_t* pos, const float* cos, int64_t sc, const float* sin, int64_t ss,
-                         int64_t max_pos, int64_t rows, int64_t hq, int64_t hk, int64_t d) {
+// dimension contiguous) into qo / ko (which may be q / k with the same strides: in place), with
+// fp32 cos/sin tables. Returns -1 on success; otherwise the index of the first token whose
+// position is outside [0, max_pos), and nothing was written.
+template <typename T>
+int64_t rotary(const T* q, int64_t sqt, int64_t sqh, const T* k, int64_t skt, int64_t skh, T* qo, int64_t sqot,
+               int64_t sqoh, T* ko, int64_t skot, int64_t skoh, const int64_t* pos, const float* cos, int64_t sc,
+               const float* sin, int64_t ss, int64_t max_pos, int64_t rows, int64_t hq, int64_t hk, int64_t d) {
     for (int64_t t = 0; t < rows; ++t)
         if (pos[t] < 0 || pos[t] >= max_pos) return t;
     const int64_t half = d / 2;
@@ -204,7 +202,8 @@ int64_t sf_ew_rotary_f32(const float* q, int64_t sqt, int64_t sqh, const float* 
 
 // out[t, :n] = silu(x[t, :n]) * x[t, n:2n]. Parallel work items are (row, column chunk): with
 // fewer rows than threads (decode, large intermediate sizes) each row is split into chunks too.
-void sf_ew_silu_and_mul_f32(const float* x, int64_t sx, float* out, int64_t so, int64_t rows, int64_t n) {
+template <typename T>
+void silu_and_mul(const T* x, int64_t sx, T* out, int64_t so, int64_t rows, int64_t n) {
     if (rows <= 0 || n <= 0) return;
     const bool par = rows * n * kCostSilu >= g_parallel_threshold && omp_get_max_threads() > 1;
     int64_t chunks = 1;
@@ -225,43 +224,62 @@ void sf_ew_silu_and_mul_f32(const float* x, int64_t sx, float* out, int64_t so, 
     }
 }
 
-// Per-row symmetric quantization of x [rows, k] (row stride sx) to uint8 q [rows, k] (contiguous)
-// around zero_point, with scales [rows]: q = nearbyint(x / scale) + zero_point,
-// scale = max(max|x|, 1e-12) / levels. The caller keeps levels + zero_point within uint8.
-void sf_ew_quantize_rows_u8(const float* x, int64_t sx, uint8_t* q, float* scales, int64_t rows, int64_t k,
-                            int64_t levels, int64_t zero_point) {
-#pragma omp parallel for schedule(static) if (go_parallel(rows, k, kCostQuantize))
-    for (int64_t t = 0; t < rows; ++t)
-        quantize_row(x + t * sx, q + t * k, scales + t, k, static_cast<float>(levels), static_cast<float>(zero_point));
-}
-
-// Packed-argument entry points for the Python wrappers: one pointer to the arguments above, in
+// The packed-argument forms the Python wrappers call: one pointer to the arguments above, in
 // order, each 8 bytes (int64, pointers as int64, eps as double). A ctypes call converts each
 // argument separately (~0.3 us apiece); packing them with struct.pack costs a fraction of that.
-void sf_ew_rms_norm_f32_packed(const int64_t* a) {
+template <typename T>
+void rms_norm_packed(const int64_t* a) {
     double eps;
     std::memcpy(&eps, a + 11, sizeof(eps));
-    sf_ew_rms_norm_f32(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<const float*>(a[2]), a[3],
-                       reinterpret_cast<const float*>(a[4]), reinterpret_cast<float*>(a[5]), a[6],
-                       reinterpret_cast<float*>(a[7]), a[8], a[9], a[10], static_cast<float>(eps));
+    rms_norm<T>(reinterpret_cast<const T*>(a[0]), a[1], reinterpret_cast<const T*>(a[2]), a[3],
+                reinterpret_cast<const T*>(a[4]), reinterpret_cast<T*>(a[5]), a[6], reinterpret_cast<T*>(a[7]), a[8],
+                a[9], a[10], static_cast<float>(eps));
 }
 
-int64_t sf_ew_rotary_f32_packed(const int64_t* a) {
-    return sf_ew_rotary_f32(reinterpret_cast<const float*>(a[0]), a[1], a[2], reinterpret_cast<const float*>(a[3]),
-                            a[4], a[5], reinterpret_cast<float*>(a[6]), a[7], a[8], reinterpret_cast<float*>(a[9]),
-                            a[10], a[11], reinterpret_cast<const int64_t*>(a[12]),
-                            reinterpret_cast<const float*>(a[13]), a[14], reinterpret_cast<const float*>(a[15]),
-                            a[16], a[17], a[18], a[19], a[20], a[21]);
+template <typename T>
+int64_t rotary_packed(const int64_t* a) {
+    return rotary<T>(reinterpret_cast<const T*>(a[0]), a[1], a[2], reinterpret_cast<const T*>(a[3]), a[4], a[5],
+                     reinterpret_cast<T*>(a[6]), a[7], a[8], reinterpret_cast<T*>(a[9]), a[10], a[11],
+                     reinterpret_cast<const int64_t*>(a[12]), reinterpret_cast<const float*>(a[13]), a[14],
+                     reinterpret_cast<const float*>(a[15]), a[16], a[17], a[18], a[19], a[20], a[21]);
 }
 
-void sf_ew_silu_and_mul_f32_packed(const int64_t* a) {
-    sf_ew_silu_and_mul_f32(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<float*>(a[2]), a[3], a[4],
-                           a[5]);
+template <typename T>
+void silu_and_mul_packed(const int64_t* a) {
+    silu_and_mul<T>(reinterpret_cast<const T*>(a[0]), a[1], reinterpret_cast<T*>(a[2]), a[3], a[4], a[5]);
 }
 
+}  // namespace
+
+extern "C" {
+
+// Calls with at least this many weighted elements (rows * row length * op cost) run on the
+// OpenMP pool.
+void sf_ew_set_parallel_threshold(int64_t elements) { g_parallel_threshold = elements; }
+int64_t sf_ew_get_parallel_threshold(void) { return g_parallel_threshold; }
+// Vector width in floats the library was compiled for (16 = AVX-512, 8 = AVX2, 4 = other).
+int sf_ew_vector_width(void) { return VW; }
+
+// fp32 and bf16 (uint16_t bits) forms of the kernels above, packed arguments.
+void sf_ew_rms_norm_f32_packed(const int64_t* a) { rms_norm_packed<float>(a); }
+void sf_ew_rms_norm_bf16_packed(const int64_t* a) { rms_norm_packed<uint16_t>(a); }
+int64_t sf_ew_rotary_f32_packed(const int64_t* a) { return rotary_packed<float>(a); }
+int64_t sf_ew_rotary_bf16_packed(const int64_t* a) { return rotary_packed<uint16_t>(a); }
+void sf_ew_silu_and_mul_f32_packed(const int64_t* a) { silu_and_mul_packed<float>(a); }
+void sf_ew_silu_and_mul_bf16_packed(const int64_t* a) { silu_and_mul_packed<uint16_t>(a); }
+
+// Per-row symmetric quantization of fp32 x [rows, k] (row stride sx) to uint8 q [rows, k]
+// (contiguous) around zero_point, with scales [rows]: q = nearbyint(x / scale) + zero_point,
+// scale = max(max|x|, 1e-12) / levels. The caller keeps levels + zero_point within uint8.
+// Packed: x, sx, q, scales, rows, k, levels, zero_point.
 void sf_ew_quantize_rows_u8_packed(const int64_t* a) {
-    sf_ew_quantize_rows_u8(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<uint8_t*>(a[2]),
-                           reinterpret_cast<float*>(a[3]), a[4], a[5], a[6], a[7]);
+    const float* x = reinterpret_cast<const float*>(a[0]);
+    uint8_t* q = reinterpret_cast<uint8_t*>(a[2]);
+    float* scales = reinterpret_cast<float*>(a[3]);
+    const int64_t sx = a[1], rows = a[4], k = a[5];
+    const float levels = static_cast<float>(a[6]), zero_point = static_cast<float>(a[7]);
+#pragma omp parallel for schedule(static) if (go_parallel(rows, k, kCostQuantize))
+    for (int64_t t = 0; t < rows; ++t) quantize_row(x + t * sx, q + t * k, scales + t, k, levels, zero_point);
 }
 
 }  // extern "C"

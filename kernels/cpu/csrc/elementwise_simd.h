@@ -96,4 +96,53 @@ static inline vf exp_v(vf x) {
 
 static inline float exp_s(float x) { return std::exp(x); }
 
+// bf16 tensors travel as their uint16_t bits. Widening to fp32 is exact (bf16 is the high half
+// of a float); narrowing rounds to nearest even, as torch does (NaN payloads are not kept).
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint16_t vh_u __attribute__((vector_size(VW * 2), aligned(2), may_alias));
+
+static inline vf loadu(const uint16_t* p) {
+    return reinterpret_cast<vf>(__builtin_convertvector(*reinterpret_cast<const vh_u*>(p), vu) << 16);
+}
+static inline vu bf16_round_bits(vf v) {
+    const vu b = reinterpret_cast<vu>(v);
+    return b + (0x7fffu + ((b >> 16) & 1u));
+}
+static inline void storeu(uint16_t* p, vf v) {
+    *reinterpret_cast<vh_u*>(p) = __builtin_convertvector(bf16_round_bits(v) >> 16, vh);
+}
+static inline float load1(const float* p) { return *p; }
+static inline float load1(const uint16_t* p) {
+    const uint32_t w = uint32_t(*p) << 16;
+    float f;
+    std::memcpy(&f, &w, sizeof(f));
+    return f;
+}
+static inline void store1(float* p, float v) { *p = v; }
+static inline void store1(uint16_t* p, float v) {
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof(b));
+    *p = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// A value as torch holds an intermediate result in the tensor dtype T: fp32 kept apart from a
+// following add (no FMA contraction, `rounded`), bf16 rounded to bf16.
+template <typename T>
+static inline vf round_to(vf v);
+template <>
+inline vf round_to<float>(vf v) { return rounded(v); }
+template <>
+inline vf round_to<uint16_t>(vf v) { return reinterpret_cast<vf>(bf16_round_bits(v) & 0xffff0000u); }
+template <typename T>
+static inline float round_to(float v);
+template <>
+inline float round_to<float>(float v) { return rounded(v); }
+template <>
+inline float round_to<uint16_t>(float v) {
+    uint16_t t;
+    store1(&t, v);
+    return load1(&t);
+}
+
 }  // namespace sf_ew
