@@ -55,9 +55,10 @@ class _Mailbox:
     """One request's delivery state: its callback, whether a delivery is in flight, and the
     output produced since (merged)."""
 
-    __slots__ = ("callback", "busy", "pending")
+    __slots__ = ("key", "callback", "busy", "pending")
 
-    def __init__(self, callback: OutputCallback) -> None:
+    def __init__(self, key: tuple[str, int], callback: OutputCallback) -> None:
+        self.key = key
         self.callback = callback
         self.busy = False
         self.pending: RequestOutput | None = None
@@ -84,7 +85,10 @@ class EngineLoop:
         self._delivery_pool: ThreadPoolExecutor | None = None
         self._held: dict[str, RequestOutput] = {}  # stream_interval: undelivered outputs (engine thread)
         self._mail_lock = threading.Lock()
-        self._mailboxes: dict[str, _Mailbox] = {}  # requests with a delivery in flight or waiting
+        # Requests with a delivery in flight or waiting, by (request id, callback identity): a
+        # request id reused while its predecessor's last outputs are still going out gets a box
+        # of its own.
+        self._mailboxes: dict[tuple[str, int], _Mailbox] = {}
         self._thread = threading.Thread(target=self._run, name="splitfuse-engine", daemon=True)
 
     def start(self) -> LLMEngine:
@@ -267,10 +271,11 @@ class EngineLoop:
     def _post(self, callback: OutputCallback, out: RequestOutput) -> None:
         """Deliver `out` on a delivery thread, or merge it into the request's mailbox while an
         earlier output of the request is still being delivered."""
+        key = (out.request_id, id(callback))
         with self._mail_lock:
-            box = self._mailboxes.get(out.request_id)
+            box = self._mailboxes.get(key)
             if box is None:
-                box = self._mailboxes[out.request_id] = _Mailbox(callback)
+                box = self._mailboxes[key] = _Mailbox(key, callback)
             if box.busy:
                 box.pending = out if box.pending is None else out.after(box.pending)
                 return
@@ -292,7 +297,7 @@ class EngineLoop:
                 if box.pending is None:
                     box.busy = False
                     if out.finished:
-                        self._mailboxes.pop(out.request_id, None)
+                        self._mailboxes.pop(box.key, None)
                     return
                 out, box.pending = box.pending, None
 

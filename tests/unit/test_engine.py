@@ -319,6 +319,38 @@ def test_slow_consumer_gets_merged_outputs_and_does_not_hold_the_engine(tiny_lla
     assert "".join(o.delta_text for o in slow) == slow[-1].text
 
 
+def test_request_id_reused_while_its_last_output_is_going_out(tiny_llama):
+    """A request id reused as soon as its request finished, while that final output is still
+    being delivered: each request's outputs reach its own callback."""
+    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4))
+    loop.start()
+    first, second = [], []
+    first_final_started, release, second_done = threading.Event(), threading.Event(), threading.Event()
+
+    def on_first(out):
+        if out.finished:
+            first_final_started.set()
+            assert release.wait(30)
+        first.append(out)
+
+    def on_second(out):
+        second.append(out)
+        if out.finished:
+            second_done.set()
+    try:
+        greedy = dict(ignore_eos=True, temperature=0.0)
+        loop.submit("same", "hello", SamplingParams(max_tokens=3, **greedy), on_first)
+        assert first_final_started.wait(30)  # first's final output is being delivered
+        loop.submit("same", "hello", SamplingParams(max_tokens=5, **greedy), on_second)
+        assert second_done.wait(30)
+        release.set()
+    finally:
+        release.set()
+        loop.shutdown(timeout=30)
+    assert len(first[-1].token_ids) == 3 and first[-1].finished
+    assert [t for o in second for t in o.delta_token_ids] == second[-1].token_ids and len(second[-1].token_ids) == 5
+
+
 def test_engine_loop_start_raises_what_building_the_engine_raised(tiny_llama):
     """The engine is built on the loop's thread; what fails there reaches start()'s caller."""
     loop = EngineLoop(EngineConfig(model=tiny_llama, device="cpu", attention_backend="flash_attn"))
