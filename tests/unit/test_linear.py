@@ -66,6 +66,7 @@ def test_prepare_packs_and_releases_the_plain_weight():
 
 def test_torch_backend_keeps_the_weight():
     layer = Linear(32, 48, bias=False)
+    torch.nn.init.normal_(layer.weight)  # (uninitialised memory may hold NaNs)
     layer.prepare("torch")
     assert layer.weight.shape == (48, 32)
     x = torch.randn(3, 32)
