@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace sf_ew {
 
 #if defined(__AVX512F__)
@@ -96,8 +98,8 @@ static inline vf exp_v(vf x) {
 
 static inline float exp_s(float x) { return std::exp(x); }
 
-// bf16 tensors travel as their uint16_t bits. Widening to fp32 is exact (bf16 is the high half
-// of a float); narrowing rounds to nearest even, as torch does (NaN payloads are not kept).
+// bf16 tensors travel as their uint16_t bits (bf16.h); the vector forms below widen exactly and
+// narrow to nearest even like the scalar ones.
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef uint16_t vh_u __attribute__((vector_size(VW * 2), aligned(2), may_alias));
@@ -113,18 +115,9 @@ static inline void storeu(uint16_t* p, vf v) {
     *reinterpret_cast<vh_u*>(p) = __builtin_convertvector(bf16_round_bits(v) >> 16, vh);
 }
 static inline float load1(const float* p) { return *p; }
-static inline float load1(const uint16_t* p) {
-    const uint32_t w = uint32_t(*p) << 16;
-    float f;
-    std::memcpy(&f, &w, sizeof(f));
-    return f;
-}
+static inline float load1(const uint16_t* p) { return sf_bf16::to_f32(*p); }
 static inline void store1(float* p, float v) { *p = v; }
-static inline void store1(uint16_t* p, float v) {
-    uint32_t b;
-    std::memcpy(&b, &v, sizeof(b));
-    *p = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
+static inline void store1(uint16_t* p, float v) { *p = sf_bf16::from_f32(v); }
 
 // A value as torch holds an intermediate result in the tensor dtype T: fp32 kept apart from a
 // following add (no FMA contraction, `rounded`), bf16 rounded to bf16.
@@ -139,10 +132,6 @@ static inline float round_to(float v);
 template <>
 inline float round_to<float>(float v) { return rounded(v); }
 template <>
-inline float round_to<uint16_t>(float v) {
-    uint16_t t;
-    store1(&t, v);
-    return load1(&t);
-}
+inline float round_to<uint16_t>(float v) { return sf_bf16::to_f32(sf_bf16::from_f32(v)); }
 
 }  // namespace sf_ew

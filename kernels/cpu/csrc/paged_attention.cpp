@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "attention_simd.h"
+#include "bf16.h"
 
 namespace sf_attn {
 namespace {
@@ -155,12 +156,7 @@ static inline v8 load_kv8(const uint16_t* p) {
     return (v8)(__builtin_convertvector(*reinterpret_cast<const h8*>(p), u8x) << 16);
 }
 static inline float kv_to_f32(float x) { return x; }
-static inline float kv_to_f32(uint16_t h) {
-    const uint32_t w = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &w, sizeof(f));
-    return f;
-}
+static inline float kv_to_f32(uint16_t h) { return sf_bf16::to_f32(h); }
 
 // S[R][16] = Q . Kt[D][16] (Kt rows ldk apart), Q packed d-major for the strip: Q[d * R + i]
 // (one pointer, immediate offsets: no general register per row). Strips of few rows (decode:
@@ -389,15 +385,8 @@ static void transpose_rows(const float* __restrict src, int64_t src_ld, int n, i
 }
 
 static void bf16_to_f32_row(const uint16_t* __restrict src, float* __restrict dst, int n) {
-    typedef uint16_t u16x8 __attribute__((vector_size(16)));
-    typedef uint32_t u32x8 __attribute__((vector_size(32)));
     int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        u16x8 h;
-        std::memcpy(&h, src + i, sizeof(h));
-        const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-        std::memcpy(dst + i, &w, sizeof(w));
-    }
+    for (; i + 8 <= n; i += 8) storeu8(dst + i, load_kv8(src + i));
     for (; i < n; ++i) dst[i] = kv_to_f32(src[i]);
 }
 
