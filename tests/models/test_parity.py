@@ -4,12 +4,15 @@ fallback (torch attention + F.linear) that runs where no compiler is present."""
 
 import json
 import random
+import threading
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from splitfuse import LLM, SamplingParams
+from splitfuse.config import EngineConfig
+from splitfuse.engine_loop import EngineLoop
 
 PROMPT_LENGTHS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 64, 100, 130]
 LLAMA3_ROPE = {
@@ -96,3 +99,31 @@ def test_bfloat16_runs(tiny_llama):
     llm = LLM(tiny_llama, dtype="bfloat16", attention_backend="torch", token_budget=16)
     outs = llm.generate(_prompts(400)[:4], SamplingParams(max_tokens=5, temperature=0.0))
     assert all(len(o.token_ids) >= 1 and o.finished for o in outs)
+
+
+@pytest.mark.parametrize("stream_interval", [1, 3])
+def test_streamed_through_engine_loop_matches_hf(case, cpu_path, stream_interval):
+    """The serving path: EngineLoop's per-request mailboxes (outputs merged while a delivery is
+    in flight) and stream_interval; the streamed deltas, joined, are HF's tokens."""
+    name, path, prompts, refs = case
+    loop = EngineLoop(EngineConfig(model=path, dtype="float32", token_budget=64, block_size=16,
+                                   stream_interval=stream_interval, **cpu_path))
+    loop.start()
+    streams: dict[int, list] = {i: [] for i in range(len(prompts))}
+    done = threading.Semaphore(0)
+
+    def on_output(i):
+        def collect(out):
+            streams[i].append(out)
+            if out.finished:
+                done.release()
+        return collect
+    try:
+        for i, p in enumerate(prompts):
+            loop.submit(f"r{i}", p, SamplingParams(max_tokens=_max_tokens(i), temperature=0.0), on_output(i))
+        for _ in prompts:
+            assert done.acquire(timeout=60)
+    finally:
+        loop.shutdown(timeout=30)
+    for i, ref in enumerate(refs):
+        assert [t for o in streams[i] for t in o.delta_token_ids] == ref, f"{name} interval={stream_interval} #{i}"
