@@ -9,6 +9,7 @@ import os
 import torch
 
 from splitfuse.config import EngineConfig
+from splitfuse.host_allocator import keep_freed_memory
 from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import check_quantization, resolve_linear_backend
@@ -72,6 +73,7 @@ class ModelRunner:
             # nothing at the precision that matters (values below 1e-38). A per-thread setting:
             # the engine steps on the thread that built it.
             torch.set_flush_denormal(True)
+            keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.args, self.device)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
