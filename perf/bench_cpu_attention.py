@@ -21,7 +21,7 @@ down), so compare numbers within a line.
     python perf/bench_cpu_attention.py --layouts         # K transposed vs row-major K (+ L1 transpose)
     python perf/bench_cpu_attention.py --rows 24,48,96   # query rows per work item
     python perf/bench_cpu_attention.py --thp             # caches on transparent huge pages
-    python perf/bench_cpu_attention.py --bf16            # fp32 vs bf16 KV cache (same values)
+    python perf/bench_cpu_attention.py --bf16            # fp32 vs bf16 KV cache (same values), and bf16 q
 """
 
 from __future__ import annotations
@@ -116,14 +116,15 @@ class Batch:
         return f"{self.flops() / ms / 1e6:6.1f} GFLOP/s"
 
     # Timed functions (argument: layer index).
-    def ours(self, k_layout=cpu_pa.K_TRANSPOSED, rows=None, bf16=False):
+    def ours(self, k_layout=cpu_pa.K_TRANSPOSED, rows=None, bf16=False, q_bf16=False):
         out = torch.empty_like(self.q)
         m = self.meta
         scale = self.d ** -0.5
+        q = self.q.bfloat16() if q_bf16 else self.q
 
         def fn(i):
             k, v = self.bf16_caches[i] if bf16 else self.cpu_caches[k_layout][i]
-            cpu_pa.paged_attention(self.q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale, out=out,
+            cpu_pa.paged_attention(q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale, out=out,
                                    rows_per_tile=rows, k_layout=k_layout)
         return fn
 
@@ -208,13 +209,22 @@ def main() -> None:
         b = Batch(pairs, args.heads, args.kv_heads, args.head_dim, args.block_size, args.layers_mb << 20, gen,
                   layouts, thp=args.thp, bf16=args.bf16)
         if args.bf16:
-            r = time_interleaved({"fp32": b.ours(), "bf16": b.ours(bf16=True)}, b.n_layers, args.rounds, args.calls)
+            r = time_interleaved({"fp32": b.ours(), "bf16": b.ours(bf16=True), "bq": b.ours(bf16=True, q_bf16=True)},
+                                 b.n_layers, args.rounds, args.calls)
             m = b.meta
-            outs = [cpu_pa.paged_attention(b.q, k, v, m.query_start_loc, m.seq_lens, m.block_tables,
-                                           args.head_dim ** -0.5) for k, v in (b.cpu_caches[T][0], b.bf16_caches[0])]
+            outs = [cpu_pa.paged_attention(q, k, v, m.query_start_loc, m.seq_lens, m.block_tables,
+                                           args.head_dim ** -0.5)
+                    for q, (k, v) in ((b.q, b.cpu_caches[T][0]), (b.q, b.bf16_caches[0]),
+                                      (b.q.bfloat16(), b.bf16_caches[0]))]
+            # bf16 q: a bf16 model's queries (prompt chunks take bf16 products where the CPU has
+            # AVX-512 BF16); its difference is against fp32 q rounded to bf16 over the same cache.
+            ref_bq = cpu_pa.paged_attention(b.q.bfloat16().float(), *b.bf16_caches[0], m.query_start_loc, m.seq_lens,
+                                            m.block_tables, args.head_dim ** -0.5)
             print(f"{name:<18} fp32 cache {r['fp32']:7.3f} ms ({b.rate(r['fp32'])})   bf16 cache {r['bf16']:7.3f} ms "
                   f"({b.rate(r['bf16'], 2)})   x{r['fp32'] / r['bf16']:4.2f}   "
-                  f"max|diff| {(outs[0] - outs[1]).abs().max().item():.1e}")
+                  f"max|diff| {(outs[0] - outs[1]).abs().max().item():.1e}   bf16 q {r['bq']:7.3f} ms "
+                  f"({b.rate(r['bq'], 2)})   x{r['bf16'] / r['bq']:4.2f} over bf16 cache   "
+                  f"max|diff| {(outs[2] - ref_bq).abs().max().item():.1e}")
         elif args.layouts:
             r = time_interleaved({"T": b.ours(T), "R": b.ours(R), "wT": b.ours_write(T), "wR": b.ours_write(R),
                                   "sT": b.ours_step(T), "sR": b.ours_step(R)}, b.n_layers, args.rounds, args.calls)

@@ -5,8 +5,9 @@ the block tables (no gather, no padding to the longest sequence); one more write
 tokens' K/V. The layout is the kernel's own (`cache_shape`: K transposed inside a block).
 Nothing to plan per step: the kernel splits its work itself. A bfloat16 model keeps a bfloat16
 cache, and so may a float32 model (`kv_cache_dtype`): the new tokens' K/V are rounded to the
-cache's dtype as they are written. Queries enter the kernel as float32 and the output leaves in
-the model's dtype.
+cache's dtype as they are written. Queries enter the kernel in the model's dtype (float32, or
+bfloat16: prompt chunks of a bf16 model then multiply in bf16 where the CPU has AVX-512 BF16);
+the kernel's float32 output leaves in the model's dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class CpuAttention:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, sliding_window: int | None) -> torch.Tensor:
-        out = kernels.paged_attention(q.float(), k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+        if q.dtype is not torch.bfloat16:
+            q = q.float()
+        out = kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                       meta.block_tables, scale, sliding_window)
         return out.to(q.dtype)

@@ -2,9 +2,15 @@
 
 One call covers a whole ragged batch of prompt chunks (at any offset: chunked prefill) and
 decodes, with the engine's conventions (as `splitfuse.kernels.paged_attention_reference`):
-  q                [T, Hq, D] float32, last dim contiguous (token/head strides may be anything)
+  q                [T, Hq, D] float32 or bfloat16, last dim contiguous (token/head strides may be
+                   anything)
   k_cache, v_cache float32 or bfloat16 (both the same; bf16 values are widened to fp32 as they
-                   are read: half the memory traffic, fp32 arithmetic); the output is float32
+                   are read: half the memory traffic, fp32 arithmetic); the output is float32.
+                   bf16 queries over a bf16 cache (a bf16 model): on CPUs with AVX-512 BF16
+                   (`bf16_products()`), the query tiles of more than one token (prompt chunks)
+                   multiply in bf16 with fp32 sums (vdpbf16ps: exact products, twice the
+                   multiplies per instruction), and P is rounded to bf16 for P.V; decodes, and
+                   every other case, keep fp32 products
   query_start_loc  int32 [B+1], seq_lens int32 [B] (context incl. the new tokens),
   block_tables     int32 [B, max_blocks] (rows may be padded with any ids past the used blocks)
   slot_mapping     int64 [T], slot = block_id * block_size + offset, < 0 = skip the token.
@@ -43,7 +49,8 @@ import torch
 
 from .build import library
 
-__all__ = ["K_ROW_MAJOR", "K_TRANSPOSED", "allocate_cache", "available", "cache_shape", "from_reference_layout",
+__all__ = ["K_ROW_MAJOR", "K_TRANSPOSED", "allocate_cache", "available", "bf16_products", "cache_shape",
+           "from_reference_layout",
            "huge_page_empty", "paged_attention", "plan", "to_reference_layout", "vector_width", "write_kv_cache"]
 
 K_ROW_MAJOR = 0   # K tile [block_size, D] like V (kept to measure the layout choice)
@@ -58,7 +65,7 @@ _ERRORS = {
     -6: "out of memory (kernel scratch or split-KV workspace)",
 }
 
-_ATTN_NARGS, _WRITE_NARGS = 28, 16  # int64 slots of the packed entry points (csrc/paged_attention.cpp)
+_ATTN_NARGS, _WRITE_NARGS = 29, 16  # int64 slots of the packed entry points (csrc/paged_attention.cpp)
 _attn_fn = None
 _write_fn = None
 _write_bf16_fn = None
@@ -105,6 +112,13 @@ def vector_width() -> int:
         raise RuntimeError("the C++ CPU kernels are not available (see splitfuse.kernels.cpu.build)")
     lib.sf_attn_simd_width.restype = ctypes.c_int
     return int(lib.sf_attn_simd_width())
+
+
+def bf16_products() -> bool:
+    """Whether prompt chunks of bf16 queries over a bf16 cache take bf16 products here (the
+    library was built for a CPU with AVX-512 BF16)."""
+    lib = library()
+    return lib is not None and bool(lib.sf_attn_bf16_products())
 
 
 def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -224,7 +238,7 @@ def _check_write(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 def _batch_ok(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window) -> bool:
     qshape = q.shape
-    if not (q.dtype is _FP32 and len(qshape) == 3 and q.stride(2) == 1 and q.is_cpu
+    if not ((q.dtype is _FP32 or q.dtype is _BF16) and len(qshape) == 3 and q.stride(2) == 1 and q.is_cpu
             and _caches_ok(k_cache, v_cache, qshape[2]) and qshape[1] % k_cache.shape[1] == 0):
         return False
     b = seq_lens.shape[0] if len(seq_lens.shape) == 1 else -1
@@ -238,8 +252,8 @@ def _batch_ok(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, slid
 
 def _check_batch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window) -> None:
     """The slow path of paged_attention's checks: raise a ValueError that names the problem."""
-    if q.dtype != torch.float32:
-        raise ValueError(f"q must be float32, got {q.dtype}")
+    if q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
     if q.dim() != 3 or q.stride(2) != 1 or not q.is_cpu:
         raise ValueError(f"q must be a CPU [T, Hq, D] tensor with a contiguous last dim, got {tuple(q.shape)}")
     d = q.shape[2]
@@ -293,7 +307,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                block_tables.shape[1], b, t, hq, kshape[1], d, kshape[2] // d, kshape[0],
                min(sliding_window, _MAX_WINDOW) if sliding_window else 0, k_layout, num_splits or 0,
-               rows_per_tile or 0, num_threads or torch.get_num_threads(), 0, 0, int(k_cache.dtype is _BF16))
+               rows_per_tile or 0, num_threads or torch.get_num_threads(), 0, 0, int(k_cache.dtype is _BF16),
+               int(q.dtype is _BF16))
     rc = attn(args, scale)
     if rc:
         _raise(rc, "paged_attention")
@@ -317,7 +332,7 @@ def plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_st
         block_tables.shape[1], seq_lens.shape[0], t, hq, kshape[1], d, kshape[2] // d, kshape[0],
         min(sliding_window, _MAX_WINDOW) if sliding_window else 0, K_TRANSPOSED, num_splits or 0,
         rows_per_tile or 0, num_threads or torch.get_num_threads(), ctypes.addressof(stats), 1,
-        int(k_cache.dtype is _BF16))
+        int(k_cache.dtype is _BF16), int(q.dtype is _BF16))
     rc = attn(args, 1.0)
     if rc:
         _raise(rc, "paged_attention")

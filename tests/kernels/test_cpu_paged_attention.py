@@ -362,6 +362,44 @@ def test_bf16_write_kv_cache_is_exact(block_size, k_layout):
     assert torch.equal(k_back, k_ref) and torch.equal(v_back, v_ref)
 
 
+# bf16 queries (a bf16 model) over a bf16 cache: prompt chunks take bf16 products where the CPU
+# has AVX-512 BF16 (exact products, fp32 sums, P rounded to bf16 for P.V); decodes keep fp32 ones.
+BF16_PRODUCTS = cpu_pa.bf16_products()
+# Bound on |out - fp32 reference| with P rounded to bf16 (8 significant bits), for these N(0, 1)
+# K/V: measured up to 3.5e-3 over the cases below.
+BF16_PRODUCT_ATOL = 8e-3
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: not a multiple of 32, fp32 products
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [16, 32, 4])  # 4: gathered tiles, fp32 products
+@pytest.mark.parametrize("window", [None, 5, 37])
+def test_bf16_queries(block_size, group, head_dim, window):
+    # Chunks at odd offsets and windows make key ranges start and end mid-pair; the NaN-filled
+    # tails of the cache show a pair partner outside the range leaking into the output.
+    pairs = MIXED + [(100, 33), (2, 7)]
+    b = _as_bf16(Batch(pairs, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size, seed=5))
+    b.q = b.q.bfloat16().float()
+    ref = b.reference(sliding_window=window)
+    fp32_q = b.run(sliding_window=window)
+    b.q = b.q.bfloat16()
+    out = b.run(sliding_window=window)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    split = b.run(sliding_window=window, num_splits=3)  # (P rounds against each partition's own max)
+    decode_rows = torch.cat([torch.arange(b.qsl[i], b.qsl[i + 1]) for i, (n, _) in enumerate(pairs) if n == 1])
+    # Decodes: fp32 products on the same (exactly widened) queries, whatever the CPU.
+    torch.testing.assert_close(out[decode_rows], fp32_q[decode_rows], rtol=0, atol=0)
+    if BF16_PRODUCTS and block_size % 16 == 0 and head_dim % 32 == 0:
+        for o in (out, split):
+            err = (o - ref).abs()
+            assert err.max() <= BF16_PRODUCT_ATOL and err.mean() <= 5e-4, f"max {err.max():.2e} mean {err.mean():.2e}"
+        assert (out - fp32_q).abs().max() > 1e-5, "the prompt chunks did not take the bf16 products"
+    else:
+        for o in (out, split):
+            torch.testing.assert_close(o, ref, **TOL)
+        torch.testing.assert_close(out, fp32_q, rtol=0, atol=0)
+
+
 def test_bf16_dtype_mismatches_are_refused():
     b = _as_bf16(Batch([(5, 3), (1, 9)], num_kv_heads=2, group=2, head_dim=64, block_size=16))
     with pytest.raises(ValueError, match="float32 or bfloat16"):

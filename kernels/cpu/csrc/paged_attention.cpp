@@ -45,6 +45,17 @@
 #include "attention_simd.h"
 #include "bf16.h"
 
+// bf16 products (vdpbf16ps: 32 bf16 products summed pairwise into 16 fp32 lanes, twice the
+// multiplies of an fp32 FMA per instruction) for prompt chunks of a bf16 model over a bf16
+// cache, on CPUs with AVX-512 BF16. Not under an SF_ATTN_VL override (a test build of another
+// width's code path).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && SF_ATTN_WIDTH == 16 && !defined(SF_ATTN_VL)
+#define SF_ATTN_BF16_DOT 1
+#include <immintrin.h>
+#else
+#define SF_ATTN_BF16_DOT 0
+#endif
+
 namespace sf_attn {
 namespace {
 
@@ -70,6 +81,8 @@ constexpr int MIN_SPLIT_TILES = 8;  // a KV split covers at least 8 x 16 = 128 k
 
 struct Ctx {
     const float* q;
+    const uint16_t* q16;  // the same queries as bf16, when q_bf16
+    int q_bf16;
     int64_t q_st, q_sh;
     float* out;
     int64_t o_st, o_sh;
@@ -253,6 +266,75 @@ static inline void pv_strip(const float* __restrict P, const T* __restrict v, in
     }
 }
 
+#if SF_ATTN_BF16_DOT
+// The bf16 product path. vdpbf16ps(acc, a, b) adds a[2i] * b[2i] + a[2i+1] * b[2i+1] to lane i:
+// its operands are pairs along the summed dimension. The cache keeps its layout (K transposed,
+// V row-major); two rows of 16 bf16 are interleaved into 16 pairs with one permute, shared by
+// every row of the strip. Products of two bf16 are exact in fp32 and accumulate in fp32.
+
+// (a[0], b[0], a[1], b[1], ..., a[15], b[15]) from two rows of 16 bf16.
+static inline __m512i pair_rows(const uint16_t* a, const uint16_t* b) {
+    alignas(64) static const uint16_t idx[32] = {0,32,1,33,2,34,3,35,4,36,5,37,6,38,7,39,8,40,9,41,10,42,11,43,12,44,13,45,14,46,15,47};
+    return _mm512_permutex2var_epi16(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                                     _mm512_load_si512(idx),
+                                     _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))));
+}
+
+static inline __m512 dot_pairs(__m512 acc, __m512i a, uint32_t pair) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(int(pair)));
+}
+
+// S[R][16] = Q . Kt[D][16] with Q as bf16 pairs packed for the strip, Qp[(d / 2) * R + i] =
+// (q[i][d], q[i][d + 1]) (D even). Unscaled: the caller scales S.
+template <int R, bool PF>
+static inline void qk_dot(const uint32_t* __restrict Qp, int D, const uint16_t* __restrict kt, int64_t ldk,
+                          const uint16_t* pf, vf (&s)[R][NV]) {
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int dp = 0; dp < D / 2; ++dp) {
+        if (PF) {
+            prefetch(pf + 2 * dp * ldk);
+            prefetch(pf + (2 * dp + 1) * ldk);
+        }
+        const __m512i k = pair_rows(kt + 2 * dp * ldk, kt + (2 * dp + 1) * ldk);
+        for (int i = 0; i < R; ++i) acc[i] = dot_pairs(acc[i], k, Qp[dp * R + i]);
+    }
+    for (int i = 0; i < R; ++i) s[i][0] = (vf)acc[i];
+}
+
+// O[R][D] = alpha * O + P[R][jlo:jhi] . V[jlo:jhi][D], P as bf16 pairs of keys, Pp[i * 8 + j / 2]
+// = (p[i][j], p[i][j + 1]) (D a multiple of 32). A pair that straddles jlo or jhi takes zeros
+// for its key outside the range (its p is 0, but its V row may be stale or gone: 0 * NaN).
+template <int R, bool PF>
+static inline void pv_dot(const uint32_t* __restrict Pp, const uint16_t* __restrict v, int64_t ldv, int jlo, int jhi,
+                          const float* alpha, float* __restrict O, int D, const uint16_t* pf) {
+    constexpr int CH = 2;  // 16-column chunks per pass: R * CH accumulators + CH pairs in registers
+    const int plo = jlo / 2, phi = (jhi + 1) / 2;
+    for (int d0 = 0; d0 < D; d0 += CH * TN) {
+        __m512 acc[R][CH];
+        for (int i = 0; i < R; ++i) {
+            const __m512 a = _mm512_set1_ps(alpha[i]);
+            for (int h = 0; h < CH; ++h) acc[i][h] = _mm512_mul_ps(_mm512_loadu_ps(O + i * D + d0 + h * TN), a);
+        }
+        if (PF)
+            for (int j = 0; j < TN; ++j) prefetch(pf + j * ldv + d0);
+        for (int jp = plo; jp < phi; ++jp) {
+            alignas(32) static const uint16_t zeros[TN] = {};
+            const uint16_t* r0 = 2 * jp >= jlo ? v + 2 * jp * ldv + d0 : nullptr;
+            const uint16_t* r1 = 2 * jp + 1 < jhi ? v + (2 * jp + 1) * ldv + d0 : nullptr;
+            __m512i b[CH];
+            for (int h = 0; h < CH; ++h) b[h] = pair_rows(r0 ? r0 + h * TN : zeros, r1 ? r1 + h * TN : zeros);
+            for (int i = 0; i < R; ++i) {
+                const uint32_t p = Pp[i * (TN / 2) + jp];
+                for (int h = 0; h < CH; ++h) acc[i][h] = dot_pairs(acc[i][h], b[h], p);
+            }
+        }
+        for (int i = 0; i < R; ++i)
+            for (int h = 0; h < CH; ++h) _mm512_storeu_ps(O + i * D + d0 + h * TN, acc[i][h]);
+    }
+}
+#endif
+
 struct StripArgs {
     const float* Q;  // the strip's R rows of the pre-scaled query tile, packed d-major [D][R]
     const void* kt;  // float, or bf16 bits (the strip kernel's T)
@@ -261,6 +343,7 @@ struct StripArgs {
     int64_t ldv;
     int D, n0, nv, jlo, jhi, window;
     bool need_mask;
+    float qk_scale;  // bf16 product strips: the softmax scale (base 2) applied to S
     const int* pos;  // key position limit (= query position) of each row
     float* m;
     float* l;
@@ -273,10 +356,21 @@ struct StripArgs {
 // One register strip of R rows against one tile of 16 keys: scores, mask, online softmax, P.V.
 // The row statistics m (running max, base 2) and l (running sum) of the R rows are handled as
 // one vector (R <= VL); m and l point into buffers padded by VL floats.
-template <int R, bool PF, typename T>
+// DOT (bf16 cache, SF_ATTN_BF16_DOT): the products in bf16 (exact) with fp32 sums; Q arrives as
+// unscaled bf16 pairs and P is rounded to bf16 for P.V (the row sums l add the rounded P, so each
+// output row stays a weighted mean of V rows).
+template <int R, bool PF, typename T, bool DOT>
 static void attend_strip(const StripArgs& a) {
     vf s[R][NV];
-    qk_strip<R, PF>(a.Q, a.D, static_cast<const T*>(a.kt), a.ldk, static_cast<const T*>(a.pf_k), s);
+#if SF_ATTN_BF16_DOT
+    if constexpr (DOT) {
+        static_assert(NV == 1 && sizeof(T) == 2, "bf16 products: one zmm per 16-key row, a bf16 cache");
+        qk_dot<R, PF>(reinterpret_cast<const uint32_t*>(a.Q), a.D, static_cast<const T*>(a.kt), a.ldk,
+                      static_cast<const T*>(a.pf_k), s);
+        for (int i = 0; i < R; ++i) s[i][0] *= a.qk_scale;
+    } else
+#endif
+        qk_strip<R, PF>(a.Q, a.D, static_cast<const T*>(a.kt), a.ldk, static_cast<const T*>(a.pf_k), s);
     if (a.need_mask) {
         const vf ninf = splat(-INFINITY);
         const vi lane = iota_vi();
@@ -310,6 +404,14 @@ static void attend_strip(const StripArgs& a) {
         vf sum = vf{};
         for (int c = 0; c < NV; ++c) {
             const vf p = exp2v(s[i][c] - mb);
+#if SF_ATTN_BF16_DOT
+            if constexpr (DOT) {  // row i's 16 bf16 at a.P + i * 8 (as floats): 8 pairs
+                const __m256bh ph = _mm512_cvtneps_pbh((__m512)p);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.P + i * (TN / 2)), (__m256i)ph);
+                sum += (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)ph), 16);
+                continue;
+            }
+#endif
             storeu(a.P + i * TN + c * VL, p);
             sum += p;
         }
@@ -322,29 +424,37 @@ static void attend_strip(const StripArgs& a) {
         a.m[i] = mn[i];
         a.l[i] = ln[i];
     }
+#if SF_ATTN_BF16_DOT
+    if constexpr (DOT) {
+        pv_dot<R, PF>(reinterpret_cast<const uint32_t*>(a.P), static_cast<const T*>(a.v), a.ldv, a.jlo, a.jhi, al, a.O,
+                      a.D, static_cast<const T*>(a.pf_v));
+        return;
+    }
+#endif
     pv_strip<R, PF>(a.P, static_cast<const T*>(a.v), a.ldv, a.jlo, a.jhi, al, a.O, a.D, static_cast<const T*>(a.pf_v));
 }
 
 typedef void (*StripFn)(const StripArgs&);
 
-// fns[PF][R - 1]: one kernel per row count 1..MR, without and with prefetch, for caches of T.
-template <typename T, int... Rs>
+// fns[PF][R - 1]: one kernel per row count 1..MR, without and with prefetch, for caches of T
+// (DOT: with bf16 products).
+template <typename T, bool DOT, int... Rs>
 struct StripTable {
-    static constexpr StripFn fns[2][sizeof...(Rs)] = {{&attend_strip<Rs, false, T>...},
-                                                      {&attend_strip<Rs, true, T>...}};
+    static constexpr StripFn fns[2][sizeof...(Rs)] = {{&attend_strip<Rs, false, T, DOT>...},
+                                                      {&attend_strip<Rs, true, T, DOT>...}};
 };
-template <typename T, int... Rs>
-constexpr StripFn StripTable<T, Rs...>::fns[2][sizeof...(Rs)];
+template <typename T, bool DOT, int... Rs>
+constexpr StripFn StripTable<T, DOT, Rs...>::fns[2][sizeof...(Rs)];
 
 #if SF_ATTN_WIDTH == 16
-template <typename T>
-using Strips = StripTable<T, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
+template <typename T, bool DOT = false>
+using Strips = StripTable<T, DOT, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
 #elif SF_ATTN_WIDTH == 8
-template <typename T>
-using Strips = StripTable<T, 1, 2, 3, 4, 5, 6>;
+template <typename T, bool DOT = false>
+using Strips = StripTable<T, DOT, 1, 2, 3, 4, 5, 6>;
 #else
-template <typename T>
-using Strips = StripTable<T, 1, 2, 3, 4>;
+template <typename T, bool DOT = false>
+using Strips = StripTable<T, DOT, 1, 2, 3, 4>;
 #endif
 static_assert(sizeof(Strips<float>::fns[0]) / sizeof(StripFn) == MR, "one strip kernel per row count 1..MR");
 
@@ -461,8 +571,16 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
     float* Vt = Kt + nK;
     int* pos = reinterpret_cast<int*>(Vt + nK);  // MR ints
 
+    // In place: the strips read the tile where it sits in the cache (fp32, or bf16 with K
+    // transposed); otherwise it is gathered (and widened) into the L1 buffers Kt, Vt.
+    const bool inplace = bs % TN == 0 && (!c.kv_bf16 || c.k_layout == 1);
+    // bf16 products for the query tiles of more than one token (prompt chunks) of bf16 queries
+    // over a bf16 cache read in place; decodes (memory-bound) keep fp32 products.
+    const bool dot = SF_ATTN_BF16_DOT && c.q_bf16 && c.kv_bf16 && inplace && D % 32 == 0 && it.t1 - it.t0 > 1;
+
     // Strips of near-equal size (e.g. 8 rows -> 4 + 4 rather than 6 + 2); the query rows of a
-    // strip starting at row r0 with rn rows sit at Qs + r0 * D as [D][rn].
+    // strip starting at row r0 with rn rows sit at Qs + r0 * D as [D][rn], pre-scaled fp32 (or,
+    // with bf16 products, as [D / 2][rn] unscaled bf16 pairs).
     const int nstrips = (R + MR - 1) / MR;
     const int sbase = R / nstrips, sextra = R % nstrips;
     for (int si = 0, r0 = 0; si < nstrips; ++si) {
@@ -470,8 +588,16 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
         float* dst = Qs + size_t(r0) * D;
         for (int i = 0; i < rn; ++i) {
             const int r = r0 + i, t = it.t0 + r / G, g = r % G;
-            const float* src = c.q + int64_t(qs + t) * c.q_st + int64_t(it.h * G + g) * c.q_sh;
-            for (int d = 0; d < D; ++d) dst[d * rn + i] = src[d] * c.scale_log2;
+            const int64_t at = int64_t(qs + t) * c.q_st + int64_t(it.h * G + g) * c.q_sh;
+            if (dot) {
+                const uint16_t* src = c.q16 + at;
+                uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
+                for (int d = 0; d < D; d += 2) pairs[(d / 2) * rn + i] = uint32_t(src[d]) | (uint32_t(src[d + 1]) << 16);
+            } else if (c.q_bf16) {
+                for (int d = 0; d < D; ++d) dst[d * rn + i] = sf_bf16::to_f32(c.q16[at + d]) * c.scale_log2;
+            } else {
+                for (int d = 0; d < D; ++d) dst[d * rn + i] = c.q[at + d] * c.scale_log2;
+            }
         }
         r0 += rn;
     }
@@ -481,13 +607,12 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
         l[r] = 0.0f;
     }
     const int32_t* btr = c.bt + int64_t(it.b) * c.bt_st;
-    // In place: the strips read the tile where it sits in the cache (fp32, or bf16 with K
-    // transposed); otherwise it is gathered (and widened) into the L1 buffers Kt, Vt.
-    const bool inplace = bs % TN == 0 && (!c.kv_bf16 || c.k_layout == 1);
     // The element `e` of the K or V cache, in the cache's type.
     auto k_at = [&](int64_t e) -> const void* { return c.kv_bf16 ? (const void*)(c.kc16 + e) : (const void*)(c.kc + e); };
     auto v_at = [&](int64_t e) -> const void* { return c.kv_bf16 ? (const void*)(c.vc16 + e) : (const void*)(c.vc + e); };
-    const StripFn(*strips)[MR] = inplace && c.kv_bf16 ? Strips<uint16_t>::fns : Strips<float>::fns;
+    const StripFn(*strips)[MR] = dot                         ? Strips<uint16_t, true>::fns
+                                 : inplace && c.kv_bf16 ? Strips<uint16_t>::fns
+                                                        : Strips<float>::fns;
 
     // The first PF_TILES tiles: nothing earlier prefetched them (later ones are prefetched by
     // the strips, PF_TILES tiles ahead).
@@ -496,6 +621,7 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
 
     StripArgs sa;
     sa.D = D;
+    sa.qk_scale = c.scale_log2;
     sa.window = c.window;
     sa.pos = pos;
     sa.P = P;
@@ -712,21 +838,27 @@ extern "C" {
 
 int sf_attn_simd_width() { return VL; }
 
+// 1 when prompt chunks of bf16 queries over a bf16 cache take bf16 products (vdpbf16ps).
+int sf_attn_bf16_products() { return SF_ATTN_BF16_DOT; }
+
 // stats (nullable, 4 int64): number of work items, number of split (sequence, head, tile)
 // groups, largest split count, rows per token tile. dry_run != 0: plan only (for tests).
-// kv_bf16 != 0: k_cache and v_cache hold bf16 (uint16) values.
+// kv_bf16 != 0: k_cache and v_cache hold bf16 (uint16) values; q_bf16 != 0: so does q (only
+// with kv_bf16: prompt chunks then take bf16 products where the CPU has AVX-512 BF16).
 int sf_attn_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, float* out, int64_t o_st, int64_t o_sh,
                                 const float* k_cache, const float* v_cache, const int32_t* query_start_loc,
                                 const int32_t* seq_lens, const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks,
                                 int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
                                 int block_size, int64_t num_blocks, float scale, int window, int k_layout,
                                 int num_splits, int rows_target, int num_threads, int64_t* stats, int dry_run,
-                                int kv_bf16) {
+                                int kv_bf16, int q_bf16) {
     if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim > 256 ||
         block_size <= 0 || bt_stride < 0 || window < 0)
         return SF_ATTN_BAD_SHAPE;
     Ctx c;
     c.q = q;
+    c.q16 = reinterpret_cast<const uint16_t*>(q);
+    c.q_bf16 = q_bf16;
     c.q_st = q_st;
     c.q_sh = q_sh;
     c.out = out;
@@ -923,7 +1055,7 @@ int sf_attn_write_kv_f32(const float* k, int64_t k_st, int64_t k_sh, const float
 //   attention: q, q_st, q_sh, out, o_st, o_sh, k_cache, v_cache, query_start_loc, seq_lens,
 //              block_tables, bt_stride, max_blocks, num_seqs, num_tokens, num_heads, num_kv_heads,
 //              head_dim, block_size, num_blocks, window, k_layout, num_splits, rows_target,
-//              num_threads, stats, dry_run, kv_bf16                                    (28)
+//              num_threads, stats, dry_run, kv_bf16, q_bf16                            (29)
 //   write:     k, k_st, k_sh, v, v_st, v_sh, k_cache, v_cache, slot_mapping, num_tokens,
 //              num_kv_heads, head_dim, block_size, num_blocks, k_layout, num_threads    (16)
 //              (the same for the bf16 write, with uint16 k, v and caches)
@@ -942,7 +1074,7 @@ int sf_attn_paged_attention_f32_packed(const int64_t* p, float scale) {
         reinterpret_cast<const int32_t*>(p[8]), reinterpret_cast<const int32_t*>(p[9]),
         reinterpret_cast<const int32_t*>(p[10]), p[11], p[12], int(p[13]), int(p[14]), int(p[15]), int(p[16]),
         int(p[17]), int(p[18]), p[19], scale, int(p[20]), int(p[21]), int(p[22]), int(p[23]), int(p[24]),
-        reinterpret_cast<int64_t*>(p[25]), int(p[26]), int(p[27]));
+        reinterpret_cast<int64_t*>(p[25]), int(p[26]), int(p[27]), int(p[28]));
 }
 
 int sf_attn_write_kv_bf16_packed(const int64_t* p) {
