@@ -154,14 +154,17 @@ class ModelRunner:
         return self._execute(batch)
 
     def _execute(self, batch: RaggedBatch) -> torch.Tensor:
-        hidden = self.forward_hidden(batch)
-        return self.model.compute_logits(hidden.index_select(0, batch.sample_rows)).float()
+        return self.model.compute_logits(self.forward_hidden(batch)).float()
 
     @torch.inference_mode()
     def forward_hidden(self, batch: RaggedBatch) -> torch.Tensor:
-        """Hidden states of every token (what ranks 1..N-1 run: only rank 0 computes logits)."""
-        self.kernels.attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, self.args.num_kv_heads)
-        return self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin)
+        """Hidden states of the sample rows (what ranks 1..N-1 run too: only rank 0 computes
+        logits). The last layer writes every row's K/V and computes nothing else for the rest."""
+        attention, kv_heads = self.kernels.attention, self.args.num_kv_heads
+        attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, kv_heads)
+        attention.prepare(batch.sample_attn, batch.sample_query_lens, batch.sample_seq_lens, kv_heads)
+        return self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin,
+                          keep=(batch.sample_rows, batch.sample_attn))
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0); nothing to do otherwise."""

@@ -19,6 +19,13 @@ class RaggedBatch:
     attn: AttentionMetadata
     query_lens: list[int]
     seq_lens: list[int]
+    # The last layer runs its attention output, o_proj and MLP for the sample rows only (every
+    # row still writes its K/V there): no other row's hidden state is read after it. They are
+    # the last rows of the sampling chunks, so they form a ragged batch of their own over the
+    # same contexts (the sampling sequences only).
+    sample_attn: AttentionMetadata
+    sample_query_lens: list[int]
+    sample_seq_lens: list[int]
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +66,10 @@ class RaggedBatch:
         ends = query_start_loc[1:][samples]
         sample_rows = np.repeat(ends - num_rows, num_rows) + _ranges(num_rows)
 
+        sample_start_loc = np.zeros(len(num_rows) + 1, dtype=np.int64)
+        np.cumsum(num_rows, out=sample_start_loc[1:])
+        sample_seq_lens = seq_lens[samples]
+
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
@@ -71,6 +82,15 @@ class RaggedBatch:
             max_seq_len=int(seq_lens.max()),
             block_size=block_size,
         )
+        sample_attn = AttentionMetadata(
+            slot_mapping=tensor(slot_mapping[sample_rows]),
+            query_start_loc=tensor(sample_start_loc.astype(np.int32)),
+            seq_lens=tensor(sample_seq_lens.astype(np.int32)),
+            block_tables=tensor(block_tables[samples]),
+            max_query_len=int(num_rows.max(initial=0)),
+            max_seq_len=int(sample_seq_lens.max(initial=0)),
+            block_size=block_size,
+        )
         return cls(
             input_ids=tensor(np.asarray(token_ids, dtype=np.int64)),
             positions=tensor(positions),
@@ -78,6 +98,9 @@ class RaggedBatch:
             attn=attn,
             query_lens=query_lens.tolist(),
             seq_lens=seq_lens.tolist(),
+            sample_attn=sample_attn,
+            sample_query_lens=num_rows.tolist(),
+            sample_seq_lens=sample_seq_lens.tolist(),
         )
 
 

@@ -56,7 +56,9 @@ class TorchAttention:
     def __init__(self) -> None:
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
-        self._plan: TorchPlan | None = None
+        # A step prepares two plans: all its rows (the K/V writes, and attention in every layer
+        # but the last) and its sample rows (the last layer's attention).
+        self._plans: list[TorchPlan] = []
 
     @staticmethod
     def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -86,12 +88,13 @@ class TorchAttention:
                 num_blocks = -(-seq_lens[i] // bs)
                 rows = (bt[i, :num_blocks][None, :] * num_kv_heads + heads[:, None]).flatten()  # [Hkv, nb]
                 plan.prefills.append(PrefillSpan(qsl_list[i], qsl_list[i + 1], seq_lens[i], num_blocks, rows))
-        self._plan = plan
+        self._plans = [*self._plans[-1:], plan]
 
     def _plan_for(self, meta: AttentionMetadata) -> TorchPlan:
-        if self._plan is None or self._plan.meta is not meta:
-            raise RuntimeError("TorchAttention.prepare was not called for this batch")
-        return self._plan
+        for plan in self._plans:
+            if plan.meta is meta:
+                return plan
+        raise RuntimeError("TorchAttention.prepare was not called for this batch")
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:

@@ -19,6 +19,9 @@ from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import Linear
 from splitfuse.layers.moe import Experts, SparseMoeBlock
 
+# Rows to keep after the last layer's K/V write, and the attention metadata of those rows alone.
+Keep = tuple[torch.Tensor, AttentionMetadata]
+
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
 
@@ -131,7 +134,10 @@ class Attention(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keep: Keep | None = None) -> torch.Tensor | None:
+        """Every row writes its K/V; with `keep` = (rows, their metadata) only those rows attend
+        and come out (None when there are none)."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -140,8 +146,13 @@ class Attention(nn.Module):
         q, k = self.ops.apply_rotary(q, k, positions, cos, sin)
         attn = self.ops.attention
         attn.write_kv(k, v, k_cache, v_cache, meta)
+        if keep is not None:
+            rows, meta = keep
+            if rows.numel() == 0:
+                return None
+            q = q.index_select(0, rows)
         o = attn.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(tokens, self.q_size))
+        return self.o_proj(o.reshape(q.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -176,14 +187,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
 
-    def forward(self, x, residual, positions, meta, k_cache, v_cache, cos, sin):
+    def forward(self, x, residual, positions, meta, k_cache, v_cache, cos, sin, keep: Keep | None = None):
+        """With `keep` (the last layer): the outputs of the kept rows only."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.all_reduce(self.self_attn(h, positions, meta, k_cache, v_cache, cos, sin))
-        h, residual = self.post_attention_layernorm(h, residual)
+        a = self.self_attn(h, positions, meta, k_cache, v_cache, cos, sin, keep)
+        if keep is not None:
+            if a is None:  # no row to keep (every rank of a tensor-parallel group alike)
+                return h[:0], residual[:0]
+            residual = residual.index_select(0, keep[0])
+        h, residual = self.post_attention_layernorm(self.all_reduce(a), residual)
         return self.all_reduce(self.mlp(h)), residual
 
 
@@ -206,12 +222,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] of every token of the ragged batch."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor,
+                keep: Keep | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token of the ragged batch; with `keep` = (rows,
+        their attention metadata), [len(rows), hidden] of those rows: the last layer computes
+        nothing else (every row's K/V is still written)."""
         h = self.model.embed_tokens(input_ids)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            h, residual = layer(h, residual, positions, meta, k_cache, v_cache, cos, sin)
+        last = len(self.model.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
+            h, residual = layer(h, residual, positions, meta, k_cache, v_cache, cos, sin, keep if i == last else None)
+        if h.shape[0] == 0:
+            return h
         h, _ = self.model.norm(h, residual)
         return h
 
