@@ -90,7 +90,9 @@ class DraftModelProposer:
         del ours[agree:]
         ours.extend(theirs[agree:])
         self._synced[seq] = len(theirs)
-        shadow.num_computed_tokens = agree
+        # At least the last token runs again: the next token comes from its hidden state, which
+        # no earlier pass kept (a chunk of no tokens has no row to sample from).
+        shadow.num_computed_tokens = min(agree, len(theirs) - 1)
         self.blocks.trim(shadow, shadow.num_tokens)
         return shadow
 

@@ -249,3 +249,24 @@ def test_step_counts_only_the_tokens_kept(tiny_llama, vocab):
             tokens += out.delta_token_ids
         generated += engine.last_step.num_generated_tokens
     assert tokens == ref[: ref.index(ref[6]) + 1] and generated == len(tokens)
+
+
+def test_draft_passes_run_a_token_for_every_proposal(tiny_llama, vocab, monkeypatch):
+    """A shadow whose every token is computed (its proposals were all right) runs its last
+    token again: a draft chunk of no tokens has no row of its own to take the next token
+    from (it took its neighbour's)."""
+    from splitfuse import spec_draft
+
+    built = []
+
+    def build(chunks, *args):
+        built.append([c.num_tokens for c in chunks])
+        return real_build(chunks, *args)
+
+    real_build = spec_draft.RaggedBatch.build
+    monkeypatch.setattr(spec_draft.RaggedBatch, "build", build)
+    params = SamplingParams(max_tokens=5, temperature=1.0, top_k=3, ignore_eos=True)
+    llm = LLM(tiny_llama, max_num_seqs=512, token_budget=512, seed=3, **spec_kwargs("draft", tiny_llama),
+              speculative_disable_batch_size=10_000)
+    generate(llm, [[1] + [7, 8, 9, 10] * 4] * 1500, params)
+    assert built and all(n > 0 for chunk_tokens in built for n in chunk_tokens)
