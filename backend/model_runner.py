@@ -162,9 +162,11 @@ class ModelRunner:
         logits). The last layer writes every row's K/V and computes nothing else for the rest."""
         attention, kv_heads = self.kernels.attention, self.args.num_kv_heads
         attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, kv_heads)
-        attention.prepare(batch.sample_attn, batch.sample_query_lens, batch.sample_seq_lens, kv_heads)
-        return self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin,
-                          keep=(batch.sample_rows, batch.sample_attn))
+        keep = None
+        if (last := batch.last_layer) is not None:
+            attention.prepare(last.attn, last.query_lens, last.seq_lens, kv_heads)
+            keep = (batch.sample_rows, last.attn)
+        return self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin, keep=keep)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0); nothing to do otherwise."""

@@ -12,6 +12,16 @@ from splitfuse.scheduler import ScheduledChunk
 
 
 @dataclass
+class SampleRows:
+    """The sample rows as a ragged batch of their own: they are the last rows of the sampling
+    chunks, over the same contexts (the sampling sequences only)."""
+
+    attn: AttentionMetadata
+    query_lens: list[int]
+    seq_lens: list[int]
+
+
+@dataclass
 class RaggedBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
@@ -20,12 +30,9 @@ class RaggedBatch:
     query_lens: list[int]
     seq_lens: list[int]
     # The last layer runs its attention output, o_proj and MLP for the sample rows only (every
-    # row still writes its K/V there): no other row's hidden state is read after it. They are
-    # the last rows of the sampling chunks, so they form a ragged batch of their own over the
-    # same contexts (the sampling sequences only).
-    sample_attn: AttentionMetadata
-    sample_query_lens: list[int]
-    sample_seq_lens: list[int]
+    # row still writes its K/V there): no other row's hidden state is read after it. None when
+    # every row is a sample row (a step of decodes), so such a step runs as it is.
+    last_layer: SampleRows | None
 
     @property
     def num_tokens(self) -> int:
@@ -37,8 +44,7 @@ class RaggedBatch:
         query_lens = np.fromiter((c.num_tokens + c.num_draft_tokens for c in chunks), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), dtype=np.int64, count=num_seqs)
         seq_lens = starts + query_lens
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
+        query_start_loc = _start_loc(query_lens)
         total = int(query_start_loc[-1])
 
         token_ids: list[int] = []
@@ -66,10 +72,6 @@ class RaggedBatch:
         ends = query_start_loc[1:][samples]
         sample_rows = np.repeat(ends - num_rows, num_rows) + _ranges(num_rows)
 
-        sample_start_loc = np.zeros(len(num_rows) + 1, dtype=np.int64)
-        np.cumsum(num_rows, out=sample_start_loc[1:])
-        sample_seq_lens = seq_lens[samples]
-
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
@@ -82,15 +84,22 @@ class RaggedBatch:
             max_seq_len=int(seq_lens.max()),
             block_size=block_size,
         )
-        sample_attn = AttentionMetadata(
-            slot_mapping=tensor(slot_mapping[sample_rows]),
-            query_start_loc=tensor(sample_start_loc.astype(np.int32)),
-            seq_lens=tensor(sample_seq_lens.astype(np.int32)),
-            block_tables=tensor(block_tables[samples]),
-            max_query_len=int(num_rows.max(initial=0)),
-            max_seq_len=int(sample_seq_lens.max(initial=0)),
-            block_size=block_size,
-        )
+        last_layer = None
+        if len(sample_rows) < total:
+            sample_seq_lens = seq_lens[samples]
+            last_layer = SampleRows(
+                attn=AttentionMetadata(
+                    slot_mapping=tensor(slot_mapping[sample_rows]),
+                    query_start_loc=tensor(_start_loc(num_rows).astype(np.int32)),
+                    seq_lens=tensor(sample_seq_lens.astype(np.int32)),
+                    block_tables=tensor(block_tables[samples]),
+                    max_query_len=int(num_rows.max(initial=0)),
+                    max_seq_len=int(sample_seq_lens.max(initial=0)),
+                    block_size=block_size,
+                ),
+                query_lens=num_rows.tolist(),
+                seq_lens=sample_seq_lens.tolist(),
+            )
         return cls(
             input_ids=tensor(np.asarray(token_ids, dtype=np.int64)),
             positions=tensor(positions),
@@ -98,10 +107,15 @@ class RaggedBatch:
             attn=attn,
             query_lens=query_lens.tolist(),
             seq_lens=seq_lens.tolist(),
-            sample_attn=sample_attn,
-            sample_query_lens=num_rows.tolist(),
-            sample_seq_lens=sample_seq_lens.tolist(),
+            last_layer=last_layer,
         )
+
+
+def _start_loc(lengths: np.ndarray) -> np.ndarray:
+    """[0, l0, l0 + l1, ...]: where each run of `lengths` starts, and the total last."""
+    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    return starts
 
 
 def _ranges(lengths: np.ndarray) -> np.ndarray:

@@ -3,12 +3,12 @@
 A step's batch mixes prompt chunks (many new tokens) and decodes (one new token). The
 new tokens' K/V are first written into the cache by slot; attention then reads every key
 of the sequence from the cache through its block table. The last layer attends for the sample
-rows only (the rows that give next tokens), through metadata of their own (RaggedBatch.sample_attn).
+rows only (the rows that give next tokens), through metadata of their own (RaggedBatch.last_layer).
 
 Every backend has the same four methods:
     cache_shape(num_blocks, block_size, num_kv_heads, head_dim)   its KV layout (one shape for K and V)
-    prepare(meta, query_lens, seq_lens, num_kv_heads)             before the layers, for each of the step's
-                                                                  two metadata: all rows, the sample rows
+    prepare(meta, query_lens, seq_lens, num_kv_heads)             before the layers, for each metadata of
+                                                                  the step: all rows (and the sample rows)
     write_kv(k, v, k_cache, v_cache, meta)                        the new tokens' K/V into the cache
     attend(q, k_cache, v_cache, meta, scale, sliding_window)      -> [T, Hq, D]
 Backends: `cpu` (C++ kernels compiled on the machine, attention_cpu.py), `torch` (gather + SDPA,

@@ -36,8 +36,6 @@ class CpuAttention:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, sliding_window: int | None) -> torch.Tensor:
-        if q.dtype is not torch.bfloat16:
-            q = q.float()
         out = kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                       meta.block_tables, scale, sliding_window)
         return out.to(q.dtype)

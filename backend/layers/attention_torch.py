@@ -56,8 +56,8 @@ class TorchAttention:
     def __init__(self) -> None:
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
-        # A step prepares two plans: all its rows (the K/V writes, and attention in every layer
-        # but the last) and its sample rows (the last layer's attention).
+        # A step prepares one or two plans: all its rows (the K/V writes, and attention in every
+        # layer but the last) and, unless every row is one, its sample rows (the last layer's).
         self._plans: list[TorchPlan] = []
 
     @staticmethod
