@@ -106,3 +106,13 @@ def quantize_rows_reference(x: torch.Tensor, levels: int, zero_point: int) -> tu
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12).div_(levels)
     q = torch.round(xf / scale).add_(zero_point).to(torch.uint8)
     return q, scale
+
+
+def dequantize_rows_reference(acc: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An int8 GEMM's float32 sums acc [M, N] back to values: times the per-row activation scales
+    [M, 1], plus the bias [N], in float32, then in `dtype`. Overwrites acc."""
+    acc.mul_(scales)
+    if bias is not None:
+        acc.add_(bias)
+    return acc.to(dtype)

@@ -88,7 +88,7 @@ def _ratio(a, b):
 
 # The quantization issue's targets: our throughput in low precision over our own float32's
 # (a bf16 KV cache alone has none: it is reported).
-PRECISION_TARGETS = {"bf16": 1.5, "int8": 2.0, "int8-kvbf16": 2.0}
+PRECISION_TARGETS = {"bf16": 1.5, "int8": 2.0, "int8-kvbf16": 2.0, "int8-bf16": 2.0}
 
 
 def _same_precision(ours: str, peer: str) -> str:

@@ -10,8 +10,9 @@ could show here (`floors[dtype].best_ratio_over`).
     .venv/bin/python perf/offline_compare.py --systems ours --param token_budget=256
     .venv/bin/python perf/offline_compare.py --systems ours,ours:int8,ours:bf16,vllm_2c,vllm_2c:bf16 --name precision
 
-A system may carry a precision after a colon: `:int8` (our quantization=int8) or `:bf16`
-(dtype bfloat16, ours and vLLM's). Every system also runs one request alone (single stream):
+A system may carry a precision after a colon: `:int8` (our quantization=int8), `:bf16` (dtype
+bfloat16, ours and vLLM's), or one of ours in `systems.PRECISIONS` (`:int8-bf16`: int8 weights
+in a bfloat16 model; `:kvbf16`, `:int8-kvbf16`: a bf16 KV cache). Every system also runs one request alone (single stream):
 time to first token and the decode time per output token.
 
 Prompts are random token ids (no shared prefixes), every request generates exactly its drawn
@@ -181,7 +182,8 @@ def main() -> None:
     ap.add_argument("--gen-mean", type=float, default=60)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--systems", default="ours,vllm_2c",
-                    help="comma list of ours, vllm (its own binding), vllm_2c, each optionally :int8 (ours) or :bf16")
+                    help="comma list of ours, vllm (its own binding), vllm_2c, each optionally :bf16, or for ours "
+                         "another precision of systems.PRECISIONS (:int8, :int8-bf16, ...)")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="our engine parameter")
     ap.add_argument("--vllm-python", default=str(HERE / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--name", default="offline")

@@ -32,12 +32,14 @@ COLORS = {"splitfuse": "tab:blue", "prefill_first": "tab:orange", "orca": "tab:g
 MARKERS = {"splitfuse": "o", "prefill_first": "x", "orca": "s", "engine": "D", "vllm": "^", "vllm_2c": "v"}
 # Precisions after a colon ("" = float32): our engine's parameters for each, and vLLM's --dtype
 # (vLLM-CPU has no int8 weight quantization of a float checkpoint). kvbf16: float32 weights and
-# activations over a bf16 KV cache.
+# activations over a bf16 KV cache. int8-bf16: int8 weights in a bfloat16 model (bf16
+# activations and KV cache), the int8 setting of CPUs with AVX-512 BF16.
 PRECISIONS = {"": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
               "kvbf16": {"kv_cache_dtype": "bfloat16"},
-              "int8-kvbf16": {"quantization": "int8", "kv_cache_dtype": "bfloat16"}}
+              "int8-kvbf16": {"quantization": "int8", "kv_cache_dtype": "bfloat16"},
+              "int8-bf16": {"quantization": "int8", "dtype": "bfloat16"}}
 VLLM_DTYPES = {"": "float32", "bf16": "bfloat16"}
-PRECISION_MARKERS = {"bf16": "P", "int8": "*", "kvbf16": "h", "int8-kvbf16": "X"}
+PRECISION_MARKERS = {"bf16": "P", "int8": "*", "kvbf16": "h", "int8-kvbf16": "X", "int8-bf16": "d"}
 
 
 def _name_and_budget(system: str) -> str:

@@ -8,7 +8,9 @@
   token coarsen every other row).
 * The product: oneDNN's int8 GEMM (`torch.ops.onednn.qlinear_pointwise`, a maintained library
   that picks VNNI/AVX-512/AVX2 code itself) with unit activation scale and the weight scales
-  applied inside; the per-token scales then multiply the rows, and the bias is added in float.
+  applied inside; the per-token scales then multiply the rows and the bias is added in float32,
+  in one pass that also narrows to the activation dtype (a bfloat16 model's rows go in and come
+  out as bfloat16: int8 weights with bfloat16 activations).
   oneDNN takes activations as uint8 with a zero point, so a token's int8 values are shifted.
 
 Without VNNI (AVX2 only), x86 int8 GEMMs multiply through `vpmaddubsw`, whose int16 pair sums
@@ -24,11 +26,13 @@ import functools
 import torch
 
 from splitfuse.kernels.cpu import elementwise as cpu_elementwise
-from splitfuse.kernels.reference import quantize_rows_reference
+from splitfuse.kernels.reference import dequantize_rows_reference, quantize_rows_reference
 
 # Activations quantized to [-levels, levels], stored as uint8 around `zero_point`.
 _FULL_RANGE = (127, 128)
 _SEVEN_BIT = (63, 64)
+# Activation dtypes the C++ quantize / dequantize kernels take.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks its blocked layout for an expected row count; prompt chunks dominate the work.
 _ROWS_HINT = 128
 
@@ -43,10 +47,18 @@ def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def quantize_per_token(x: torch.Tensor, levels: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 activations [M, K] (zero point `zero_point`) and float32 per-row scales [M, 1]:
-    the C++ kernel for float32 when the library is built, else the torch reference."""
-    if x.dtype is torch.float32 and cpu_elementwise.available():
+    the C++ kernel (float32 or bfloat16 rows) when the library is built, else the torch reference."""
+    if x.dtype in _KERNEL_DTYPES and cpu_elementwise.available():
         return cpu_elementwise.quantize_rows(x, levels, zero_point)
     return quantize_rows_reference(x, levels, zero_point)
+
+
+def dequantize(acc: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM's float32 sums [M, N] times the row scales, plus the bias, in `dtype`: one C++ pass
+    when the library is built, else the torch reference (both overwrite `acc`)."""
+    if dtype in _KERNEL_DTYPES and cpu_elementwise.available():
+        return cpu_elementwise.dequantize_rows(acc, scales, bias, dtype)
+    return dequantize_rows_reference(acc, scales, bias, dtype)
 
 
 def _onednn_int8_exact(levels: int, zero_point: int) -> bool:
@@ -107,7 +119,4 @@ class Int8Linear:
         out = torch.ops.onednn.qlinear_pointwise(q, 1.0, self.zero_point, self.packed, self.weight_scale,
                                                  self.weight_zero_points, None, 1.0, 0, torch.float32,
                                                  "none", [], "")
-        out.mul_(scale)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return dequantize(out, scale, self.bias, x.dtype).reshape(*x.shape[:-1], self.out_features)

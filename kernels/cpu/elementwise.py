@@ -1,11 +1,12 @@
-"""Fused elementwise C++ CPU kernels: RMSNorm (+ residual add), rotary, SwiGLU gate (float32 or
-bfloat16), per-row int8 quantization (float32).
+"""Fused elementwise C++ CPU kernels: RMSNorm (+ residual add), rotary, SwiGLU gate, per-row int8
+quantization of activations and the int8 GEMM's dequantization (float32 or bfloat16).
 
 Thin ctypes wrappers over `csrc/elementwise.cpp` in the shared CPU kernel library (`build.py`).
 They compute what the torch references in `splitfuse.kernels.reference` compute (HF Llama
 numerics): the residual sum x + residual and the rotary outputs are bit-identical to torch;
 rms_norm differs by ~2 ulp (its sum of squares runs in another order than torch's mean);
-silu_and_mul by ~2 ulp (a vectorised exp within ~1 ulp); quantize_rows is bit-identical. In
+silu_and_mul by ~2 ulp (a vectorised exp within ~1 ulp); quantize_rows and dequantize_rows are
+bit-identical. In
 bfloat16 the arithmetic is fp32, rounded to bf16 where torch's bf16 ops round (the residual sum
 and the rotary outputs are bit-identical to torch's; rms_norm and silu_and_mul within 2 bf16
 ulps, where an fp32 difference of a few ulps crosses a rounding boundary, rarely). Each function says which tensors it
@@ -28,7 +29,7 @@ import torch
 
 from .build import library
 
-__all__ = ["apply_rotary", "available", "get_parallel_threshold", "quantize_rows", "rms_norm",
+__all__ = ["apply_rotary", "available", "dequantize_rows", "get_parallel_threshold", "quantize_rows", "rms_norm",
            "set_parallel_threshold", "silu_and_mul", "vector_width"]
 
 _F32 = torch.float32
@@ -43,30 +44,32 @@ _RMS_ARGS = struct.Struct("=11qd")
 _ROT_ARGS = struct.Struct("=22q")
 _SILU_ARGS = struct.Struct("=6q")
 _QUANT_ARGS = struct.Struct("=8q")
+_DEQUANT_ARGS = struct.Struct("=8q")
 
 _bound = False
-_rms = _rot = _silu = _quant = None
-_bf16: dict[str, ctypes._CFuncPtr] = {}  # rms / rot / silu for bfloat16 tensors
+_rms = _rot = _silu = _quant = _dequant = None
+_bf16: dict[str, ctypes._CFuncPtr] = {}  # rms / rot / silu / quant / dequant for bfloat16 tensors
 _lib: ctypes.CDLL | None = None
 
 
 def _bind() -> bool:
     """Look the symbols up once and set their signatures; False when the library is missing."""
-    global _bound, _rms, _rot, _silu, _quant, _lib
+    global _bound, _rms, _rot, _silu, _quant, _dequant, _lib
     if _bound:
         return _lib is not None
     lib = library()
     if lib is not None:
         try:
             rms, rot, silu = lib.sf_ew_rms_norm_f32_packed, lib.sf_ew_rotary_f32_packed, lib.sf_ew_silu_and_mul_f32_packed
-            quant = lib.sf_ew_quantize_rows_u8_packed
+            quant, dequant = lib.sf_ew_quantize_rows_u8_packed, lib.sf_ew_dequantize_rows_f32_packed
             bf16 = {"rms": lib.sf_ew_rms_norm_bf16_packed, "rot": lib.sf_ew_rotary_bf16_packed,
-                    "silu": lib.sf_ew_silu_and_mul_bf16_packed}
+                    "silu": lib.sf_ew_silu_and_mul_bf16_packed, "quant": lib.sf_ew_quantize_rows_u8_bf16_packed,
+                    "dequant": lib.sf_ew_dequantize_rows_bf16_packed}
         except AttributeError:  # a library built without elementwise.cpp
             lib = None
     if lib is not None:
-        for fn, res in ((rms, None), (rot, ctypes.c_int64), (silu, None), (quant, None), (bf16["rms"], None),
-                        (bf16["rot"], ctypes.c_int64), (bf16["silu"], None)):
+        for fn, res in ((rms, None), (rot, ctypes.c_int64), (silu, None), (quant, None), (dequant, None),
+                        *((f, ctypes.c_int64 if key == "rot" else None) for key, f in bf16.items())):
             fn.argtypes = [ctypes.c_char_p]
             fn.restype = res
         _bf16.update(bf16)
@@ -76,7 +79,7 @@ def _bind() -> bool:
         lib.sf_ew_get_parallel_threshold.restype = ctypes.c_int64
         lib.sf_ew_vector_width.argtypes = []
         lib.sf_ew_vector_width.restype = ctypes.c_int
-        _rms, _rot, _silu, _quant = rms, rot, silu, quant
+        _rms, _rot, _silu, _quant, _dequant = rms, rot, silu, quant, dequant
     _lib = lib
     _bound = True
     return lib is not None
@@ -317,21 +320,55 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
 
 
 def quantize_rows(x: torch.Tensor, levels: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8 quantization of float32 x [M, K] (rows may be strided, the last dim
-    contiguous), stored as uint8 around `zero_point`: returns (q [M, K] uint8, scales [M, 1]
-    float32) with scale = max(max|x_row|, 1e-12) / levels and q = round(x / scale) + zero_point,
-    bit-identical to `splitfuse.kernels.reference.quantize_rows`."""
-    fn = _quant
-    if fn is None:
+    """Per-row symmetric int8 quantization of x [M, K] (float32 or bfloat16; rows may be strided,
+    the last dim contiguous), stored as uint8 around `zero_point`: returns (q [M, K] uint8,
+    scales [M, 1] float32) with scale = max(max|x_row|, 1e-12) / levels and
+    q = round(x / scale) + zero_point, bit-identical to
+    `splitfuse.kernels.reference.quantize_rows_reference`."""
+    if _quant is None:
         _need()
-        fn = _quant
+    dtype = _dtype("quantize_rows", x)
+    fn = _kernel(dtype, _quant, "quant")
     if x.dim() != 2:
         raise _bad("quantize_rows", f"x must be [M, K], got {tuple(x.shape)}")
     if not (0 < levels and 0 <= zero_point - levels and zero_point + levels <= 255):
         raise _bad("quantize_rows", f"levels {levels} around zero point {zero_point} do not fit in uint8")
-    px, sx = _rows("quantize_rows", "x", x, None)
+    px, sx = _rows("quantize_rows", "x", x, None, dtype)
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.uint8)
     scales = torch.empty((rows, 1), dtype=_F32)
     fn(_QUANT_ARGS.pack(px, sx, q.data_ptr(), scales.data_ptr(), rows, k, levels, zero_point))
     return q, scales
+
+
+def dequantize_rows(acc: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                    dtype: torch.dtype = _F32) -> torch.Tensor:
+    """The int8 GEMM's epilogue: `(acc * scales + bias).to(dtype)` for float32 sums acc [M, N]
+    (rows may be strided, the last dim contiguous), per-row float32 scales [M, 1] and an
+    optional float32 bias [N], in one pass; bit-identical to
+    `splitfuse.kernels.reference.dequantize_rows_reference`. float32 results overwrite `acc`
+    and return it; bfloat16 ones go to a new contiguous tensor."""
+    if _dequant is None:
+        _need()
+    if dtype not in (_F32, _BF16):
+        raise _bad("dequantize_rows", f"dtype must be float32 or bfloat16, got {dtype}")
+    if acc.dim() != 2:
+        raise _bad("dequantize_rows", f"acc must be [M, N], got {tuple(acc.shape)}")
+    pa, sa = _rows("dequantize_rows", "acc", acc, None)
+    rows, n = acc.shape
+    if scales.dtype is not _F32 or not scales.is_cpu or scales.numel() != rows or not scales.is_contiguous():
+        raise _bad("dequantize_rows", f"scales must be a contiguous float32 CPU tensor of {rows} values, got "
+                   f"{scales.dtype} {tuple(scales.shape)} on {scales.device}")
+    pb = 0
+    if bias is not None:
+        if bias.dtype is not _F32 or not bias.is_cpu or bias.shape != (n,) or not bias.is_contiguous():
+            raise _bad("dequantize_rows", f"bias must be a contiguous float32 CPU tensor [{n}], got "
+                       f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
+        pb = bias.data_ptr()
+    if dtype is _F32:
+        out, po, so = acc, pa, sa
+    else:
+        out = torch.empty((rows, n), dtype=dtype)
+        po, so = out.data_ptr(), n
+    _kernel(dtype, _dequant, "dequant")(_DEQUANT_ARGS.pack(pa, sa, scales.data_ptr(), pb, po, so, rows, n))
+    return out

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from splitfuse.kernels.cpu import elementwise as ew
 from splitfuse.kernels.cpu.build import unavailable_reason
-from splitfuse.kernels.reference import (apply_rotary_reference, quantize_rows_reference, rms_norm_reference,
-                                         silu_and_mul_reference)
+from splitfuse.kernels.reference import (apply_rotary_reference, dequantize_rows_reference, quantize_rows_reference,
+                                         rms_norm_reference, silu_and_mul_reference)
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
 
 if not ew.available():
@@ -343,7 +343,8 @@ def test_silu_and_mul_column_chunks(tokens, inter, threading_mode):
 # ------------------------------------------------------------------------------- quantize_rows
 @pytest.mark.parametrize("rows,k", [(1, 512), (3, 33), (17, 1408), (64, 4096), (5, 7)])
 @pytest.mark.parametrize("levels,zero_point", [(127, 128), (63, 64)])
-def test_quantize_rows_bit_identical_to_reference(rows, k, levels, zero_point, threading_mode):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_bit_identical_to_reference(rows, k, levels, zero_point, dtype, threading_mode):
     g = _gen("quant", rows, k)
     x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
     # Ties at .5 after scaling (round half to even), a zero row and a row of one huge value.
@@ -351,6 +352,7 @@ def test_quantize_rows_bit_identical_to_reference(rows, k, levels, zero_point, t
     if rows > 2:
         x[1] = 0.0
         x[2, 1:] = 0.0
+    x = x.to(dtype)
     q, scales = ew.quantize_rows(x, levels, zero_point)
     q_ref, scales_ref = quantize_rows_reference(x, levels, zero_point)
     assert torch.equal(scales, scales_ref)
@@ -358,8 +360,9 @@ def test_quantize_rows_bit_identical_to_reference(rows, k, levels, zero_point, t
     assert int(q.min()) >= zero_point - levels and int(q.max()) <= zero_point + levels
 
 
-def test_quantize_rows_strided_rows():
-    x = torch.randn(6, 64, generator=_gen("quant-strided"))[:, 16:48]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_strided_rows(dtype):
+    x = torch.randn(6, 64, generator=_gen("quant-strided")).to(dtype)[:, 16:48]
     for got, want in zip(ew.quantize_rows(x, 127, 128), quantize_rows_reference(x, 127, 128)):
         assert torch.equal(got, want)
 
@@ -371,6 +374,48 @@ def test_quantize_rows_rejects_bad_input():
         lambda: ew.quantize_rows(torch.randn(8, 3).t(), 127, 128),
         lambda: ew.quantize_rows(torch.randn(3, 8), 127, 64),
         lambda: ew.quantize_rows(torch.randn(3, 8), 0, 64),
+    ]
+    for i, fn in enumerate(bad):
+        with pytest.raises(ValueError):
+            fn()
+            pytest.fail(f"case {i} did not raise")
+
+
+# ----------------------------------------------------------------------------- dequantize_rows
+@pytest.mark.parametrize("rows,n", [(1, 512), (3, 33), (17, 1408), (64, 3072), (5, 7)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_rows_bit_identical_to_reference(rows, n, with_bias, dtype, threading_mode):
+    g = _gen("dequant", rows, n, with_bias)
+    # int8 GEMM sums are integers; any float32 must come through unchanged in arithmetic.
+    acc = torch.randint(-(1 << 20), 1 << 20, (rows, n), generator=g).float()
+    acc[0, :3] = torch.tensor([0.5, -1e-3, 7.25])
+    scales = torch.rand(rows, 1, generator=g) * 1e-3
+    bias = torch.randn(n, generator=g) if with_bias else None
+    want = dequantize_rows_reference(acc.clone(), scales, bias, dtype)
+    got = ew.dequantize_rows(acc, scales, bias, dtype)
+    assert got.dtype is dtype and got.shape == (rows, n)
+    assert torch.equal(got, want)
+    if dtype is torch.float32:  # in place
+        assert got.data_ptr() == acc.data_ptr()
+
+
+def test_dequantize_rows_strided_rows():
+    acc = torch.randn(6, 64, generator=_gen("dequant-strided"))[:, 8:40]
+    scales, bias = torch.rand(6, 1), torch.randn(32)
+    want = dequantize_rows_reference(acc.clone(), scales, bias, torch.bfloat16)
+    assert torch.equal(ew.dequantize_rows(acc, scales, bias, torch.bfloat16), want)
+
+
+def test_dequantize_rows_rejects_bad_input():
+    acc = torch.randn(3, 8)
+    bad = [
+        lambda: ew.dequantize_rows(torch.randn(2, 3, 4), torch.ones(2, 1)),
+        lambda: ew.dequantize_rows(acc.bfloat16(), torch.ones(3, 1)),
+        lambda: ew.dequantize_rows(acc, torch.ones(2, 1)),
+        lambda: ew.dequantize_rows(acc, torch.ones(3, 1).double()),
+        lambda: ew.dequantize_rows(acc, torch.ones(3, 1), torch.ones(7)),
+        lambda: ew.dequantize_rows(acc, torch.ones(3, 1), dtype=torch.float16),
     ]
     for i, fn in enumerate(bad):
         with pytest.raises(ValueError):

@@ -1,5 +1,5 @@
-"""Serving in low precision: a real tritonserver started with `--param quantization=int8` and one
-with `--param dtype=bfloat16` answers greedy requests with the tokens the offline engine gives
+"""Serving in low precision: a real tritonserver started with `--param quantization=int8`, one
+with `--param dtype=bfloat16` and one with both answers greedy requests with the tokens the offline engine gives
 under the same settings, and logs the weight memory by dtype."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.serving
 SETTINGS = {
     "int8": {"quantization": "int8"},
     "bfloat16": {"dtype": "bfloat16", "attention_backend": "auto"},
+    "int8-bfloat16": {"quantization": "int8", "dtype": "bfloat16"},
 }
 
 
@@ -23,7 +24,7 @@ SETTINGS = {
 def low_precision_server(request, tiny_llama, tmp_path_factory):
     import torch
 
-    if request.param == "int8":
+    if request.param.startswith("int8"):
         ok, why = int8_supported(torch.device("cpu"))
         if not ok:
             pytest.skip(f"int8 linear unavailable: {why}")
@@ -44,4 +45,4 @@ def test_served_low_precision_matches_offline_engine(low_precision_server, tiny_
     log = open(server.log_file, errors="replace").read()
     ready = [line for line in log.splitlines() if "splitfuse engine ready" in line]
     assert ready and "weights=" in ready[0]
-    assert ("int8" in ready[0].split("weights=")[1]) == (name == "int8")
+    assert ("int8" in ready[0].split("weights=")[1]) == name.startswith("int8")

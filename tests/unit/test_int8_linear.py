@@ -64,6 +64,24 @@ def test_int8_linear_equals_exact_integer_arithmetic(rows, in_features, out_feat
 
 
 @needs_int8
+@pytest.mark.parametrize("rows", [1, 64])
+def test_int8_linear_bfloat16_activations(rows):
+    """A bfloat16 model's rows: quantized from bf16 as their exact fp32 copy would be, the same
+    integer product, and the result rounded to bf16 once."""
+    g = torch.Generator().manual_seed(7 + rows)
+    w, b = torch.randn(1408, 512, generator=g), torch.randn(1408, generator=g)
+    x = (torch.randn(rows, 512, generator=g) * 3).bfloat16()
+    layer = Int8Linear(w, b)
+    out = layer(x)
+    assert out.dtype is torch.bfloat16 and out.shape == (rows, 1408)
+    assert torch.equal(out, layer(x.float()).bfloat16())
+    qw, sw = quantize_weight_per_channel(w)
+    qx, sx = quantize_per_token(x, layer.levels, layer.zero_point)
+    exact = ((qx.double() - layer.zero_point) @ qw.double().t()) * sx.double() * sw.double() + b.double()
+    torch.testing.assert_close(out.double(), exact, rtol=2.0 ** -7, atol=1e-3)
+
+
+@needs_int8
 def test_int8_linear_rows_do_not_depend_on_their_batch():
     """Per-token scales: a row's result is the same alone or beside a row 1000x larger."""
     g = torch.Generator().manual_seed(1)

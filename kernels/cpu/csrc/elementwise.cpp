@@ -1,6 +1,6 @@
 // Fused elementwise CPU kernels: RMSNorm with optional residual add, rotary embedding (HF
-// rotate-half), SwiGLU gate (fp32 or bf16 tensors), per-row int8 quantization (fp32). Python
-// wrappers: splitfuse/kernels/cpu/elementwise.py.
+// rotate-half), SwiGLU gate, per-row int8 quantization of activations and the int8 GEMM's
+// dequantization (fp32 or bf16 tensors). Python wrappers: splitfuse/kernels/cpu/elementwise.py.
 //
 // Every exported symbol starts with sf_ew_. Tensors are passed as base pointers plus row strides
 // in elements; the innermost dimension is contiguous. Work is split over rows (silu_and_mul: rows
@@ -15,6 +15,7 @@
 //   rotary:       o1 = x1*c - x2*s; o2 = x2*c + x1*s  (products rounded separately, as torch)
 //   silu_and_mul: out = (g / (1 + exp(-g))) * u
 //   quantize_rows: scale = max(max|x|, 1e-12) / levels; q = nearbyint(x / scale) + zero_point
+//   dequantize_rows: out = (acc * scale) + bias, in fp32, then narrowed to the output dtype
 // In bf16 (T = uint16_t bits) the arithmetic is fp32 and values are rounded to bf16 wherever
 // torch's bf16 ops round them (round_to<T>): the residual sum; the normed value before the
 // weight and the product after it; the rotary tables, each product and each sum; silu's output
@@ -130,7 +131,8 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
 
 
 // ----------------------------------------------------------------------------------- quantize
-inline float abs_max(const float* x, int64_t k) {
+template <typename T>
+inline float abs_max(const T* x, int64_t k) {
     vi a0 = {}, a1 = {};  // |x| as int bits: for non-negative floats, int order is float order
     const vi no_sign = vi{} + 0x7fffffff;
     int64_t j = 0;
@@ -147,11 +149,13 @@ inline float abs_max(const float* x, int64_t k) {
         std::memcpy(&f, &bits, sizeof(f));
         m = f > m ? f : m;
     }
-    for (; j < k; ++j) m = std::fabs(x[j]) > m ? std::fabs(x[j]) : m;
+    for (; j < k; ++j) m = std::fabs(load1(x + j)) > m ? std::fabs(load1(x + j)) : m;
     return m;
 }
 
-inline void quantize_row(const float* x, uint8_t* q, float* scale, int64_t k, float levels, float zero_point) {
+// bf16 rows are widened exactly, so a bf16 row quantizes as its fp32 copy would.
+template <typename T>
+inline void quantize_row(const T* x, uint8_t* q, float* scale, int64_t k, float levels, float zero_point) {
     const float m = abs_max(x, k);
     const float s = (m > 1e-12f ? m : 1e-12f) / levels;
     *scale = s;
@@ -165,7 +169,47 @@ inline void quantize_row(const float* x, uint8_t* q, float* scale, int64_t k, fl
         const vi iv = __builtin_convertvector(r, vi);
         for (int i = 0; i < VW; ++i) q[j + i] = static_cast<uint8_t>(iv[i]);
     }
-    for (; j < k; ++j) q[j] = static_cast<uint8_t>(static_cast<int32_t>((rounded(x[j] / s + magic) - magic) + zero_point));
+    for (; j < k; ++j)
+        q[j] = static_cast<uint8_t>(static_cast<int32_t>((rounded(load1(x + j) / s + magic) - magic) + zero_point));
+}
+
+template <typename T>
+void quantize_rows(const int64_t* a) {
+    const T* x = reinterpret_cast<const T*>(a[0]);
+    uint8_t* q = reinterpret_cast<uint8_t*>(a[2]);
+    float* scales = reinterpret_cast<float*>(a[3]);
+    const int64_t sx = a[1], rows = a[4], k = a[5];
+    const float levels = static_cast<float>(a[6]), zero_point = static_cast<float>(a[7]);
+#pragma omp parallel for schedule(static) if (go_parallel(rows, k, kCostQuantize))
+    for (int64_t t = 0; t < rows; ++t) quantize_row(x + t * sx, q + t * k, scales + t, k, levels, zero_point);
+}
+
+// ------------------------------------------------------------------------------ dequantize
+// out[t] = T(acc[t] * scale[t] (+ bias)): the int8 GEMM's fp32 sums times the row's activation
+// scale, the product and the sum rounded separately (as torch's mul_ then add_), then narrowed
+// to T once. For T = float, out may be acc itself (in place).
+template <typename T>
+void dequantize_rows(const int64_t* a) {
+    const float* acc = reinterpret_cast<const float*>(a[0]);
+    const float* scales = reinterpret_cast<const float*>(a[2]);
+    const float* bias = reinterpret_cast<const float*>(a[3]);
+    T* out = reinterpret_cast<T*>(a[4]);
+    const int64_t sa = a[1], so = a[5], rows = a[6], n = a[7];
+#pragma omp parallel for schedule(static) if (go_parallel(rows, n, kCostNorm))
+    for (int64_t t = 0; t < rows; ++t) {
+        const float* r = acc + t * sa;
+        T* o = out + t * so;
+        const float s = scales[t];
+        const vf sv = splat(s);
+        int64_t j = 0;
+        if (bias) {
+            for (; j + VW <= n; j += VW) storeu(o + j, rounded(loadu(r + j) * sv) + loadu(bias + j));
+            for (; j < n; ++j) store1(o + j, rounded(r[j] * s) + bias[j]);
+        } else {
+            for (; j + VW <= n; j += VW) storeu(o + j, loadu(r + j) * sv);
+            for (; j < n; ++j) store1(o + j, r[j] * s);
+        }
+    }
 }
 
 // out[t] = w * normed(x[t] (+ res[t])); with res, res_out[t] = x[t] + res[t] (written first, so
@@ -268,18 +312,16 @@ int64_t sf_ew_rotary_bf16_packed(const int64_t* a) { return rotary_packed<uint16
 void sf_ew_silu_and_mul_f32_packed(const int64_t* a) { silu_and_mul_packed<float>(a); }
 void sf_ew_silu_and_mul_bf16_packed(const int64_t* a) { silu_and_mul_packed<uint16_t>(a); }
 
-// Per-row symmetric quantization of fp32 x [rows, k] (row stride sx) to uint8 q [rows, k]
-// (contiguous) around zero_point, with scales [rows]: q = nearbyint(x / scale) + zero_point,
-// scale = max(max|x|, 1e-12) / levels. The caller keeps levels + zero_point within uint8.
-// Packed: x, sx, q, scales, rows, k, levels, zero_point.
-void sf_ew_quantize_rows_u8_packed(const int64_t* a) {
-    const float* x = reinterpret_cast<const float*>(a[0]);
-    uint8_t* q = reinterpret_cast<uint8_t*>(a[2]);
-    float* scales = reinterpret_cast<float*>(a[3]);
-    const int64_t sx = a[1], rows = a[4], k = a[5];
-    const float levels = static_cast<float>(a[6]), zero_point = static_cast<float>(a[7]);
-#pragma omp parallel for schedule(static) if (go_parallel(rows, k, kCostQuantize))
-    for (int64_t t = 0; t < rows; ++t) quantize_row(x + t * sx, q + t * k, scales + t, k, levels, zero_point);
-}
+// Per-row symmetric quantization of x [rows, k] (fp32 or bf16; row stride sx) to uint8
+// q [rows, k] (contiguous) around zero_point, with fp32 scales [rows]:
+// q = nearbyint(x / scale) + zero_point, scale = max(max|x|, 1e-12) / levels. The caller keeps
+// levels + zero_point within uint8. Packed: x, sx, q, scales, rows, k, levels, zero_point.
+void sf_ew_quantize_rows_u8_packed(const int64_t* a) { quantize_rows<float>(a); }
+void sf_ew_quantize_rows_u8_bf16_packed(const int64_t* a) { quantize_rows<uint16_t>(a); }
+
+// out [rows, n] (fp32 or bf16, row stride so) = acc [rows, n] (fp32, row stride sa) * scales[t]
+// (+ bias [n] fp32, or 0 for none). Packed: acc, sa, scales, bias, out, so, rows, n.
+void sf_ew_dequantize_rows_f32_packed(const int64_t* a) { dequantize_rows<float>(a); }
+void sf_ew_dequantize_rows_bf16_packed(const int64_t* a) { dequantize_rows<uint16_t>(a); }
 
 }  // extern "C"
