@@ -48,6 +48,30 @@ def test_onednn_linear_matches_f_linear(rows, bias):
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+
+ONEDNN_BF16_OK, ONEDNN_BF16_WHY = onednn_supported(torch.device("cpu"), torch.bfloat16)
+# The bf16 GEMM against fp32 (relative Frobenius error of the output, N(0, 1) data): inputs and
+# output each rounded to bf16 (2^-9 relative), products summed in fp32. Measured 2.9-3.1e-3.
+MAX_BF16_RELATIVE_ERROR = 5e-3
+
+
+@pytest.mark.skipif(not ONEDNN_BF16_OK, reason=f"oneDNN bf16 linear unavailable: {ONEDNN_BF16_WHY}")
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("out_features,in_features", [(160, 96), (1408, 512)])
+def test_onednn_bf16_linear_error_against_fp32(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen)
+    out = OneDnnLinear(w.bfloat16(), b.bfloat16())(x.bfloat16())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    # fp32 sums of the bf16 inputs' products: the output differs by its one bf16 rounding.
+    rounded = F.linear(x.bfloat16().float(), w.bfloat16().float(), b.bfloat16().float())
+    assert torch.all((out.float() - rounded).abs() <= rounded.abs() * 2.0 ** -8 + 1e-2)
+    exact = F.linear(x, w, b)
+    rel = (out.float() - exact).norm() / exact.norm()
+    assert rel < MAX_BF16_RELATIVE_ERROR, f"relative error {rel:.2e}"
+
 @needs_onednn
 def test_prepare_packs_and_releases_the_plain_weight():
     layer = Linear(32, 48, bias=True)
