@@ -31,10 +31,11 @@ def _free_port() -> int:
 
 # ------------------------------------------------------------------------------------ systems
 def engine_params(system: str, args) -> dict[str, str]:
-    """Our engine's parameters for a system: its policy, token budget and precision, then --param."""
+    """Our engine's parameters for a system: its policy, token budget and precision, then --param.
+    Prefix caching is off, as in vLLM's runs (`--no-enable-prefix-caching`), unless --param turns it on."""
     policy = "splitfuse" if base_of(system) == ENGINE_SYSTEM else base_of(system)
     params = {"scheduler_policy": policy, "token_budget": str(budget_of(system) or args.token_budget),
-              **PRECISIONS[precision_of(system)]}
+              "enable_prefix_caching": "false", **PRECISIONS[precision_of(system)]}
     for item in args.param:
         k, _, v = item.partition("=")
         params[k] = v

@@ -25,7 +25,8 @@ BLOG_GEN_MEANS = (60, 128)
 # --------------------------------------------------------------------------------------------
 # Prompt source text (written for this benchmark): ordinary prose on assorted subjects, so
 # prompts look like user requests rather than repeated tokens. Each prompt starts at a random
-# sentence, so prompts do not share long prefixes (no system gets a prefix-cache advantage).
+# sentence, and opens with its request number, so no two prompts share even their first KV block:
+# no system gets a prefix-cache advantage whatever its caching setting.
 _PASSAGES = [
     "Please summarise the following notes from our weekly planning meeting.",
     "The harbour town wakes early; fishing boats leave before dawn and return by noon with the catch.",
@@ -90,14 +91,14 @@ def _text_source(rng: random.Random, approx_chars: int) -> str:
     return " ".join(parts)
 
 
-def make_prompt(tokenizer: Any, n_tokens: int, rng: random.Random) -> tuple[str, int]:
-    """Prose whose tokenization (with special tokens) has about `n_tokens` tokens.
+def make_prompt(tokenizer: Any, n_tokens: int, rng: random.Random, tag: str = "") -> tuple[str, int]:
+    """`tag`, then prose, whose tokenization (with special tokens) has about `n_tokens` tokens.
 
     Returns (text, exact token count of the text as the tokenizer encodes it).
     """
     special = len(tokenizer("").input_ids)  # BOS etc. added by the server's tokenizer too
     want = max(1, n_tokens - special)
-    text = _text_source(rng, approx_chars=want * 6 + 64)
+    text = tag + _text_source(rng, approx_chars=want * 6 + 64)
     ids = tokenizer(text, add_special_tokens=False).input_ids
     while len(ids) < want:  # very dense tokenizers: grow
         text += " " + _text_source(rng, approx_chars=want * 6)
@@ -137,7 +138,7 @@ def make_workload(
     specs = []
     for i, (p, g) in enumerate(zip(prompts, gens)):
         p = min(p, max_model_len - g - 4)
-        text, count = make_prompt(tokenizer, p, rng)
+        text, count = make_prompt(tokenizer, p, rng, tag=f"[{i}] ")
         specs.append(RequestSpec(idx=i, prompt=text, prompt_tokens=count, gen_tokens=g))
     return specs
 
