@@ -103,11 +103,9 @@ def turn_prompt(conv: Conversation, turn: int, answers: list[str]) -> str:
 
 
 def make_unshared_workload(model_dir: str, args) -> list[wl.RequestSpec]:
-    specs = wl.make_workload(model_dir, args.unshared_requests, args.unshared_prompt_mean, args.unshared_gen_mean,
-                             seed=args.seed + 1, max_model_len=args.max_model_len)
-    # A distinct request number first: no two prompts share even their first block.
-    return [wl.RequestSpec(s.idx, f"Request {s.idx * 7919 % 100003}. {s.prompt}", s.prompt_tokens, s.gen_tokens)
-            for s in specs]
+    # make_workload opens every prompt with its request number: no two share even their first block.
+    return wl.make_workload(model_dir, args.unshared_requests, args.unshared_prompt_mean, args.unshared_gen_mean,
+                            seed=args.seed + 1, max_model_len=args.max_model_len)
 
 
 # ---------------------------------------------------------------------------------- drivers
