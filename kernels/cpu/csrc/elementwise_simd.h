@@ -2,7 +2,8 @@
 //
 // GCC/Clang vector extensions sized for the widest ISA the compiler targets (-march=native):
 // 16 floats with AVX-512, 8 with AVX/AVX2, 4 otherwise (SSE / NEON / generic). The operators
-// compile to the ISA's vector instructions; no intrinsics, so one source serves every machine.
+// compile to the ISA's vector instructions, so one source serves every machine; the one
+// exception is the AVX-512 bf16 load/store below, where GCC's generic lowering is poor.
 #pragma once
 
 #include <cmath>
@@ -10,6 +11,10 @@
 #include <cstring>
 
 #include "bf16.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace sf_ew {
 
@@ -105,14 +110,27 @@ typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef uint16_t vh_u __attribute__((vector_size(VW * 2), aligned(2), may_alias));
 
 static inline vf loadu(const uint16_t* p) {
+#if SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
+    // GCC lowers the generic 16 x u16 -> u32 widening as two 8-wide halves plus shuffles, and
+    // the narrowing as a vpermt2w; one vpmovzxwd / vpmovdw each (Zen 4, 2 threads: bf16 rms_norm
+    // of 256 x 512 37 -> 30 us, silu_and_mul of 256 x 2 x 1536 160 -> 146-151 us).
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return reinterpret_cast<vf>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
     return reinterpret_cast<vf>(__builtin_convertvector(*reinterpret_cast<const vh_u*>(p), vu) << 16);
+#endif
 }
 static inline vu bf16_round_bits(vf v) {
     const vu b = reinterpret_cast<vu>(v);
     return b + (0x7fffu + ((b >> 16) & 1u));
 }
 static inline void storeu(uint16_t* p, vf v) {
+#if SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(bf16_round_bits(v) >> 16)));
+#else
     *reinterpret_cast<vh_u*>(p) = __builtin_convertvector(bf16_round_bits(v) >> 16, vh);
+#endif
 }
 static inline float load1(const float* p) { return *p; }
 static inline float load1(const uint16_t* p) { return sf_bf16::to_f32(*p); }
