@@ -1,7 +1,7 @@
 """Benchmark clients that stream one request and time every token of it.
 
 Triton: tritonclient gRPC streaming against our `ensemble` or `llm` model (TensorRT-LLM tensor
-names). OpenAI: streaming /v1/completions against any OpenAI-compatible server (e.g. vLLM).
+names), or Triton's HTTP generate extension (server-sent events, read like vLLM's). OpenAI: streaming /v1/completions against any OpenAI-compatible server (e.g. vLLM).
 Engine: our engine in this process (`EngineLoop`, no server, no transport), the "offline"
 reference that says what serving costs.
 """
@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from fastgen_metrics import RequestRecord
@@ -159,6 +160,114 @@ class TritonDriver(Driver):
         pass
 
 
+def _stream_sse(host: str, port: int, path: str, body: dict, rec: RequestRecord, timeout: float,
+                on_event: Callable[[dict, float], None], done_marker: bytes | None) -> None:
+    """POST `body` as JSON and read the server-sent events of the answer, calling
+    `on_event(message, arrival time)` for each; `rec.error` / `rec.end` say how it ended: at
+    `done_marker` (OpenAI's `[DONE]`), or at the end of the stream when None (Triton)."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        rec.start = time.perf_counter()
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            rec.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
+            return
+        deadline = rec.start + timeout
+        while True:
+            line = resp.readline()
+            t = time.perf_counter()
+            if not line:
+                if done_marker is None:
+                    rec.end = t
+                break
+            if t > deadline:
+                rec.error = "timeout"
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == done_marker:
+                rec.end = t
+                break
+            msg = json.loads(payload)
+            if "error" in msg:
+                rec.error = str(msg["error"])[:300]
+                break
+            on_event(msg, t)
+        if rec.error is None and not rec.end:
+            rec.error = "stream ended without [DONE]"
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        rec.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if not rec.end:
+            rec.end = time.perf_counter()
+        conn.close()
+
+
+def _split_url(url: str) -> tuple[str, int, str]:
+    u = urllib.parse.urlparse(url if "://" in url else "http://" + url)
+    return u.hostname or "127.0.0.1", u.port or 80, u.path.rstrip("/")
+
+
+class TritonHttpDriver(Driver):
+    """Streams one request over Triton's HTTP generate extension
+    (`POST /v2/models/<model>/generate_stream`, server-sent events), read the way the OpenAI
+    driver reads vLLM's stream: a plain HTTP connection per request, no client threads.
+
+    Tokens per event: the length of `output_ids` (a number when the step made one token), else
+    the increase of `num_output_tokens`, else one per non-empty `text_output`. The stream ends
+    with the final response; when the model returns `finish_reason`, a stream that closes before
+    one is non-empty is an error.
+    """
+
+    name = "triton-http"
+
+    def __init__(self, url: str, model: str = "ensemble", temperature: float = 0.0):
+        self.host, self.port, self.base = _split_url(url)
+        self.model = model
+        self.temperature = temperature
+
+    def run_one(self, spec: RequestSpec, client: int, timeout: float) -> RequestRecord:
+        body = {"text_input": spec.prompt, "max_tokens": spec.gen_tokens, "min_tokens": spec.gen_tokens,
+                "stream": True, "ignore_eos": True, "temperature": self.temperature,
+                "exclude_input_in_output": True, "return_num_input_tokens": True,
+                "return_num_output_tokens": True}
+        rec = RequestRecord(spec.idx, client, spec.prompt_tokens, spec.gen_tokens, start=0.0)
+        last = [0]
+
+        finish: list[str | None] = [None]  # stays None for models without a finish_reason output
+
+        def on_event(msg: dict, t: float) -> None:
+            if "finish_reason" in msg:
+                reason = msg["finish_reason"]
+                finish[0] = (reason[0] if isinstance(reason, list) and reason else reason) or ""
+            ids = msg.get("output_ids")
+            n = None if ids is None else (len(ids) if isinstance(ids, list) else 1)
+            total = msg.get("num_output_tokens")
+            if total is not None:
+                total = int(total[0] if isinstance(total, list) else total)
+                if n is None:
+                    n = max(0, total - last[0])
+                last[0] = max(last[0], total)
+                rec.server_output_tokens = total
+            num_in = msg.get("num_input_tokens")
+            if num_in is not None:
+                rec.server_prompt_tokens = int(num_in[0] if isinstance(num_in, list) else num_in)
+            if n is None:
+                n = 1 if msg.get("text_output") else 0
+            if n:
+                rec.chunks.append((t, n))
+
+        _stream_sse(self.host, self.port, f"{self.base}/v2/models/{self.model}/generate_stream", body, rec,
+                    timeout, on_event, done_marker=None)
+        if rec.error is None and finish[0] == "":  # the stream closed before the final response
+            rec.error = "stream ended without a finish_reason"
+        return rec
+
+
 class OpenAIDriver(Driver):
     """Streaming /v1/completions against an OpenAI-compatible server (vLLM).
 
@@ -170,15 +279,12 @@ class OpenAIDriver(Driver):
     name = "openai"
 
     def __init__(self, url: str, model: str, temperature: float = 0.0):
-        u = urllib.parse.urlparse(url if "://" in url else "http://" + url)
-        self.host = u.hostname or "127.0.0.1"
-        self.port = u.port or 80
-        self.base = u.path.rstrip("/")
+        self.host, self.port, self.base = _split_url(url)
         self.model = model
         self.temperature = temperature
 
     def run_one(self, spec: RequestSpec, client: int, timeout: float) -> RequestRecord:
-        body = json.dumps({
+        body = {
             "model": self.model,
             "prompt": spec.prompt,
             "max_tokens": spec.gen_tokens,
@@ -188,68 +294,36 @@ class OpenAIDriver(Driver):
             "stream": True,
             "return_token_ids": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        }).encode()
+        }
         rec = RequestRecord(spec.idx, client, spec.prompt_tokens, spec.gen_tokens, start=0.0)
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-        try:
-            rec.start = time.perf_counter()
-            conn.request("POST", self.base + "/v1/completions", body=body,
-                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                rec.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
-                return rec
-            last_completion = 0
-            deadline = rec.start + timeout
-            while True:
-                line = resp.readline()
-                t = time.perf_counter()
-                if not line:
-                    break
-                if t > deadline:
-                    rec.error = "timeout"
-                    break
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    rec.end = t
-                    break
-                msg = json.loads(payload)
-                if "error" in msg:
-                    rec.error = str(msg["error"])[:300]
-                    break
-                usage = msg.get("usage") or {}
-                n = None
-                choices = msg.get("choices") or []
-                if choices:
-                    tids = choices[0].get("token_ids")
-                    if tids is not None:
-                        n = len(tids)
-                    pids = choices[0].get("prompt_token_ids")
-                    if pids:
-                        rec.server_prompt_tokens = len(pids)
-                if usage.get("completion_tokens") is not None:
-                    comp = int(usage["completion_tokens"])
-                    if n is None and choices:
-                        n = max(0, comp - last_completion)
-                    last_completion = max(last_completion, comp)
-                    rec.server_output_tokens = comp
-                    if usage.get("prompt_tokens") is not None:
-                        rec.server_prompt_tokens = int(usage["prompt_tokens"])
-                if n is None:
-                    n = 1 if choices and choices[0].get("text") else 0
-                if n:
-                    rec.chunks.append((t, n))
-            if rec.error is None and not rec.end:
-                rec.error = "stream ended without [DONE]"
-        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-            rec.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            if not rec.end:
-                rec.end = time.perf_counter()
-            conn.close()
+        last_completion = [0]
+
+        def on_event(msg: dict, t: float) -> None:
+            usage = msg.get("usage") or {}
+            n = None
+            choices = msg.get("choices") or []
+            if choices:
+                tids = choices[0].get("token_ids")
+                if tids is not None:
+                    n = len(tids)
+                pids = choices[0].get("prompt_token_ids")
+                if pids:
+                    rec.server_prompt_tokens = len(pids)
+            if usage.get("completion_tokens") is not None:
+                comp = int(usage["completion_tokens"])
+                if n is None and choices:
+                    n = max(0, comp - last_completion[0])
+                last_completion[0] = max(last_completion[0], comp)
+                rec.server_output_tokens = comp
+                if usage.get("prompt_tokens") is not None:
+                    rec.server_prompt_tokens = int(usage["prompt_tokens"])
+            if n is None:
+                n = 1 if choices and choices[0].get("text") else 0
+            if n:
+                rec.chunks.append((t, n))
+
+        _stream_sse(self.host, self.port, self.base + "/v1/completions", body, rec, timeout, on_event,
+                    done_marker=b"[DONE]")
         return rec
 
 

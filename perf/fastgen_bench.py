@@ -19,7 +19,8 @@ closed_loop.py (load and sweep), perf_analyzer_data.py (perf_analyzer input/summ
 is the command line.
 
 Drivers: Triton (tritonclient gRPC streaming against our `ensemble` or `llm` model, TensorRT-LLM
-tensor names) and any OpenAI-compatible server (streaming /v1/completions, e.g. vLLM).
+tensor names; or `triton-http`: Triton's HTTP generate_stream, server-sent events) and any
+OpenAI-compatible server (streaming /v1/completions, e.g. vLLM).
 
     python perf/fastgen_bench.py run --target triton --url 127.0.0.1:8001 --model ensemble \
         --model-dir perf/.cache/bench-llama --clients 1,2,4,8 --out perf/results/raw/splitfuse.json
@@ -39,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from closed_loop import parse_ints, sweep  # noqa: E402
-from drivers import Driver, OpenAIDriver, TritonDriver  # noqa: E402
+from drivers import Driver, OpenAIDriver, TritonDriver, TritonHttpDriver  # noqa: E402
 from fastgen_metrics import RequestRecord, summarize  # noqa: E402
 from perf_analyzer_data import summarize_pa_profile, write_pa_input  # noqa: E402
 from workload import VARIANCE, make_workload  # noqa: E402
@@ -49,6 +50,8 @@ def _cmd_run(args: argparse.Namespace) -> None:
                           args.variance, args.seed, args.max_model_len)
     if args.target == "triton":
         driver: Driver = TritonDriver(args.url, args.model)
+    elif args.target == "triton-http":
+        driver = TritonHttpDriver(args.url, args.model)
     else:
         driver = OpenAIDriver(args.url, args.model)
     print(f"[fastgen_bench] {args.label or args.target}: {len(specs)} requests, prompt mean "
@@ -111,8 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="closed-loop client sweep against one server")
-    r.add_argument("--target", choices=("triton", "openai"), required=True)
-    r.add_argument("--url", required=True, help="host:grpc_port (triton) or http://host:port (openai)")
+    r.add_argument("--target", choices=("triton", "triton-http", "openai"), required=True)
+    r.add_argument("--url", required=True,
+                   help="host:grpc_port (triton), host:http_port (triton-http) or http://host:port (openai)")
     r.add_argument("--model", default="ensemble", help="Triton model name or OpenAI served model name")
     r.add_argument("--label", default=None)
     r.add_argument("--clients", default="1,2,4,8,16,32")

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from closed_loop import sweep
-from drivers import EngineDriver, OpenAIDriver, TritonDriver
+from drivers import EngineDriver, OpenAIDriver, TritonDriver, TritonHttpDriver
 from systems import ENGINE_SYSTEM, PRECISIONS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, budget_of, file_stem, precision_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,8 +79,8 @@ def run_triton(system: str, args, specs, clients) -> dict:
         t0 = time.time()
         try:
             with serve(args.model_dir, params, workdir=workdir, ready_timeout_s=600) as srv:
-                log(f"{system}: ready in {time.time() - t0:.0f}s at {srv.grpc_url}")
-                driver = TritonDriver(srv.grpc_url, args.triton_model)
+                log(f"{system}: ready in {time.time() - t0:.0f}s at {srv.http_url} (HTTP), {srv.grpc_url} (gRPC)")
+                driver = triton_driver(srv, args)
                 warmup = args.warmup
                 while i < len(clients):
                     c = clients[i]
@@ -114,7 +114,16 @@ def run_triton(system: str, args, specs, clients) -> dict:
             _reap_leftovers(workdir)
     return {"points": points, "wall_s": time.time() - t_sweep, "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "server_exits": crashes,
-            "server": {"kind": "triton", "model": args.triton_model, "params": params}}
+            "server": {"kind": "triton", "model": args.triton_model, "protocol": args.triton_protocol,
+                       "params": params}}
+
+
+def triton_driver(srv, args):
+    """The client of our server: `http` streams Triton's generate_stream (server-sent events, read
+    by the same code as vLLM's stream), `grpc` tritonclient's gRPC stream."""
+    if args.triton_protocol == "grpc":
+        return TritonDriver(srv.grpc_url, args.triton_model)
+    return TritonHttpDriver(srv.http_url, args.triton_model)
 
 
 def _reap_leftovers(workdir: Path) -> None:

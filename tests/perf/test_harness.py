@@ -223,10 +223,15 @@ def test_tiny_sweep_against_real_triton_server(tiny_llama, tmp_path):
               "num_threads": "1"}
     with serve(tiny_llama, params, workdir=tmp_path / "srv") as srv:
         for model in ("ensemble", "llm"):
-            driver = drivers.TritonDriver(srv.grpc_url, model)
-            res = closed_loop.sweep(driver, specs, [1, 2], per_client=2, min_requests=2, warmup=1, log=lambda m: None)
-            for p in res["points"]:
-                _check_sweep_point(p)
+            for driver in (drivers.TritonDriver(srv.grpc_url, model), drivers.TritonHttpDriver(srv.http_url, model)):
+                res = closed_loop.sweep(driver, specs, [1, 2], per_client=2, min_requests=2, warmup=1,
+                                        log=lambda m: None)
+                for p in res["points"]:
+                    _check_sweep_point(p)
+        # An error from the server (here: the prompt does not fit max_model_len) is the request's error.
+        too_long = workload.RequestSpec(99, specs[0].prompt, specs[0].prompt_tokens, 10_000)
+        refused = drivers.TritonHttpDriver(srv.http_url, "ensemble").run_one(too_long, 0, timeout=30)
+        assert not refused.ok and "max_model_len" in refused.error, refused.error
 
 
 # ---------------------------------------------------------------------------------- in-process engine
