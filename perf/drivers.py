@@ -160,7 +160,7 @@ class TritonDriver(Driver):
         pass
 
 
-def _stream_sse(host: str, port: int, path: str, body: dict, rec: RequestRecord, timeout: float,
+def stream_sse(host: str, port: int, path: str, body: dict, rec: RequestRecord, timeout: float,
                 on_event: Callable[[dict, float], None], done_marker: bytes | None) -> None:
     """POST `body` as JSON and read the server-sent events of the answer, calling
     `on_event(message, arrival time)` for each; `rec.error` / `rec.end` say how it ended: at
@@ -261,7 +261,7 @@ class TritonHttpDriver(Driver):
             if n:
                 rec.chunks.append((t, n))
 
-        _stream_sse(self.host, self.port, f"{self.base}/v2/models/{self.model}/generate_stream", body, rec,
+        stream_sse(self.host, self.port, f"{self.base}/v2/models/{self.model}/generate_stream", body, rec,
                     timeout, on_event, done_marker=None)
         if rec.error is None and finish[0] == "":  # the stream closed before the final response
             rec.error = "stream ended without a finish_reason"
@@ -322,7 +322,7 @@ class OpenAIDriver(Driver):
             if n:
                 rec.chunks.append((t, n))
 
-        _stream_sse(self.host, self.port, self.base + "/v1/completions", body, rec, timeout, on_event,
+        stream_sse(self.host, self.port, self.base + "/v1/completions", body, rec, timeout, on_event,
                     done_marker=b"[DONE]")
         return rec
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import http.client
 import json
 import os
 import queue
@@ -58,6 +57,7 @@ sys.path.insert(0, str(HERE))
 import closed_loop as cl  # noqa: E402
 import fastgen_metrics as fm  # noqa: E402
 import workload as wl  # noqa: E402
+from drivers import stream_sse  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit, mem_gib  # noqa: E402
 
 HIT_SHARE = 0.5
@@ -190,49 +190,28 @@ class OpenAIChat:
         self.port = port
 
     def run(self, prompt: str, gen: int, idx: int, client: int, timeout: float) -> Turn:
-        body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": gen, "min_tokens": gen,
-                           "ignore_eos": True, "temperature": 0.0, "stream": True, "return_token_ids": True,
-                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
+        body = {"model": "bench", "prompt": prompt, "max_tokens": gen, "min_tokens": gen, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         rec = fm.RequestRecord(idx, client, 0, gen, start=0.0)
-        text, cached = [], None
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            rec.start = time.perf_counter()
-            conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                rec.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
-            while rec.error is None:
-                line = resp.readline()
-                t = time.perf_counter()
-                if not line:
-                    rec.error = "stream ended without [DONE]"
-                    break
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    rec.end = t
-                    break
-                msg = json.loads(payload)
-                usage = msg.get("usage") or {}
-                if usage.get("prompt_tokens") is not None:
-                    rec.prompt_tokens = rec.server_prompt_tokens = int(usage["prompt_tokens"])
-                details = usage.get("prompt_tokens_details") or {}
-                if details.get("cached_tokens") is not None:
-                    cached = int(details["cached_tokens"])
-                for choice in msg.get("choices") or []:
-                    n = len(choice.get("token_ids") or [])
-                    if n:
-                        rec.chunks.append((t, n))
-                    text.append(choice.get("text") or "")
-        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-            rec.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            rec.end = rec.end or time.perf_counter()
-            conn.close()
-        return Turn(rec.to_json(), cached_tokens=cached, text="".join(text))
+        text: list[str] = []
+        cached: list[int | None] = [None]
+
+        def on_event(msg: dict, t: float) -> None:
+            usage = msg.get("usage") or {}
+            if usage.get("prompt_tokens") is not None:
+                rec.prompt_tokens = rec.server_prompt_tokens = int(usage["prompt_tokens"])
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                cached[0] = int(details["cached_tokens"])
+            for choice in msg.get("choices") or []:
+                n = len(choice.get("token_ids") or [])
+                if n:
+                    rec.chunks.append((t, n))
+                text.append(choice.get("text") or "")
+
+        stream_sse("127.0.0.1", self.port, "/v1/completions", body, rec, timeout, on_event, done_marker=b"[DONE]")
+        return Turn(rec.to_json(), cached_tokens=cached[0], text="".join(text))
 
 
 # ---------------------------------------------------------------------------------- load
