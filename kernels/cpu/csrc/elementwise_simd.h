@@ -3,7 +3,7 @@
 // GCC/Clang vector extensions sized for the widest ISA the compiler targets (-march=native):
 // 16 floats with AVX-512, 8 with AVX/AVX2, 4 otherwise (SSE / NEON / generic). The operators
 // compile to the ISA's vector instructions, so one source serves every machine; the one
-// exception is the AVX-512 bf16 load/store below, where GCC's generic lowering is poor.
+// exception is the AVX-512 bf16 load/store below (bf16.h), where GCC's generic lowering is poor.
 #pragma once
 
 #include <cmath>
@@ -11,10 +11,6 @@
 #include <cstring>
 
 #include "bf16.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace sf_ew {
 
@@ -111,11 +107,7 @@ typedef uint16_t vh_u __attribute__((vector_size(VW * 2), aligned(2), may_alias)
 
 static inline vf loadu(const uint16_t* p) {
 #if SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
-    // GCC lowers the generic 16 x u16 -> u32 widening as two 8-wide halves plus shuffles, and
-    // the narrowing as a vpermt2w; one vpmovzxwd / vpmovdw each (Zen 4, 2 threads: bf16 rms_norm
-    // of 256 x 512 37 -> 30 us, silu_and_mul of 256 x 2 x 1536 160 -> 146-151 us).
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return reinterpret_cast<vf>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return reinterpret_cast<vf>(sf_bf16::widen16(p));
 #else
     return reinterpret_cast<vf>(__builtin_convertvector(*reinterpret_cast<const vh_u*>(p), vu) << 16);
 #endif
@@ -126,8 +118,7 @@ static inline vu bf16_round_bits(vf v) {
 }
 static inline void storeu(uint16_t* p, vf v) {
 #if SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(bf16_round_bits(v) >> 16)));
+    sf_bf16::store_low16(p, reinterpret_cast<__m512i>(bf16_round_bits(v) >> 16));
 #else
     *reinterpret_cast<vh_u*>(p) = __builtin_convertvector(bf16_round_bits(v) >> 16, vh);
 #endif

@@ -159,8 +159,12 @@ static thread_local Scratch tls_workspace;
 
 static inline vf load_kv(const float* p) { return loadu(p); }
 static inline vf load_kv(const uint16_t* p) {
+#if SF_ATTN_WIDTH == 16 && defined(__AVX512F__)
+    return (vf)sf_bf16::widen16(p);
+#else
     typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2), may_alias));
     return (vf)(__builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16);
+#endif
 }
 static inline v8 load_kv8(const float* p) { return loadu8(p); }
 static inline v8 load_kv8(const uint16_t* p) {
