@@ -1,7 +1,8 @@
 """Benchmark clients that stream one request and time every token of it.
 
 Triton: tritonclient gRPC streaming against our `ensemble` or `llm` model (TensorRT-LLM tensor
-names), or Triton's HTTP generate extension (server-sent events, read like vLLM's). OpenAI: streaming /v1/completions against any OpenAI-compatible server (e.g. vLLM).
+names), or Triton's HTTP generate extension (server-sent events, read like vLLM's). OpenAI:
+streaming /v1/completions against any OpenAI-compatible server (e.g. vLLM).
 Engine: our engine in this process (`EngineLoop`, no server, no transport), the "offline"
 reference that says what serving costs.
 """
@@ -207,6 +208,11 @@ def stream_sse(host: str, port: int, path: str, body: dict, rec: RequestRecord, 
         conn.close()
 
 
+def _scalar(value: Any) -> Any:
+    """A one-element output of Triton's generate extension: JSON gives it as a value or a list."""
+    return (value[0] if value else None) if isinstance(value, list) else value
+
+
 def _split_url(url: str) -> tuple[str, int, str]:
     u = urllib.parse.urlparse(url if "://" in url else "http://" + url)
     return u.hostname or "127.0.0.1", u.port or 80, u.path.rstrip("/")
@@ -237,25 +243,23 @@ class TritonHttpDriver(Driver):
                 "return_num_output_tokens": True}
         rec = RequestRecord(spec.idx, client, spec.prompt_tokens, spec.gen_tokens, start=0.0)
         last = [0]
-
         finish: list[str | None] = [None]  # stays None for models without a finish_reason output
 
         def on_event(msg: dict, t: float) -> None:
             if "finish_reason" in msg:
-                reason = msg["finish_reason"]
-                finish[0] = (reason[0] if isinstance(reason, list) and reason else reason) or ""
+                finish[0] = _scalar(msg["finish_reason"]) or ""
             ids = msg.get("output_ids")
             n = None if ids is None else (len(ids) if isinstance(ids, list) else 1)
             total = msg.get("num_output_tokens")
             if total is not None:
-                total = int(total[0] if isinstance(total, list) else total)
+                total = int(_scalar(total))
                 if n is None:
                     n = max(0, total - last[0])
                 last[0] = max(last[0], total)
                 rec.server_output_tokens = total
             num_in = msg.get("num_input_tokens")
             if num_in is not None:
-                rec.server_prompt_tokens = int(num_in[0] if isinstance(num_in, list) else num_in)
+                rec.server_prompt_tokens = int(_scalar(num_in))
             if n is None:
                 n = 1 if msg.get("text_output") else 0
             if n:
