@@ -16,18 +16,19 @@
 // GROUP = Hq / Hkv query heads sharing the kv head are rows of the same tile (row = token * G +
 // head), so each K/V load serves all of them. The item walks its key range in tiles of 16 keys
 // read in place through the block table (block_size a multiple of 16; smaller or odd block
-// sizes, and bf16 with K row-major, pack the 16 keys into an L1 buffer), and the rows in
-// register strips of MR rows:
-//   S = Q.K^T (MR x 16 in registers) -> mask (causal offset, sliding window, tail) -> online
-//   softmax in base 2 (running max m, running sum l) -> O = alpha * O + P.V (MR x 16 columns of
-//   the head dim in registers per step).
-// Strips whose rows see none of a tile's keys are skipped, and masks are only computed where the
+// sizes, and bf16 with K row-major, pack the 16 keys into an L1 buffer), NT tiles (a softmax
+// block of 64 keys) at a time, and the rows in register strips of MR rows. Per strip and block:
+//   for each tile: S = Q.K^T (MR x 16 in registers) -> mask (causal offset, sliding window,
+//   tail) -> S into an L1 scratch; then one online-softmax update in base 2 (running max m,
+//   running sum l) for the block's 64 keys; then O = alpha * O + P.V over its tiles (MR x 16
+//   columns of the head dim in registers, loaded and stored once per block).
+// Tiles whose keys no row of a strip sees are skipped, and masks are only computed where the
 // causal diagonal, the window edge or the sequence end crosses the tile.
 //
 // Scheduling: one OpenMP loop (schedule dynamic) over all items of the batch, largest first,
-// prompt-chunk items (compute-bound) interleaved with decode items (memory-bound). Decode strips
-// prefetch the K/V tile two tiles ahead into L2 (software prefetch; tiles of different blocks are in
-// different pages, where the hardware prefetchers stop).
+// prompt-chunk items (compute-bound) interleaved with decode items (memory-bound). The first strip
+// of a block prefetches the next block's K/V tiles into L2 (software prefetch; tiles of different
+// cache blocks are in different pages, where the hardware prefetchers stop).
 // Split-KV: when the items are too few or too uneven for the threads (one long decode with
 // few KV heads), the key range of the large items is cut into partitions; each writes its
 // unnormalised (O, m, l) to a workspace, and a second parallel loop merges them.
@@ -72,7 +73,11 @@ constexpr int MR = 4;             // 4 rows x 4 xmm = 16 accumulators (no AVX: c
 constexpr int ROWS_DEFAULT = 32;
 #endif
 static_assert(MR <= VL, "a strip's row statistics must fit one vector");
-constexpr int PF_TILES = 2;     // software prefetch of K/V this many tiles ahead
+// Keys per online-softmax update: a strip scores NT tiles of 16 keys, then updates its running
+// max and sum and rescales O once for all of them (the per-update work, the row reductions, the
+// exp of the rescale and the load, rescale and store of O, is paid once per 64 keys, not 16).
+constexpr int NT = 4;
+constexpr int LDS = NT * TN;  // row stride of a strip's score scratch
 // Into L2, not L1 (prefetcht1): a tile is 128 lines of fp32 K/V, more than the L1's miss
 // buffers hold; prefetcht0 bursts of that size made decodes latency-bound (measured on a 2-core
 // AMD EPYC, 64 decodes x 600 keys from DRAM: 17 -> 25 GB/s of K/V read, near its 28 GB/s).
@@ -216,55 +221,75 @@ static inline void qk_strip(const float* __restrict Q, int D, const T* __restric
         }
 }
 
-// CH consecutive 16-column chunks of O[R][..] = alpha * O + P[R][jlo:jhi] . V[jlo:jhi][..].
+// The tiles of one softmax block as a strip sees them: tile t's V rows at v[t] (ldv apart), its
+// keys [jlo[t], jhi[t]) unmasked for some row of the strip, its P at column t * TN of P's rows
+// (ldp apart), and the next block's V tile to prefetch at pf[t] (read by the PF kernels only).
+template <typename T>
+struct PvTiles {
+    const T* const* v;
+    const T* const* pf;
+    const int* jlo;
+    const int* jhi;
+    int n;
+};
+
+// CH consecutive 16-column chunks of O[R][..] = alpha * O + sum over the tiles of P . V: O is
+// loaded, rescaled and stored once per block, the accumulators stay in registers across its tiles.
 template <int R, int CH, bool PF, typename T>
-static inline void pv_chunks(const float* __restrict P, const T* __restrict v, int64_t ldv, int jlo, int jhi,
-                             const float* alpha, float* __restrict O, int D, const T* pf, int d0) {
+static inline void pv_chunks(const float* __restrict P, int ldp, const PvTiles<T>& tl, int64_t ldv,
+                             const float* alpha, float* __restrict O, int D, int d0) {
     vf acc[R][CH * NV];
     for (int i = 0; i < R; ++i) {
         const vf a = splat(alpha[i]);
         for (int c = 0; c < CH * NV; ++c) acc[i][c] = loadu(O + i * D + d0 + c * VL) * a;
     }
-    if (PF)
-        for (int j = 0; j < TN; ++j)
-            for (int h = 0; h < CH; ++h) prefetch(pf + j * ldv + d0 + h * TN);
-    for (int j = jlo; j < jhi; ++j) {
-        vf b[CH * NV];
-        for (int c = 0; c < CH * NV; ++c) { b[c] = load_kv(v + j * ldv + d0 + c * VL); in_reg(b[c]); }
-        for (int i = 0; i < R; ++i) {
-            const float p = P[i * TN + j];
-            for (int c = 0; c < CH * NV; ++c) acc[i][c] += p * b[c];
+    for (int t = 0; t < tl.n; ++t) {
+        const T* __restrict v = tl.v[t];
+        if (PF)
+            for (int j = 0; j < TN; ++j)
+                for (int h = 0; h < CH; ++h) prefetch(tl.pf[t] + j * ldv + d0 + h * TN);
+        const float* Pt = P + t * TN;
+        for (int j = tl.jlo[t]; j < tl.jhi[t]; ++j) {
+            vf b[CH * NV];
+            for (int c = 0; c < CH * NV; ++c) { b[c] = load_kv(v + j * ldv + d0 + c * VL); in_reg(b[c]); }
+            for (int i = 0; i < R; ++i) {
+                const float p = Pt[i * ldp + j];
+                for (int c = 0; c < CH * NV; ++c) acc[i][c] += p * b[c];
+            }
         }
     }
     for (int i = 0; i < R; ++i)
         for (int c = 0; c < CH * NV; ++c) storeu(O + i * D + d0 + c * VL, acc[i][c]);
 }
 
-// O[R][D] = alpha * O + P[R][jlo:jhi] . V[jlo:jhi][D] (V rows ldv apart, P rows TN apart).
+// O[R][D] = alpha * O + P . V over the block's tiles (P rows ldp apart, tile t's at column t * TN).
 // Few rows (decode) take several 16-column chunks per pass: more independent FMA chains and
 // one P broadcast per chunk group.
 template <int R, bool PF, typename T>
-static inline void pv_strip(const float* __restrict P, const T* __restrict v, int64_t ldv, int jlo, int jhi,
-                            const float* alpha, float* __restrict O, int D, const T* pf) {
+static inline void pv_strip(const float* __restrict P, int ldp, const PvTiles<T>& tl, int64_t ldv,
+                            const float* alpha, float* __restrict O, int D) {
     constexpr int CH = ilp_factor(R);
     int d0 = 0;
     if (CH > 1)
-        for (; d0 + CH * TN <= D; d0 += CH * TN) pv_chunks<R, CH, PF, T>(P, v, ldv, jlo, jhi, alpha, O, D, pf, d0);
-    for (; d0 + TN <= D; d0 += TN) pv_chunks<R, 1, PF, T>(P, v, ldv, jlo, jhi, alpha, O, D, pf, d0);
+        for (; d0 + CH * TN <= D; d0 += CH * TN) pv_chunks<R, CH, PF, T>(P, ldp, tl, ldv, alpha, O, D, d0);
+    for (; d0 + TN <= D; d0 += TN) pv_chunks<R, 1, PF, T>(P, ldp, tl, ldv, alpha, O, D, d0);
     if (d0 + 8 <= D) {
         v8 acc[R];
         for (int i = 0; i < R; ++i) acc[i] = loadu8(O + i * D + d0) * alpha[i];
-        for (int j = jlo; j < jhi; ++j) {
-            const v8 b = load_kv8(v + j * ldv + d0);
-            for (int i = 0; i < R; ++i) acc[i] += P[i * TN + j] * b;
-        }
+        for (int t = 0; t < tl.n; ++t)
+            for (int j = tl.jlo[t]; j < tl.jhi[t]; ++j) {
+                const v8 b = load_kv8(tl.v[t] + j * ldv + d0);
+                for (int i = 0; i < R; ++i) acc[i] += P[i * ldp + t * TN + j] * b;
+            }
         for (int i = 0; i < R; ++i) storeu8(O + i * D + d0, acc[i]);
         d0 += 8;
     }
     for (; d0 < D; ++d0) {
         for (int i = 0; i < R; ++i) {
             float acc = O[i * D + d0] * alpha[i];
-            for (int j = jlo; j < jhi; ++j) acc += P[i * TN + j] * kv_to_f32(v[j * ldv + d0]);
+            for (int t = 0; t < tl.n; ++t)
+                for (int j = tl.jlo[t]; j < tl.jhi[t]; ++j)
+                    acc += P[i * ldp + t * TN + j] * kv_to_f32(tl.v[t][j * ldv + d0]);
             O[i * D + d0] = acc;
         }
     }
@@ -306,31 +331,36 @@ static inline void qk_dot(const uint32_t* __restrict Qp, int D, const uint16_t* 
     for (int i = 0; i < R; ++i) s[i][0] = (vf)acc[i];
 }
 
-// O[R][D] = alpha * O + P[R][jlo:jhi] . V[jlo:jhi][D], P as bf16 pairs of keys, Pp[i * 8 + j / 2]
-// = (p[i][j], p[i][j + 1]) (D a multiple of 32). A pair that straddles jlo or jhi takes zeros
-// for its key outside the range (its p is 0, but its V row may be stale or gone: 0 * NaN).
+// O[R][D] = alpha * O + P . V over the block's tiles, P as bf16 pairs of keys: row i's pairs of
+// tile t at Pp[i * ldp + t * TN / 2 + j / 2] = (p[i][j], p[i][j + 1]) (D a multiple of 32). A
+// pair that straddles jlo or jhi takes zeros for its key outside the range (its p is 0, but its
+// V row may be stale or gone: 0 * NaN).
 template <int R, bool PF>
-static inline void pv_dot(const uint32_t* __restrict Pp, const uint16_t* __restrict v, int64_t ldv, int jlo, int jhi,
-                          const float* alpha, float* __restrict O, int D, const uint16_t* pf) {
+static inline void pv_dot(const uint32_t* __restrict Pp, int ldp, const PvTiles<uint16_t>& tl, int64_t ldv,
+                          const float* alpha, float* __restrict O, int D) {
     constexpr int CH = 2;  // 16-column chunks per pass: R * CH accumulators + CH pairs in registers
-    const int plo = jlo / 2, phi = (jhi + 1) / 2;
+    alignas(32) static const uint16_t zeros[CH * TN] = {};
     for (int d0 = 0; d0 < D; d0 += CH * TN) {
         __m512 acc[R][CH];
         for (int i = 0; i < R; ++i) {
             const __m512 a = _mm512_set1_ps(alpha[i]);
             for (int h = 0; h < CH; ++h) acc[i][h] = _mm512_mul_ps(_mm512_loadu_ps(O + i * D + d0 + h * TN), a);
         }
-        if (PF)
-            for (int j = 0; j < TN; ++j) prefetch(pf + j * ldv + d0);
-        for (int jp = plo; jp < phi; ++jp) {
-            alignas(32) static const uint16_t zeros[TN] = {};
-            const uint16_t* r0 = 2 * jp >= jlo ? v + 2 * jp * ldv + d0 : nullptr;
-            const uint16_t* r1 = 2 * jp + 1 < jhi ? v + (2 * jp + 1) * ldv + d0 : nullptr;
-            __m512i b[CH];
-            for (int h = 0; h < CH; ++h) b[h] = pair_rows(r0 ? r0 + h * TN : zeros, r1 ? r1 + h * TN : zeros);
-            for (int i = 0; i < R; ++i) {
-                const uint32_t p = Pp[i * (TN / 2) + jp];
-                for (int h = 0; h < CH; ++h) acc[i][h] = dot_pairs(acc[i][h], b[h], p);
+        for (int t = 0; t < tl.n; ++t) {
+            const uint16_t* __restrict v = tl.v[t];
+            if (PF)
+                for (int j = 0; j < TN; ++j) prefetch(tl.pf[t] + j * ldv + d0);
+            const int jlo = tl.jlo[t], jhi = tl.jhi[t];
+            const uint32_t* Pt = Pp + t * (TN / 2);
+            for (int jp = jlo / 2; jp < (jhi + 1) / 2; ++jp) {
+                const uint16_t* r0 = 2 * jp >= jlo ? v + 2 * jp * ldv + d0 : zeros;
+                const uint16_t* r1 = 2 * jp + 1 < jhi ? v + (2 * jp + 1) * ldv + d0 : zeros;
+                __m512i b[CH];
+                for (int h = 0; h < CH; ++h) b[h] = pair_rows(r0 + h * TN, r1 + h * TN);
+                for (int i = 0; i < R; ++i) {
+                    const uint32_t p = Pt[i * ldp + jp];
+                    for (int h = 0; h < CH; ++h) acc[i][h] = dot_pairs(acc[i][h], b[h], p);
+                }
             }
         }
         for (int i = 0; i < R; ++i)
@@ -339,63 +369,85 @@ static inline void pv_dot(const uint32_t* __restrict Pp, const uint16_t* __restr
 }
 #endif
 
+// One tile of 16 keys of a softmax block, as the strips read it.
+struct Tile {
+    const void* kt;    // K^T rows (ldk apart), float or bf16 bits (the strip kernel's T)
+    const void* v;     // V rows (ldv apart)
+    const void* pf_k;  // the tile NT tiles later, to prefetch (the tile itself when there is none)
+    const void* pf_v;
+    int n0, nv;        // keys [n0, n0 + nv)
+};
+
 struct StripArgs {
     const float* Q;  // the strip's R rows of the pre-scaled query tile, packed d-major [D][R]
-    const void* kt;  // float, or bf16 bits (the strip kernel's T)
-    int64_t ldk;
-    const void* v;
-    int64_t ldv;
-    int D, n0, nv, jlo, jhi, window;
-    bool need_mask;
+    int64_t ldk, ldv;
+    int D, window;
     float qk_scale;  // bf16 product strips: the softmax scale (base 2) applied to S
     const int* pos;  // key position limit (= query position) of each row
     float* m;
     float* l;
     float* O;
-    float* P;  // scratch [MR][TN]
-    const void* pf_k;  // a later tile's K (same ldk) and V (same ldv) to prefetch, or null
-    const void* pf_v;
+    float* S;  // scratch [MR][LDS]: the block's scores, then its P (fp32, in place)
+    float* Pb;  // scratch [MR][LDS / 2]: P as bf16 pairs (bf16 products)
+    // The block's tiles that some row of the strip sees, tiles[0 .. n): tile t's keys
+    // [jlo[t], jhi[t]) (relative to its n0) are unmasked for some row; need_mask[t] when not
+    // all of its 16 keys are for all rows.
+    const Tile* tiles;
+    int n;
+    int jlo[NT], jhi[NT];
+    bool need_mask[NT];
 };
 
-// One register strip of R rows against one tile of 16 keys: scores, mask, online softmax, P.V.
-// The row statistics m (running max, base 2) and l (running sum) of the R rows are handled as
-// one vector (R <= VL); m and l point into buffers padded by VL floats.
+// One register strip of R rows against one softmax block (up to NT tiles of 16 keys): scores of
+// every tile into S, one online-softmax update for the block (running max m, running sum l), then
+// P.V with O rescaled, accumulated and stored once for the whole block.
+// The row statistics m (base 2) and l of the R rows are handled as one vector (R <= VL); m and l
+// point into buffers padded by VL floats.
 // DOT (bf16 cache, SF_ATTN_BF16_DOT): the products in bf16 (exact) with fp32 sums; Q arrives as
 // unscaled bf16 pairs and P is rounded to bf16 for P.V (the row sums l add the rounded P, so each
 // output row stays a weighted mean of V rows).
 template <int R, bool PF, typename T, bool DOT>
 static void attend_strip(const StripArgs& a) {
-    vf s[R][NV];
+    vf rows[R];
+    for (int i = 0; i < R; ++i) rows[i] = splat(-INFINITY);
+    for (int t = 0; t < a.n; ++t) {
+        const Tile& tile = a.tiles[t];
+        const T* kt = static_cast<const T*>(tile.kt);
+        const T* pf_k = static_cast<const T*>(tile.pf_k);
+        vf s[R][NV];
 #if SF_ATTN_BF16_DOT
-    if constexpr (DOT) {
-        static_assert(NV == 1 && sizeof(T) == 2, "bf16 products: one zmm per 16-key row, a bf16 cache");
-        qk_dot<R, PF>(reinterpret_cast<const uint32_t*>(a.Q), a.D, static_cast<const T*>(a.kt), a.ldk,
-                      static_cast<const T*>(a.pf_k), s);
-        for (int i = 0; i < R; ++i) s[i][0] *= a.qk_scale;
-    } else
+        if constexpr (DOT) {
+            static_assert(NV == 1 && sizeof(T) == 2, "bf16 products: one zmm per 16-key row, a bf16 cache");
+            qk_dot<R, PF>(reinterpret_cast<const uint32_t*>(a.Q), a.D, kt, a.ldk, pf_k, s);  // unscaled
+        } else
 #endif
-        qk_strip<R, PF>(a.Q, a.D, static_cast<const T*>(a.kt), a.ldk, static_cast<const T*>(a.pf_k), s);
-    if (a.need_mask) {
-        const vf ninf = splat(-INFINITY);
-        const vi lane = iota_vi();
-        for (int i = 0; i < R; ++i) {
-            for (int c = 0; c < NV; ++c) {
-                const vi key = lane + (a.n0 + c * VL);
-                // key < n0 + nv (past the sequence end: in-place tails hold stale data), causal,
-                // and inside the window.
-                vi ok = (key < a.n0 + a.nv) & (key <= a.pos[i]);
-                if (a.window > 0) ok &= (a.pos[i] - key) < a.window;
-                s[i][c] = ok ? s[i][c] : ninf;
+            qk_strip<R, PF>(a.Q, a.D, kt, a.ldk, pf_k, s);
+        if (a.need_mask[t]) {
+            const vf ninf = splat(-INFINITY);
+            const vi lane = iota_vi();
+            for (int i = 0; i < R; ++i) {
+                for (int c = 0; c < NV; ++c) {
+                    const vi key = lane + (tile.n0 + c * VL);
+                    // key < n0 + nv (past the sequence end: in-place tails hold stale data),
+                    // causal, and inside the window.
+                    vi ok = (key < tile.n0 + tile.nv) & (key <= a.pos[i]);
+                    if (a.window > 0) ok &= (a.pos[i] - key) < a.window;
+                    s[i][c] = ok ? s[i][c] : ninf;
+                }
             }
         }
+        for (int i = 0; i < R; ++i)
+            for (int c = 0; c < NV; ++c) {
+                storeu(a.S + i * LDS + t * TN + c * VL, s[i][c]);
+                rows[i] = vmax(rows[i], s[i][c]);
+            }
     }
-    vf rows[R];
-    for (int i = 0; i < R; ++i) {
-        rows[i] = s[i][0];
-        for (int c = 1; c < NV; ++c) rows[i] = vmax(rows[i], s[i][c]);
-    }
+    // Scores in base-2 softmax units: the fp32 path's queries are pre-scaled; the bf16 products
+    // are scaled here (the scale is positive, so the row max of unscaled scores scales too), and
+    // in the exponent below, one multiply-add with the max subtracted.
+    const float sc = DOT ? a.qk_scale : 1.0f;
     const vf m_old = loadu(a.m);
-    const vf m_new = vmax(m_old, reduce_rows<OpMax, R>(rows));
+    const vf m_new = vmax(m_old, reduce_rows<OpMax, R>(rows) * sc);
     // A row that has seen no key yet (all masked so far) keeps m = -inf; exp2(-inf - 0) = 0
     // then zeroes its P, alpha and l.
     const vf m_use = m_new == splat(-INFINITY) ? vf{} : m_new;
@@ -406,19 +458,22 @@ static void attend_strip(const StripArgs& a) {
     for (int i = 0; i < R; ++i) {
         const vf mb = splat(mu[i]);
         vf sum = vf{};
-        for (int c = 0; c < NV; ++c) {
-            const vf p = exp2v(s[i][c] - mb);
+        for (int t = 0; t < a.n; ++t)
+            for (int c = 0; c < NV; ++c) {
+                float* sp = a.S + i * LDS + t * TN + c * VL;
 #if SF_ATTN_BF16_DOT
-            if constexpr (DOT) {  // row i's 16 bf16 at a.P + i * 8 (as floats): 8 pairs
-                const __m256bh ph = _mm512_cvtneps_pbh((__m512)p);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.P + i * (TN / 2)), (__m256i)ph);
-                sum += (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)ph), 16);
-                continue;
-            }
+                if constexpr (DOT) {  // row i's 16 bf16 of tile t: 8 pairs at Pb + i * LDS / 2 + t * 8
+                    const vf p = exp2v_bf16(loadu(sp) * sc - mb);
+                    const __m256bh ph = _mm512_cvtneps_pbh((__m512)p);
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.Pb + i * (LDS / 2) + t * (TN / 2)), (__m256i)ph);
+                    sum += (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)ph), 16);
+                    continue;
+                }
 #endif
-            storeu(a.P + i * TN + c * VL, p);
-            sum += p;
-        }
+                const vf p = exp2v(loadu(sp) - mb);
+                storeu(sp, p);
+                sum += p;
+            }
         rows[i] = sum;
     }
     const vf l_new = loadu(a.l) * alpha + reduce_rows<OpAdd, R>(rows);
@@ -428,14 +483,20 @@ static void attend_strip(const StripArgs& a) {
         a.m[i] = mn[i];
         a.l[i] = ln[i];
     }
+    const T* vs[NT];
+    const T* pfs[NT];
+    for (int t = 0; t < a.n; ++t) {
+        vs[t] = static_cast<const T*>(a.tiles[t].v);
+        pfs[t] = PF ? static_cast<const T*>(a.tiles[t].pf_v) : nullptr;
+    }
+    const PvTiles<T> tl{vs, pfs, a.jlo, a.jhi, a.n};
 #if SF_ATTN_BF16_DOT
     if constexpr (DOT) {
-        pv_dot<R, PF>(reinterpret_cast<const uint32_t*>(a.P), static_cast<const T*>(a.v), a.ldv, a.jlo, a.jhi, al, a.O,
-                      a.D, static_cast<const T*>(a.pf_v));
+        pv_dot<R, PF>(reinterpret_cast<const uint32_t*>(a.Pb), LDS / 2, tl, a.ldv, al, a.O, a.D);
         return;
     }
 #endif
-    pv_strip<R, PF>(a.P, static_cast<const T*>(a.v), a.ldv, a.jlo, a.jhi, al, a.O, a.D, static_cast<const T*>(a.pf_v));
+    pv_strip<R, PF>(a.S, LDS, tl, a.ldv, al, a.O, a.D);
 }
 
 typedef void (*StripFn)(const StripArgs&);
@@ -563,17 +624,18 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
     const int kv_lo = c.window > 0 ? std::max(0, base_pos - c.window + 1) : 0;
     const int64_t tile_elems = int64_t(bs) * D;
 
-    const size_t nQ = round16(size_t(R) * D), nM = round16(R + VL), nP = MR * TN, nK = round16(size_t(D) * TN);
-    float* buf = tls_scratch.get(2 * nQ + 2 * nM + nP + 2 * nK + 64);
+    const size_t nQ = round16(size_t(R) * D), nM = round16(R + VL), nS = MR * LDS, nK = round16(size_t(D) * TN);
+    float* buf = tls_scratch.get(2 * nQ + 2 * nM + nS + nS / 2 + 2 * NT * nK + 64);
     if (!buf) return false;
     float* Qs = buf;
     float* O = Qs + nQ;
     float* m = O + nQ;
     float* l = m + nM;
-    float* P = l + nM;
-    float* Kt = P + nP;
-    float* Vt = Kt + nK;
-    int* pos = reinterpret_cast<int*>(Vt + nK);  // MR ints
+    float* S = l + nM;
+    float* Pb = S + nS;
+    float* Kt = Pb + nS / 2;  // NT tiles of [D][16] (gathered or transposed K)
+    float* Vt = Kt + NT * nK;  // NT tiles of [16][D] (gathered V)
+    int* pos = reinterpret_cast<int*>(Vt + NT * nK);  // MR ints
 
     // In place: the strips read the tile where it sits in the cache (fp32, or bf16 with K
     // transposed); otherwise it is gathered (and widened) into the L1 buffers Kt, Vt.
@@ -618,70 +680,76 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
                                  : inplace && c.kv_bf16 ? Strips<uint16_t>::fns
                                                         : Strips<float>::fns;
 
-    // The first PF_TILES tiles: nothing earlier prefetched them (later ones are prefetched by
-    // the strips, PF_TILES tiles ahead).
+    // The first block's tiles: nothing earlier prefetched them (later ones are prefetched by the
+    // strips, one block ahead).
     if (inplace)
-        for (int kt = it.kt0; kt < std::min(it.kt1, it.kt0 + PF_TILES); ++kt) prefetch_tile(c, btr, it.h, kt * TN);
+        for (int kt = it.kt0; kt < std::min(it.kt1, it.kt0 + NT); ++kt) prefetch_tile(c, btr, it.h, kt * TN);
 
     StripArgs sa;
     sa.D = D;
     sa.qk_scale = c.scale_log2;
     sa.window = c.window;
     sa.pos = pos;
-    sa.P = P;
-    for (int kt = it.kt0; kt < it.kt1; ++kt) {
-        const int n0 = kt * TN;
-        const int nv = std::min(TN, kv_hi - n0);
-        if (inplace) {
-            const int64_t blk = btr[n0 / bs];
-            const int off = n0 % bs;
-            const int64_t base = (blk * Hkv + it.h) * tile_elems;
-            if (c.k_layout == 1) {
-                sa.kt = k_at(base + off);
-                sa.ldk = bs;
-            } else {  // fp32 only (see inplace)
-                transpose_rows(c.kc + base + int64_t(off) * D, D, nv, D, Kt, TN);
-                sa.kt = Kt;
-                sa.ldk = TN;
-            }
-            sa.v = v_at(base + int64_t(off) * D);
-            sa.ldv = D;
-        } else if (c.kv_bf16) {
-            load_bf16_tile(c, btr, it.h, n0, nv, kv_lo, Kt, Vt);
-            sa.kt = Kt;
-            sa.ldk = TN;
-            sa.v = Vt;
-            sa.ldv = D;
-        } else {  // block size not a multiple of 16: gather the tile's keys into L1 buffers
-            // Keys before the item's first one (window) are masked and their blocks may be gone.
-            for (int j = std::max(0, kv_lo - n0); j < nv; ++j) {
-                const int p = n0 + j;
-                const int64_t base = (int64_t(btr[p / bs]) * Hkv + it.h) * tile_elems;
-                const int off = p % bs;
+    sa.S = S;
+    sa.Pb = Pb;
+    sa.ldk = inplace && c.k_layout == 1 ? bs : TN;
+    sa.ldv = D;
+    Tile tiles[NT];
+    for (int kb = it.kt0; kb < it.kt1; kb += NT) {
+        const int nt = std::min(NT, it.kt1 - kb);
+        bool any_pf = false;
+        for (int t = 0; t < nt; ++t) {
+            Tile& tile = tiles[t];
+            const int n0 = (kb + t) * TN;
+            const int nv = std::min(TN, kv_hi - n0);
+            float* Ktt = Kt + t * nK;
+            float* Vtt = Vt + t * nK;
+            tile.n0 = n0;
+            tile.nv = nv;
+            if (inplace) {
+                const int64_t base = (int64_t(btr[n0 / bs]) * Hkv + it.h) * tile_elems;
+                const int off = n0 % bs;
                 if (c.k_layout == 1) {
-                    const float* ks = c.kc + base + off;
-                    for (int d = 0; d < D; ++d) Kt[d * TN + j] = ks[int64_t(d) * bs];
-                } else {
-                    const float* ks = c.kc + base + int64_t(off) * D;
-                    for (int d = 0; d < D; ++d) Kt[d * TN + j] = ks[d];
+                    tile.kt = k_at(base + off);
+                } else {  // fp32 only (see inplace)
+                    transpose_rows(c.kc + base + int64_t(off) * D, D, nv, D, Ktt, TN);
+                    tile.kt = Ktt;
                 }
-                std::memcpy(Vt + size_t(j) * D, c.vc + base + int64_t(off) * D, sizeof(float) * D);
+                tile.v = v_at(base + int64_t(off) * D);
+                // The tile one block later, prefetched by the block's first strip. (k_layout 0:
+                // qk reads the L1 tile with ldk 16, so its prefetch of pf_k + d * 16, d < D,
+                // covers the next row-major 16 x D K tile exactly.)
+                tile.pf_k = tile.kt;
+                tile.pf_v = tile.v;
+                if (kb + t + NT < it.kt1) {
+                    const int n2 = n0 + NT * TN;
+                    const int64_t base2 = (int64_t(btr[n2 / bs]) * Hkv + it.h) * tile_elems;
+                    tile.pf_k = k_at(base2 + (c.k_layout == 1 ? n2 % bs : int64_t(n2 % bs) * D));
+                    tile.pf_v = v_at(base2 + int64_t(n2 % bs) * D);
+                    any_pf = true;
+                }
+            } else if (c.kv_bf16) {
+                load_bf16_tile(c, btr, it.h, n0, nv, kv_lo, Ktt, Vtt);
+                tile.kt = tile.pf_k = Ktt;
+                tile.v = tile.pf_v = Vtt;
+            } else {  // block size not a multiple of 16: gather the tile's keys into L1 buffers
+                // Keys before the item's first one (window) are masked and their blocks may be gone.
+                for (int j = std::max(0, kv_lo - n0); j < nv; ++j) {
+                    const int p = n0 + j;
+                    const int64_t base = (int64_t(btr[p / bs]) * Hkv + it.h) * tile_elems;
+                    const int off = p % bs;
+                    if (c.k_layout == 1) {
+                        const float* ks = c.kc + base + off;
+                        for (int d = 0; d < D; ++d) Ktt[d * TN + j] = ks[int64_t(d) * bs];
+                    } else {
+                        const float* ks = c.kc + base + int64_t(off) * D;
+                        for (int d = 0; d < D; ++d) Ktt[d * TN + j] = ks[d];
+                    }
+                    std::memcpy(Vtt + size_t(j) * D, c.vc + base + int64_t(off) * D, sizeof(float) * D);
+                }
+                tile.kt = tile.pf_k = Ktt;
+                tile.v = tile.pf_v = Vtt;
             }
-            sa.kt = Kt;
-            sa.ldk = TN;
-            sa.v = Vt;
-            sa.ldv = D;
-        }
-        sa.n0 = n0;
-        sa.nv = nv;
-        // Prefetch a later tile (in place only) while the first strip works on this one.
-        const void* pf_k = nullptr;
-        const void* pf_v = nullptr;
-        if (inplace && kt + PF_TILES < it.kt1) {
-            const int n2 = (kt + PF_TILES) * TN;
-            const int64_t base2 = (int64_t(btr[n2 / bs]) * Hkv + it.h) * tile_elems;
-            pf_k = k_at(base2 + (c.k_layout == 1 ? n2 % bs : int64_t(n2 % bs) * D));
-            pf_v = v_at(base2 + int64_t(n2 % bs) * D);
         }
         int r0 = 0;
         for (int si = 0; si < nstrips; ++si) {
@@ -689,23 +757,31 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
             const int pmin = base_pos + r0 / G, pmax = base_pos + (r0 + rn - 1) / G;
             const int r_begin = r0;
             r0 += rn;
-            if (n0 > pmax) continue;                                         // all keys in the future
-            if (c.window > 0 && pmin - (n0 + nv - 1) >= c.window) continue;  // all keys left the window
-            sa.need_mask = nv < TN || n0 + TN - 1 > pmin || (c.window > 0 && pmax - n0 >= c.window);
-            sa.jhi = std::min(nv, pmax - n0 + 1);
-            sa.jlo = c.window > 0 ? std::max(0, pmin - c.window + 1 - n0) : 0;
-            if (sa.need_mask)
+            // The tiles some row of the strip sees are consecutive: the ones before have left
+            // every row's window, the ones after are in every row's future.
+            int ta = 0, tb = nt;
+            while (tb > ta && tiles[tb - 1].n0 > pmax) --tb;
+            while (ta < tb && c.window > 0 && pmin - (tiles[ta].n0 + tiles[ta].nv - 1) >= c.window) ++ta;
+            if (ta == tb) continue;
+            bool any_mask = false;
+            for (int t = ta; t < tb; ++t) {
+                const int n0 = tiles[t].n0, nv = tiles[t].nv;
+                const bool mask = nv < TN || n0 + TN - 1 > pmin || (c.window > 0 && pmax - n0 >= c.window);
+                sa.need_mask[t - ta] = mask;
+                sa.jhi[t - ta] = std::min(nv, pmax - n0 + 1);
+                sa.jlo[t - ta] = c.window > 0 ? std::max(0, pmin - c.window + 1 - n0) : 0;
+                any_mask |= mask;
+            }
+            if (any_mask)
                 for (int i = 0; i < rn; ++i) pos[i] = base_pos + (r_begin + i) / G;
+            sa.tiles = tiles + ta;
+            sa.n = tb - ta;
             sa.Q = Qs + size_t(r_begin) * D;
             sa.m = m + r_begin;
             sa.l = l + r_begin;
             sa.O = O + size_t(r_begin) * D;
-            sa.pf_k = pf_k;
-            sa.pf_v = pf_v;
-            // (k_layout 0: qk reads the L1 tile with ldk 16, so its prefetch of pf_k + d * 16,
-            // d < D, covers the next row-major 16 x D K tile exactly.)
-            strips[pf_k != nullptr][rn - 1](sa);
-            pf_k = pf_v = nullptr;
+            strips[any_pf][rn - 1](sa);
+            any_pf = false;  // the block's first strip prefetches the next block
         }
     }
 
