@@ -10,6 +10,7 @@ import torch
 
 from splitfuse.config import EngineConfig
 from splitfuse.host_allocator import keep_freed_memory
+from splitfuse.kernels.cpu.paged_attention import huge_page_empty
 from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import check_quantization, resolve_linear_backend
@@ -119,13 +120,17 @@ class ModelRunner:
         shape = self.kernels.attention.cache_shape(self.num_kv_blocks, config.block_size, self.args.num_kv_heads,
                                                    self.args.head_dim)
         # Zeroed so padded block slots read by batched kernels are finite.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
-            for _ in range(self.args.num_layers)
-        ]
+        self.kv_caches = [(self._zeroed_cache(shape), self._zeroed_cache(shape)) for _ in range(self.args.num_layers)]
         if group is not None:
             group.barrier()  # every rank has its shard and cache
+
+    def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            # On transparent huge pages: a step reads its sequences' blocks scattered over the pool,
+            # and on 4 KiB pages nearly every K/V tile read costs a TLB miss (fp32, 32 decodes of
+            # ~700 tokens: attention 13.5-15.3 -> 12.1-13.3 ms per step).
+            return huge_page_empty(shape, self.kv_cache_dtype).zero_()
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     def weight_memory_summary(self) -> str:
         """Weights held, in MB per dtype, e.g. "int8 18.9 MB + float32 17.2 MB"."""
