@@ -56,44 +56,31 @@ static inline vi iota_vi() {
 }
 
 // 2^x for x <= 0 (the softmax only needs that range) as 2^n * 2^f, n = round(x), f in
-// [-0.5, 0.5]. x <= -127 (including -inf) gives exactly 0, so masked scores contribute nothing
-// even against garbage. Round-to-nearest by adding 1.5 * 2^23 + 127: the low mantissa bits of
-// the sum then hold n + 127, which shifted left by 23 is the float 2^n (0.0 for n = -127).
-// Returns f; `pow2n` gets 2^n.
-static inline vf exp2_reduce(vf x, vf& pow2n) {
+// [-0.5, 0.5], 2^f by a polynomial in f (Horner; its coefficients `c` from the highest degree
+// down). x <= -127 (including -inf) gives exactly 0, so masked scores contribute
+// nothing even against garbage. Round-to-nearest by adding 1.5 * 2^23 + 127: the low mantissa
+// bits of the sum then hold n + 127, which shifted left by 23 is the float 2^n (0.0 for n = -127).
+template <int N>
+static inline vf exp2_poly(vf x, const float (&c)[N]) {
     const vf magic = splat(12583039.0f);  // 1.5 * 2^23 + 127
     const vf xc = vmax(x, splat(-127.0f));
     const vf t = xc + magic;
-    pow2n = (vf)((vu)t << 23);  // vector casts reinterpret the bits
-    return xc - (t - magic);
+    const vf f = xc - (t - magic);
+    vf p = splat(c[0]);
+    for (int i = 1; i < N; ++i) p = p * f + c[i];
+    return p * (vf)((vu)t << 23);  // vector casts reinterpret the bits
 }
 
-// 2^x, x <= 0, relative error ~2e-7: the Cephes exp2f polynomial for 2^f.
-static inline vf exp2v(vf x) {
-    vf pow2n;
-    const vf f = exp2_reduce(x, pow2n);
-    vf p = splat(1.535336188319500e-4f);
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    return p * pow2n;
-}
+// Relative error ~2e-7: the Cephes exp2f polynomial.
+constexpr float kExp2Cephes[] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                 5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+static inline vf exp2v(vf x) { return exp2_poly(x, kExp2Cephes); }
 
-// 2^x, x <= 0, relative error 7.5e-5 (a degree-3 fit of 2^f on [-0.5, 0.5] to its relative
-// error): for probabilities rounded to bf16 next (a relative rounding error up to 2^-9 = 2e-3),
-// three fewer multiply-adds than exp2v.
-static inline vf exp2v_bf16(vf x) {
-    vf pow2n;
-    const vf f = exp2_reduce(x, pow2n);
-    vf p = splat(5.517164721e-2f);
-    p = p * f + 2.426111205e-1f;
-    p = p * f + 6.932609895e-1f;
-    p = p * f + 9.999280737e-1f;
-    return p * pow2n;
-}
+// Relative error 7.5e-5 (a degree-3 fit of 2^f on [-0.5, 0.5] to its relative error): for
+// probabilities rounded to bf16 next (a relative rounding error up to 2^-9 = 2e-3), three fewer
+// multiply-adds than exp2v.
+constexpr float kExp2Bf16[] = {5.517164721e-2f, 2.426111205e-1f, 6.932609895e-1f, 9.999280737e-1f};
+static inline vf exp2v_bf16(vf x) { return exp2_poly(x, kExp2Bf16); }
 
 static inline float exp2s(float x) { return x <= -127.0f ? 0.0f : std::exp2(x); }
 
