@@ -466,7 +466,7 @@ static void attend_strip(const StripArgs& a) {
                     const vf p = exp2v_bf16(loadu(sp) * sc - mb);
                     const __m256bh ph = _mm512_cvtneps_pbh((__m512)p);
                     _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.Pb + i * (LDS / 2) + t * (TN / 2)), (__m256i)ph);
-                    sum += (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)ph), 16);
+                    sum += (vf)sf_bf16::widen16((__m256i)ph);  // the rounded P
                     continue;
                 }
 #endif
