@@ -13,7 +13,7 @@ from typing import Any
 
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
 QUANTIZATIONS = ("none", "int8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -50,8 +50,10 @@ class EngineConfig:
     """auto | cpu | torch | triton | flash_attn (auto: flash_attn or triton on GPUs; on CPUs the
     C++ `cpu` kernels when they build on the machine, else torch)."""
     linear_backend: str = "auto"
-    """auto | onednn | torch: how projections multiply (auto: oneDNN with weights packed at
-    load on CPUs where torch supports it for the dtype, else F.linear)."""
+    """auto | cpu | onednn | torch: how projections multiply. cpu: the C++ kernel over weights
+    packed at load into column blocks; onednn: oneDNN with weights packed at load; torch:
+    F.linear. auto: cpu on AVX-512 CPUs without AMX (bf16 also needs AVX-512 BF16), else oneDNN
+    where torch supports it for the dtype, else F.linear."""
     quantization: str = "none"
     """none | int8: int8 quantizes the projections' weights at load (per output channel) and
     their activations per token at run time (CPU, oneDNN); the LM head and MoE routers stay float."""

@@ -7,7 +7,7 @@
                     and the flash-attn paged wrapper
     cpu/            C++ kernels for CPUs, compiled on the machine (`cpu/build.py`, OpenMP,
                     vectorised for the CPU found): paged attention + KV write, fused
-                    elementwise ops
+                    elementwise ops, linear layers on blocked weights
 
 Names are imported lazily (PEP 562 `__getattr__`): `import splitfuse.kernels` imports neither
 triton nor a kernel module, so it works without triton and does not freeze triton's interpreter
@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "rms_norm_reference": "reference",
     "apply_rotary_reference": "reference",
     "silu_and_mul_reference": "reference",
+    "linear_reference": "reference",
     "paged_attention": "triton_lang.paged_attention",
     "paged_decode_attention_split_kv": "triton_lang.paged_attention_split_kv",
     "choose_num_splits": "triton_lang.paged_attention_split_kv",

@@ -98,6 +98,12 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :inter]) * x[..., inter:]
 
 
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] . weight [N, K]^T (+ bias [N]) with float32 products and sums, in x's dtype."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
 def quantize_rows_reference(x: torch.Tensor, levels: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 quantization of x [M, K] stored as uint8 around `zero_point`:
     (q [M, K] uint8, scales [M, 1] float32), scale = max(max|x_row|, 1e-12) / levels,

@@ -41,6 +41,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "
          "-Wall", "-Wno-unknown-pragmas"]
 _lock = threading.Lock()
 _cached: tuple[ctypes.CDLL | None, str] | None = None
+_flags: frozenset[str] | None = None
 
 
 def compiler() -> str | None:
@@ -51,17 +52,27 @@ def compiler() -> str | None:
     return None
 
 
+def cpu_flags() -> frozenset[str]:
+    """The feature flags /proc/cpuinfo reports for this CPU (empty where it cannot be read)."""
+    global _flags
+    if _flags is None:
+        flags: frozenset[str] = frozenset()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("flags"):
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
+        except OSError:
+            pass
+        _flags = flags
+    return _flags
+
+
 def isa() -> str:
     """The widest vector instruction set this CPU reports, for logs and results."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    flags = cpu_flags()
+    if not flags:
         return "unknown"
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         return "avx512" + ("+bf16" if "avx512_bf16" in flags else "")
     if {"avx2", "fma"} <= flags:
@@ -90,13 +101,7 @@ def _build_key(cxx: str) -> str:
         h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.encode())
     except (OSError, subprocess.SubprocessError):
         pass
-    try:  # -march=native code is only valid on CPUs with the same flags
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                h.update(line.encode())
-                break
-    except OSError:
-        pass
+    h.update(" ".join(sorted(cpu_flags())).encode())  # -march=native code is only valid on CPUs with these flags
     return h.hexdigest()[:16]
 
 

@@ -1,10 +1,12 @@
-"""Both linear backends against F.linear: the few-rows CPU formulation and oneDNN with packed weights."""
+"""The linear backends against F.linear: the few-rows CPU formulation, oneDNN with packed weights and
+the C++ `cpu` kernel (its numerics in detail: tests/kernels/test_cpu_linear.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from splitfuse.layers.linear import Linear, OneDnnLinear, linear, onednn_supported, resolve_linear_backend
+from splitfuse.layers.linear import (CpuLinear, Linear, OneDnnLinear, cpu_linear_preferred, cpu_linear_supported, linear,
+                                     onednn_supported, resolve_linear_backend)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 65, 200])
@@ -97,11 +99,41 @@ def test_torch_backend_keeps_the_weight():
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
 
 
+CPU_OK, CPU_WHY = cpu_linear_supported(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.skipif(not CPU_OK, reason=f"cpu linear kernel unavailable: {CPU_WHY}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_packs_releases_and_matches(dtype):
+    layer = Linear(48, 80, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    layer.to(dtype)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.prepare("cpu")
+    assert isinstance(layer.kernel, CpuLinear) and layer.weight.numel() == 0
+    x = torch.randn(2, 3, 48).to(dtype)  # leading dims are flattened and restored
+    out = layer(x)
+    assert out.shape == (2, 3, 80) and out.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(out, F.linear(x, w, b), **tol)
+    assert layer.kernel.weight_bytes == {str(dtype).removeprefix("torch."): layer.kernel.packed.data.numel()
+                                         * layer.kernel.packed.data.element_size()}
+
+
 def test_resolve_linear_backend():
     cpu = torch.device("cpu")
     assert resolve_linear_backend("torch", cpu, torch.float32) == "torch"
-    assert resolve_linear_backend("auto", cpu, torch.float32) == ("onednn" if ONEDNN_OK else "torch")
-    if not onednn_supported(cpu, torch.bfloat16)[0]:  # e.g. AVX2-only CPUs
-        assert resolve_linear_backend("auto", cpu, torch.bfloat16) == "torch"
+    for dtype in (torch.float32, torch.bfloat16):
+        if cpu_linear_preferred(cpu, dtype)[0]:
+            assert resolve_linear_backend("auto", cpu, dtype) == "cpu"
+        elif dtype == torch.float32:
+            assert resolve_linear_backend("auto", cpu, dtype) == ("onednn" if ONEDNN_OK else "torch")
+    if CPU_OK:
+        assert resolve_linear_backend("cpu", cpu, torch.float32) == "cpu"
+    with pytest.raises(ValueError, match="cannot run here"):
+        resolve_linear_backend("cpu", cpu, torch.float16)
+    if not onednn_supported(cpu, torch.bfloat16)[0] and not cpu_linear_preferred(cpu, torch.bfloat16)[0]:
+        assert resolve_linear_backend("auto", cpu, torch.bfloat16) == "torch"  # e.g. AVX2-only CPUs
         with pytest.raises(ValueError, match="cannot run here"):
             resolve_linear_backend("onednn", cpu, torch.bfloat16)

@@ -1,0 +1,134 @@
+"""C++ CPU linear kernel (kernels/cpu/linear.py) vs the plain-torch reference.
+
+float32: every output is one sequential fused multiply-add chain over k; torch sums in another
+order, so outputs agree to a few fp32 ulps of the terms' magnitudes: rtol=1e-5, atol=1e-5 *
+sqrt(K) (N(0, 1) data).
+bfloat16: the same products summed in fp32 (in pairs with AVX-512 BF16), then one bf16 rounding:
+within one bf16 ulp (2^-8 relative) of the rounded float32 reference, plus the fp32 difference
+of the sums (which can tip a rounding); and the relative Frobenius error against float32
+inputs bounded as for oneDNN's bf16 GEMM (tests/unit/test_linear.py).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from splitfuse.kernels.cpu import linear as cl
+from splitfuse.kernels.cpu.build import unavailable_reason
+from splitfuse.kernels.reference import linear_reference
+
+if not cl.available():
+    pytest.skip(f"C++ CPU kernels unavailable: {unavailable_reason() or 'library lacks sf_lin_* symbols'}",
+                allow_module_level=True)
+
+MAX_BF16_RELATIVE_ERROR = 5e-3
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    ref = linear_reference(x, w, b)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    k = x.shape[1]
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, k ** 0.5))
+    else:
+        sums = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        assert torch.all((out.float() - sums).abs() <= sums.abs() * 2.0 ** -8 + 1e-5 * max(1.0, k ** 0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64, 100])
+@pytest.mark.parametrize("out_features,in_features", [(64, 64), (100, 37), (911, 512), (130, 1), (5, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_reference(dtype, rows, out_features, in_features, bias):
+    """Row counts around the register strip (6 with AVX-512, 2 below), partial column blocks,
+    odd K (bf16 pads the last pair), one-column inputs."""
+    g = _gen(dtype, rows, out_features, in_features, bias)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    packed = cl.pack_weight(w, b)
+    _check(cl.linear(x, packed), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_and_out(dtype):
+    g = _gen("strided", dtype)
+    w = torch.randn(70, 33, generator=g).to(dtype)
+    big = torch.randn(9, 50, generator=g).to(dtype)
+    x = big[:, 4:37]  # rows 50 apart
+    out_big = torch.full((9, 90), 7.0, dtype=dtype)
+    out = out_big[:, 10:80]
+    assert cl.linear(x, cl.pack_weight(w), out=out) is out
+    _check(out, x.contiguous(), w, None)
+    assert torch.all(out_big[:, :10] == 7.0) and torch.all(out_big[:, 80:] == 7.0)  # nothing outside written
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_result_does_not_depend_on_threads_or_row_chunks(threads, dtype):
+    """Few column blocks and many rows cut the rows into chunks over the threads; each output is
+    still the same single sum."""
+    g = _gen("threads", dtype)
+    w = torch.randn(64, 256, generator=g).to(dtype)  # one column block
+    x = torch.randn(97, 256, generator=g).to(dtype)
+    packed = cl.pack_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = cl.linear(x, packed)
+    finally:
+        torch.set_num_threads(before)
+    row_by_row = torch.cat([cl.linear(x[i:i + 1], packed) for i in range(x.shape[0])])
+    assert torch.equal(out, row_by_row)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("out_features,in_features", [(160, 96), (1408, 512)])
+def test_bf16_error_against_fp32(rows, out_features, in_features):
+    g = _gen("bf16err", rows, out_features, in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    out = cl.linear(x.bfloat16(), cl.pack_weight(w.bfloat16(), b.bfloat16()))
+    exact = torch.nn.functional.linear(x, w, b)
+    rel = (out.float() - exact).norm() / exact.norm()
+    assert rel < MAX_BF16_RELATIVE_ERROR, f"relative error {rel:.2e}"
+
+
+def test_empty_rows():
+    packed = cl.pack_weight(torch.randn(10, 4))
+    assert cl.linear(torch.empty(0, 4), packed).shape == (0, 10)
+
+
+def test_pack_layout():
+    """The documented layout: float32 [blocks, K, NB]; bf16 [blocks, ceil(K/2), NB, 2], zero padded."""
+    nb = cl.block_width()
+    w = torch.arange(3 * 5, dtype=torch.float32).view(3, 5)
+    p = cl.pack_weight(w).data
+    assert p.shape == (1, 5, nb) and torch.equal(p[0, :, :3], w.t()) and not p[0, :, 3:].any()
+    p = cl.pack_weight(w.bfloat16()).data
+    assert p.shape == (1, 3, nb, 2)
+    assert p[0, 1, 2].tolist() == [w[2, 2].item(), w[2, 3].item()] and p[0, 2, 0, 1].item() == 0
+
+
+def test_bad_inputs_raise():
+    packed = cl.pack_weight(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="columns"):
+        cl.linear(torch.randn(2, 5), packed)
+    with pytest.raises(ValueError, match="CPU matrix"):
+        cl.linear(torch.randn(2, 4).bfloat16(), packed)
+    with pytest.raises(ValueError, match="contiguous last"):
+        cl.linear(torch.randn(4, 2).t(), packed)
+    with pytest.raises(ValueError, match="out must be"):
+        cl.linear(torch.randn(2, 4), packed, out=torch.empty(2, 7))
+    with pytest.raises(ValueError, match="bias"):
+        cl.pack_weight(torch.randn(8, 4), torch.randn(7))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cl.pack_weight(torch.randn(8, 4).half())
