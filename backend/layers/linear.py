@@ -76,11 +76,13 @@ class OneDnnLinear:
 
 
 class CpuLinear:
-    """A weight packed once into the C++ kernel's column blocks; calling it computes `x @ W^T + b`."""
+    """A weight packed once into the C++ kernel's column blocks; calling it computes `x @ W^T + b`,
+    or for a gated (SwiGLU gate_up) weight [2I, K] silu(gate) * up [.., I] straight from the sums."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.packed = cpu_linear.pack_weight(weight, None if bias is None else bias.to(weight.dtype))
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> None:
+        self.in_features = weight.shape[1]
+        self.packed = cpu_linear.pack_weight(weight, None if bias is None else bias.to(weight.dtype), gated=gated)
+        self.out_features = self.packed.out_features
 
     @property
     def weight_bytes(self) -> dict[str, int]:
@@ -170,17 +172,30 @@ def check_quantization(quantization: str, device: torch.device) -> None:
 
 
 def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
-                       quantization: str = "none") -> LinearKernel:
+                       quantization: str = "none", swiglu: bool = False) -> LinearKernel:
+    """The kernel for `backend` / `quantization`. `swiglu`: the weight is SwiGLU's gate_up [2I, K];
+    a kernel that can (`fuses_swiglu`) then returns silu(gate) * up itself, others the product."""
     if quantization == "int8":
         return Int8Linear(weight, bias)
     if backend == "cpu":
-        return CpuLinear(weight, bias)
+        return CpuLinear(weight, bias, gated=swiglu)
     if backend == "onednn":
         return OneDnnLinear(weight, bias)
     return lambda x: linear(x, weight, bias)
 
 
 PACKED_KERNELS = (CpuLinear, OneDnnLinear, Int8Linear)
+
+
+def fuses_swiglu(kernel: LinearKernel | None) -> bool:
+    """Whether calling `kernel` already gives SwiGLU's silu(gate) * up (see make_linear_kernel)."""
+    return isinstance(kernel, CpuLinear) and kernel.packed.gated
+
+
+def swiglu(kernel: LinearKernel, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) through a gate_up kernel: fused where it can, else the product
+    followed by `silu_and_mul`."""
+    return kernel(x) if fuses_swiglu(kernel) else silu_and_mul(kernel(x))
 
 
 def release_if_packed(kernel: LinearKernel, *params: nn.Parameter) -> None:
@@ -192,27 +207,36 @@ def release_if_packed(kernel: LinearKernel, *params: nn.Parameter) -> None:
 
 class Linear(nn.Module):
     """Parameters named as nn.Linear's (checkpoints load unchanged); `prepare` picks the kernel
-    once the weights are loaded."""
+    once the weights are loaded.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    `silu_and_mul` makes it SwiGLU's fused gate_up projection (out_features = 2I, gate rows then
+    up rows): forward then returns silu(gate) * up [.., I], computed inside the product where the
+    kernel can (`cpu`), else by `silu_and_mul` after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel: LinearKernel | None = None
+        self.silu_and_mul = silu_and_mul
 
     def prepare(self, backend: str, quantization: str = "none", release_weight: bool = True) -> None:
         """Build the kernel for `backend` (or `quantization`). With a packed kernel and
         `release_weight`, the plain weight's storage is freed (pass False for a weight shared
         with another module, such as a tied LM head)."""
-        self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization)
+        self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization,
+                                         swiglu=self.silu_and_mul is not None)
         if release_weight:
             release_if_packed(self.kernel, self.weight)
 
+    def _unprepared(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is None:
-            return linear(x, self.weight, self.bias)
-        return self.kernel(x)
+        kernel = self._unprepared if self.kernel is None else self.kernel
+        return kernel(x) if self.silu_and_mul is None else swiglu(kernel, x, self.silu_and_mul)
 
     def extra_repr(self) -> str:
         kind = "unprepared" if self.kernel is None else type(self.kernel).__name__

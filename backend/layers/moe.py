@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from splitfuse.layers.kernels import KernelSet
-from splitfuse.layers.linear import Linear, LinearKernel, make_linear_kernel, release_if_packed
+from splitfuse.layers.linear import Linear, LinearKernel, make_linear_kernel, release_if_packed, swiglu
 
 
 class Experts(nn.Module):
@@ -28,7 +28,7 @@ class Experts(nn.Module):
     def prepare(self, backend: str, quantization: str = "none") -> None:
         """One linear kernel per expert and projection. Packed kernels hold their own copy,
         so the stacked weights' storage is released then, as `Linear.prepare` does."""
-        self.gate_up = [make_linear_kernel(w, None, backend, quantization) for w in self.gate_up_proj]
+        self.gate_up = [make_linear_kernel(w, None, backend, quantization, swiglu=True) for w in self.gate_up_proj]
         self.down = [make_linear_kernel(w, None, backend, quantization) for w in self.down_proj]
         release_if_packed(self.gate_up[0], self.gate_up_proj, self.down_proj)
 
@@ -73,7 +73,7 @@ class SparseMoeBlock(nn.Module):
             if n == 0:
                 continue  # no tokens for this expert: skip its weights entirely
             rows = tokens[start:start + n]
-            h = self.ops.silu_and_mul(gate_up[e](x.index_select(0, rows)))
+            h = swiglu(gate_up[e], x.index_select(0, rows), self.ops.silu_and_mul)
             h = down[e](h) * slot_weights[start:start + n]  # fp32 scale, as HF
             out.index_add_(0, rows, h.to(out.dtype))
             start += n

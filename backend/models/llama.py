@@ -158,12 +158,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, ops: KernelSet) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        # SwiGLU: gate_up_proj returns silu(gate) * up (fused into the product where it can).
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias,
+                                   silu_and_mul=ops.silu_and_mul)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
-        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,17 @@
 `splitfuse.kernels.reference.linear_reference` computes, up to the order of the sums (every
 output is one sequential sum over k; bf16 products are summed in pairs, as vdpbf16ps does).
 
+`pack_weight(w, gated=True)` takes SwiGLU's fused gate_up weight [2I, K] (gate rows, then up
+rows); `linear` then returns silu(x @ gate^T) * (x @ up^T) [M, I], computed from the registers
+holding the sums, with the numerics of the projection followed by `silu_and_mul` (each sum
+rounded to x's dtype first): the [M, 2I] projection output is never written.
+
 The packed layout, NB = `block_width()` columns per block (64 with AVX-512, 32 with AVX2):
   float32: [ceil(N / NB), K, NB]
   bfloat16: [ceil(N / NB), ceil(K / 2), NB, 2]  (pairs of consecutive k per column)
-Padding columns and the padding k of an odd K are zero. The rearrangement is cheap and made by
-torch, so the weight never needs a second, plain copy once packed.
+Padding columns and the padding k of an odd K are zero. A gated weight's blocks hold NB / 2 gate
+columns followed by the same NB / 2 up columns. The rearrangement is cheap and made by torch, so
+the weight never needs a second, plain copy once packed.
 
 The call releases the GIL (ctypes) and runs on the OpenMP pool shared with torch. Results do
 not depend on the thread count. Callers check `available()` first; functions raise ValueError
@@ -31,7 +37,7 @@ __all__ = ["PackedWeight", "available", "block_width", "linear", "native_bf16", 
 _DTYPES = (torch.float32, torch.bfloat16)
 _ARGS = struct.Struct("=9q")  # csrc/linear.cpp: sf_lin_linear_*_packed
 
-_fns: dict[torch.dtype, ctypes._CFuncPtr] = {}
+_fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr] = {}  # (dtype, gated)
 _lib: ctypes.CDLL | None = None
 _bound = False
 
@@ -43,7 +49,10 @@ def _bind() -> bool:
     lib = library()
     if lib is not None:
         try:
-            fns = {torch.float32: lib.sf_lin_linear_f32_packed, torch.bfloat16: lib.sf_lin_linear_bf16_packed}
+            fns = {(torch.float32, False): lib.sf_lin_linear_f32_packed,
+                   (torch.bfloat16, False): lib.sf_lin_linear_bf16_packed,
+                   (torch.float32, True): lib.sf_lin_linear_silu_mul_f32_packed,
+                   (torch.bfloat16, True): lib.sf_lin_linear_silu_mul_bf16_packed}
             for f in (lib.sf_lin_block_width, lib.sf_lin_native_bf16):
                 f.argtypes, f.restype = [], ctypes.c_int
         except AttributeError:  # a library built without linear.cpp
@@ -81,56 +90,76 @@ def native_bf16() -> bool:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [N, K] weight in the kernel's blocked layout, with its bias as float32 padded to the
-    blocks (or None)."""
+    """A weight in the kernel's blocked layout, with its bias as float32 in the same column order,
+    padded to the blocks (or None). `out_features` counts the product's columns: N, or I for a
+    gated weight [2I, K]."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
     bias: torch.Tensor | None
+    gated: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 
 
-def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+def _column_order(n: int, nb: int, gated: bool) -> torch.Tensor:
+    """For each packed column, the weight row it holds (-1: padding)."""
+    if not gated:
+        blocks = -(-n // nb)
+        order = torch.full((blocks * nb,), -1, dtype=torch.long)
+        order[:n] = torch.arange(n)
+        return order
+    inter, half = n // 2, nb // 2
+    blocks = -(-inter // half)
+    cols = torch.arange(blocks * half).view(blocks, half)
+    gate = torch.where(cols < inter, cols, -1)
+    up = torch.where(cols < inter, cols + inter, -1)
+    return torch.cat([gate, up], dim=1).reshape(-1)
+
+
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False) -> PackedWeight:
     """`weight` [N, K] (float32 or bfloat16, CPU) rearranged into column blocks; `bias` [N] is
-    kept as float32 (the kernel adds it to the float32 sums)."""
+    kept as float32 (the kernel adds it to the float32 sums). `gated`: SwiGLU's gate_up weight
+    (N = 2I, gate rows first)."""
     _need()
     if weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2:
         raise ValueError(f"pack_weight: weight must be a float32 or bfloat16 CPU matrix, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     n, k = weight.shape
+    if gated and n & 1:
+        raise ValueError(f"pack_weight: a gated weight needs an even number of rows (gate, up), got {n}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"pack_weight: bias must be [{n}], got {tuple(bias.shape)}")
     nb = block_width()
-    blocks = -(-n // nb)
-    w = weight.detach()
+    order = _column_order(n, nb, gated)
+    valid = order >= 0
+    blocks = order.numel() // nb
+    kp = k + (k & 1) if weight.dtype is torch.bfloat16 else k
+    rows = torch.zeros(order.numel(), kp, dtype=weight.dtype)
+    rows[valid, :k] = weight.detach()[order[valid]]
     if weight.dtype is torch.bfloat16:
-        kp = k + (k & 1)
-        padded = torch.zeros(blocks * nb, kp, dtype=w.dtype)
-        padded[:n, :k] = w
-        data = padded.view(blocks, nb, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+        data = rows.view(blocks, nb, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
     else:
-        padded = torch.zeros(blocks * nb, k, dtype=w.dtype)
-        padded[:n] = w
-        data = padded.view(blocks, nb, k).permute(0, 2, 1).contiguous()
+        data = rows.view(blocks, nb, k).permute(0, 2, 1).contiguous()
     b = None
     if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"pack_weight: bias must be [{n}], got {tuple(bias.shape)}")
-        b = torch.zeros(blocks * nb, dtype=torch.float32)
-        b[:n] = bias.detach().float()
-    return PackedWeight(data, n, k, b)
+        b = torch.zeros(order.numel(), dtype=torch.float32)
+        b[valid] = bias.detach().float()[order[valid]]
+    return PackedWeight(data, n // 2 if gated else n, k, b, gated)
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (the weight's dtype, CPU; rows may be strided, the last dim contiguous) times the
-    packed weight: writes and returns `out` [M, N] (default: a new contiguous tensor; a given one
-    may have strided rows and must not overlap x)."""
-    fn = _fns.get(x.dtype) if _bound else None
+    packed weight: writes and returns `out` [M, out_features] (default: a new contiguous tensor;
+    a given one may have strided rows and must not overlap x)."""
+    key = (x.dtype, weight.gated)
+    fn = _fns.get(key) if _bound else None
     if fn is None:
         _need()
-        fn = _fns.get(x.dtype)
+        fn = _fns.get(key)
     if fn is None or x.dtype is not weight.dtype or not x.is_cpu or x.dim() != 2:
         raise ValueError(f"linear: x must be a {weight.dtype} CPU matrix, got {x.dtype} {tuple(x.shape)} on {x.device}")
     m, k = x.shape

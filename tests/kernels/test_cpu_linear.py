@@ -3,6 +3,9 @@
 float32: every output is one sequential fused multiply-add chain over k; torch sums in another
 order, so outputs agree to a few fp32 ulps of the terms' magnitudes: rtol=1e-5, atol=1e-5 *
 sqrt(K) (N(0, 1) data).
+Gated (SwiGLU gate_up, silu(gate) * up from the sums): bit-identical to the kernel's plain product
+followed by the C++ silu_and_mul (the same rounding of each sum to the dtype, the same exp), so
+within that kernel's tolerance of torch's silu_and_mul.
 bfloat16: the same products summed in fp32 (in pairs with AVX-512 BF16), then one bf16 rounding:
 within one bf16 ulp (2^-8 relative) of the rounded float32 reference, plus the fp32 difference
 of the sums (which can tip a rounding); and the relative Frobenius error against float32
@@ -16,9 +19,10 @@ import zlib
 import pytest
 import torch
 
+from splitfuse.kernels.cpu import elementwise as ew
 from splitfuse.kernels.cpu import linear as cl
 from splitfuse.kernels.cpu.build import unavailable_reason
-from splitfuse.kernels.reference import linear_reference
+from splitfuse.kernels.reference import linear_reference, silu_and_mul_reference
 
 if not cl.available():
     pytest.skip(f"C++ CPU kernels unavailable: {unavailable_reason() or 'library lacks sf_lin_* symbols'}",
@@ -102,6 +106,25 @@ def test_bf16_error_against_fp32(rows, out_features, in_features):
     assert rel < MAX_BF16_RELATIVE_ERROR, f"relative error {rel:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 6, 7, 64])
+@pytest.mark.parametrize("inter,in_features", [(1536, 512), (100, 37), (5, 3), (33, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_equals_product_then_silu_and_mul(dtype, rows, inter, in_features, bias):
+    """Whole and partial half-blocks (the last block's gate and up columns both padded)."""
+    g = _gen("gated", dtype, rows, inter, in_features, bias)
+    w = torch.randn(2 * inter, in_features, generator=g).to(dtype)
+    b = torch.randn(2 * inter, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    product = cl.linear(x, cl.pack_weight(w, b))
+    out = cl.linear(x, cl.pack_weight(w, b, gated=True))
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    if ew.available():
+        assert torch.equal(out, ew.silu_and_mul(product))
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 * 2.0 ** -8, atol=1e-6)
+    torch.testing.assert_close(out, silu_and_mul_reference(product), **tol)
+
+
 def test_empty_rows():
     packed = cl.pack_weight(torch.randn(10, 4))
     assert cl.linear(torch.empty(0, 4), packed).shape == (0, 10)
@@ -132,3 +155,5 @@ def test_bad_inputs_raise():
         cl.pack_weight(torch.randn(8, 4), torch.randn(7))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         cl.pack_weight(torch.randn(8, 4).half())
+    with pytest.raises(ValueError, match="even number of rows"):
+        cl.pack_weight(torch.randn(7, 4), gated=True)

@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitfuse.layers.linear import (CpuLinear, Linear, OneDnnLinear, cpu_linear_preferred, cpu_linear_supported, linear,
-                                     onednn_supported, resolve_linear_backend)
+from splitfuse.kernels.reference import silu_and_mul_reference
+from splitfuse.layers.linear import (CpuLinear, Linear, OneDnnLinear, cpu_linear_preferred, cpu_linear_supported,
+                                     fuses_swiglu, linear, onednn_supported, resolve_linear_backend)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 65, 200])
@@ -119,6 +120,28 @@ def test_cpu_backend_packs_releases_and_matches(dtype):
     torch.testing.assert_close(out, F.linear(x, w, b), **tol)
     assert layer.kernel.weight_bytes == {str(dtype).removeprefix("torch."): layer.kernel.packed.data.numel()
                                          * layer.kernel.packed.data.element_size()}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "onednn", "torch"])
+def test_swiglu_layer_matches_product_then_silu_and_mul(backend):
+    """A gate_up Linear given silu_and_mul returns silu(gate) * up on every backend (fused into the
+    product on `cpu`), before and after prepare."""
+    if backend == "cpu" and not CPU_OK:
+        pytest.skip(CPU_WHY)
+    if backend == "onednn" and not ONEDNN_OK:
+        pytest.skip(ONEDNN_WHY)
+    layer = Linear(40, 2 * 24, bias=True, silu_and_mul=silu_and_mul_reference)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    x = torch.randn(5, 40)
+    want = silu_and_mul_reference(F.linear(x, w, b))
+    torch.testing.assert_close(layer(x), want)
+    layer.prepare(backend)
+    assert fuses_swiglu(layer.kernel) == (backend == "cpu")
+    out = layer(x)
+    assert out.shape == (5, 24)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 
 
 def test_resolve_linear_backend():

@@ -112,19 +112,14 @@ inline void rotate_heads(const T* src, int64_t s_h, T* dst, int64_t d_h, int64_t
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
     int64_t j = 0;
-    const vf one = splat(1.0f);
-    for (; j + VW <= n; j += VW) {
-        vf gv = loadu(g + j);
-        storeu(o + j, round_to<T>(gv / (one + exp_v(-gv))) * loadu(u + j));
-    }
+    for (; j + VW <= n; j += VW) storeu(o + j, silu_mul<T>(loadu(g + j), loadu(u + j)));
     if (j < n) {  // tail through a padded vector: the same exp as the body
         float gt[VW] = {}, ut[VW] = {}, ot[VW];
         for (int64_t i = j; i < n; ++i) {
             gt[i - j] = load1(g + i);
             ut[i - j] = load1(u + i);
         }
-        vf gv = loadu(gt);
-        storeu(ot, round_to<T>(gv / (one + exp_v(-gv))) * loadu(ut));
+        storeu(ot, silu_mul<T>(loadu(gt), loadu(ut)));
         for (int64_t i = j; i < n; ++i) store1(o + i, ot[i - j]);
     }
 }

@@ -143,4 +143,11 @@ inline float round_to<float>(float v) { return rounded(v); }
 template <>
 inline float round_to<uint16_t>(float v) { return sf_bf16::to_f32(sf_bf16::from_f32(v)); }
 
+// SwiGLU's gate on values as torch holds them in T: silu(g) rounded to T, times u (the caller
+// stores the product, rounding it to T).
+template <typename T>
+static inline vf silu_mul(vf g, vf u) {
+    return round_to<T>(g / (splat(1.0f) + exp_v(-g))) * u;
+}
+
 }  // namespace sf_ew

@@ -5,6 +5,9 @@
 //   bf16:    [N / NB][K / 2][NB][2]   pairs of consecutive k per column (the operand order of
 //                                     vdpbf16ps); K is padded to even with zeros
 // N is padded to a multiple of NB = 4 vectors with zero columns, which the kernel never stores.
+// A gated (SwiGLU gate_up) weight [2I, K] is packed with each block holding NB / 2 gate columns
+// followed by the same NB / 2 up columns; the kernel then writes silu(gate) * up [M, I] from its
+// registers, and the [M, 2I] projection output is never stored.
 //
 // Per column block and strip of MR rows, the MR x NB outputs stay in registers for the whole K:
 // every k loads the block's 4 weight vectors once and multiplies them into all MR rows against a
@@ -110,58 +113,68 @@ inline void strip(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t K, v
     }
 }
 
-// Accumulators (+ bias) to y's rows [0..R), columns [0..cols) of this block (cols < NB only in
-// the last, padded block).
-template <typename T, int R>
+// Accumulators (+ bias) to y's rows [0..R), columns [0..cols) of this block (cols below the
+// block's width only in the last, padded block). GATED (SwiGLU): the block's first NV / 2
+// vectors are gate columns and the rest the matching up columns; y gets silu(gate) * up, each
+// sum first rounded to T as the unfused projection would store it (elementwise_simd.h:
+// silu_mul), so the result is the same as the projection followed by silu_and_mul.
+template <typename T, int R, bool GATED>
 inline void store(vf (&acc)[MR][NV], const float* bias, T* y, int64_t sy, int64_t cols) {
+    constexpr int OUT = GATED ? NV / 2 : NV;  // output vectors per row
     for (int r = 0; r < R; ++r) {
         if (bias != nullptr)
             for (int j = 0; j < NV; ++j) acc[r][j] += loadu(bias + j * VW);
-        if (cols == NB) {
-            for (int j = 0; j < NV; ++j) storeu(y + r * sy + j * VW, acc[r][j]);
+        vf o[OUT];
+        for (int j = 0; j < OUT; ++j)
+            o[j] = GATED ? silu_mul<T>(round_to<T>(acc[r][j]), round_to<T>(acc[r][j + OUT])) : acc[r][j];
+        if (cols == OUT * VW) {
+            for (int j = 0; j < OUT; ++j) storeu(y + r * sy + j * VW, o[j]);
         } else {
-            float tmp[NB];
-            for (int j = 0; j < NV; ++j) storeu(tmp + j * VW, acc[r][j]);
+            float tmp[OUT * VW];
+            for (int j = 0; j < OUT; ++j) storeu(tmp + j * VW, o[j]);
             for (int64_t c = 0; c < cols; ++c) store1(y + r * sy + c, tmp[c]);
         }
     }
 }
 
-template <typename T, int R>
+template <typename T, int R, bool GATED>
 inline void rows_block(const T* x, int64_t sx, const T* w, int64_t K, const float* bias, T* y, int64_t sy,
                        int64_t cols) {
     vf acc[MR][NV];
     strip<R>(x, sx, w, K, acc);
-    store<T, R>(acc, bias, y, sy, cols);
+    store<T, R, GATED>(acc, bias, y, sy, cols);
 }
 
 // Rows [0..rows) of x against one column block, MR rows at a time.
-template <typename T>
+template <typename T, bool GATED>
 void block(const T* x, int64_t sx, const T* w, int64_t K, const float* bias, T* y, int64_t sy, int64_t rows,
            int64_t cols) {
     int64_t m = 0;
-    for (; m + MR <= rows; m += MR) rows_block<T, MR>(x + m * sx, sx, w, K, bias, y + m * sy, sy, cols);
+    for (; m + MR <= rows; m += MR) rows_block<T, MR, GATED>(x + m * sx, sx, w, K, bias, y + m * sy, sy, cols);
     const int64_t rest = rows - m;
     x += m * sx;
     y += m * sy;
     switch (rest) {  // MR is at most 6
-        case 1: rows_block<T, 1>(x, sx, w, K, bias, y, sy, cols); break;
-        case 2: if constexpr (MR > 2) rows_block<T, 2>(x, sx, w, K, bias, y, sy, cols); break;
-        case 3: if constexpr (MR > 3) rows_block<T, 3>(x, sx, w, K, bias, y, sy, cols); break;
-        case 4: if constexpr (MR > 4) rows_block<T, 4>(x, sx, w, K, bias, y, sy, cols); break;
-        case 5: if constexpr (MR > 5) rows_block<T, 5>(x, sx, w, K, bias, y, sy, cols); break;
+        case 1: rows_block<T, 1, GATED>(x, sx, w, K, bias, y, sy, cols); break;
+        case 2: if constexpr (MR > 2) rows_block<T, 2, GATED>(x, sx, w, K, bias, y, sy, cols); break;
+        case 3: if constexpr (MR > 3) rows_block<T, 3, GATED>(x, sx, w, K, bias, y, sy, cols); break;
+        case 4: if constexpr (MR > 4) rows_block<T, 4, GATED>(x, sx, w, K, bias, y, sy, cols); break;
+        case 5: if constexpr (MR > 5) rows_block<T, 5, GATED>(x, sx, w, K, bias, y, sy, cols); break;
         default: break;
     }
 }
 
-template <typename T>
+// y [M, N] from x [M, K]; N counts output columns (GATED: the intermediate size, half the
+// packed weight's columns).
+template <typename T, bool GATED>
 void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const float* bias, T* y, int64_t sy,
             int64_t M) {
     if (M <= 0 || N <= 0) return;
-    const int64_t blocks = (N + NB - 1) / NB;
+    constexpr int64_t out_cols = GATED ? NB / 2 : NB;  // output columns per block
+    const int64_t blocks = (N + out_cols - 1) / out_cols;
     const int64_t block_elems = (sizeof(T) == 2 ? (K + 1) / 2 * 2 : K) * NB;
     const int threads = omp_get_max_threads();
-    const bool par = threads > 1 && M * N * K >= kParallelMacs;
+    const bool par = threads > 1 && M * blocks * NB * K >= kParallelMacs;
     // Row chunks (whole strips) only when the column blocks alone leave threads idle.
     int64_t chunks = 1;
     const int64_t strips = (M + MR - 1) / MR;
@@ -176,9 +189,9 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
         const int64_t b = it % blocks, m0 = (it / blocks) * chunk_rows;
         if (m0 >= M) continue;
         const int64_t rows = M - m0 < chunk_rows ? M - m0 : chunk_rows;
-        const int64_t n0 = b * NB, cols = N - n0 < NB ? N - n0 : NB;
-        block<T>(x + m0 * sx, sx, w + b * block_elems, K, bias == nullptr ? nullptr : bias + n0, y + m0 * sy + n0,
-                 sy, rows, cols);
+        const int64_t n0 = b * out_cols, cols = N - n0 < out_cols ? N - n0 : out_cols;
+        block<T, GATED>(x + m0 * sx, sx, w + b * block_elems, K, bias == nullptr ? nullptr : bias + b * NB,
+                        y + m0 * sy + n0, sy, rows, cols);
     }
 }
 
@@ -192,14 +205,26 @@ int sf_lin_block_width(void) { return NB; }
 int sf_lin_native_bf16(void) { return SF_LIN_BF16_DOT; }
 
 // Packed arguments (one pointer to int64 slots, as the Python wrapper builds them):
-// x, x row stride, packed w, N, K, bias (float32 [N padded to NB] or 0), y, y row stride, M.
+// x, x row stride, packed w, N (output columns), K, bias (float32 in the packed column order,
+// padded to whole blocks, or 0), y, y row stride, M.
 void sf_lin_linear_f32_packed(const int64_t* a) {
-    linear<float>(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<const float*>(a[2]), a[3], a[4],
-                  reinterpret_cast<const float*>(a[5]), reinterpret_cast<float*>(a[6]), a[7], a[8]);
+    linear<float, false>(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<const float*>(a[2]), a[3],
+                         a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<float*>(a[6]), a[7], a[8]);
 }
 void sf_lin_linear_bf16_packed(const int64_t* a) {
-    linear<uint16_t>(reinterpret_cast<const uint16_t*>(a[0]), a[1], reinterpret_cast<const uint16_t*>(a[2]), a[3],
-                     a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<uint16_t*>(a[6]), a[7], a[8]);
+    linear<uint16_t, false>(reinterpret_cast<const uint16_t*>(a[0]), a[1], reinterpret_cast<const uint16_t*>(a[2]),
+                            a[3], a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<uint16_t*>(a[6]), a[7],
+                            a[8]);
+}
+// The same for a gated (SwiGLU) weight: y = silu(x . gate^T) * (x . up^T), N = the intermediate size.
+void sf_lin_linear_silu_mul_f32_packed(const int64_t* a) {
+    linear<float, true>(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<const float*>(a[2]), a[3],
+                        a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<float*>(a[6]), a[7], a[8]);
+}
+void sf_lin_linear_silu_mul_bf16_packed(const int64_t* a) {
+    linear<uint16_t, true>(reinterpret_cast<const uint16_t*>(a[0]), a[1], reinterpret_cast<const uint16_t*>(a[2]),
+                           a[3], a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<uint16_t*>(a[6]), a[7],
+                           a[8]);
 }
 
 }  // extern "C"
