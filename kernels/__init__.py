@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "apply_rotary_reference": "reference",
     "silu_and_mul_reference": "reference",
     "linear_reference": "reference",
+    "int8_linear_reference": "reference",
     "paged_attention": "triton_lang.paged_attention",
     "paged_decode_attention_split_kv": "triton_lang.paged_attention_split_kv",
     "choose_num_splits": "triton_lang.paged_attention_split_kv",

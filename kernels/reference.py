@@ -114,6 +114,15 @@ def quantize_rows_reference(x: torch.Tensor, levels: int, zero_point: int) -> tu
     return q, scale
 
 
+def int8_linear_reference(xq: torch.Tensor, xscales: torch.Tensor, zero_point: int, wq: torch.Tensor,
+                          wscales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 activations xq [M, K] around `zero_point` with row scales [M, 1], times int8 weights
+    wq [N, K] with channel scales [N]: exact integer sums, float32(sum) * weight scale, then
+    `dequantize_rows_reference` (times the row scale, plus bias, in `dtype`)."""
+    sums = (xq.long() - zero_point) @ wq.long().t()
+    return dequantize_rows_reference(sums.float() * wscales, xscales.view(-1, 1), bias, dtype)
+
+
 def dequantize_rows_reference(acc: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An int8 GEMM's float32 sums acc [M, N] back to values: times the per-row activation scales

@@ -13,6 +13,11 @@
   out as bfloat16: int8 weights with bfloat16 activations).
   oneDNN takes activations as uint8 with a zero point, so a token's int8 values are shifted.
 
+On CPUs with AVX-512 VNNI (and the `cpu` linear backend) `CpuInt8Linear` multiplies the same
+quantized values with the C++ kernel (`splitfuse.kernels.cpu.linear.linear_int8`) instead: the
+zero point, scales and bias are applied as the sums leave the registers (no float32 pass over the
+output), few rows stream the weight at memory speed, and SwiGLU's gate is fused for gate_up.
+
 Without VNNI (AVX2 only), x86 int8 GEMMs multiply through `vpmaddubsw`, whose int16 pair sums
 saturate when uint8 activations reach 255 against int8 weights of 127: there the activations keep
 7 bits (values in [-63, 63], zero point 64). Which case applies is found by running a probe whose
@@ -26,6 +31,7 @@ import functools
 import torch
 
 from splitfuse.kernels.cpu import elementwise as cpu_elementwise
+from splitfuse.kernels.cpu import linear as cpu_linear
 from splitfuse.kernels.reference import dequantize_rows_reference, quantize_rows_reference
 
 # Activations quantized to [-levels, levels], stored as uint8 around `zero_point`.
@@ -120,3 +126,32 @@ class Int8Linear:
                                                  self.weight_zero_points, None, 1.0, 0, torch.float32,
                                                  "none", [], "")
         return dequantize(out, scale, self.bias, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def cpu_int8_supported(dtype: torch.dtype) -> bool:
+    """Whether `CpuInt8Linear` runs here for activations of `dtype`."""
+    return dtype in _KERNEL_DTYPES and cpu_linear.has_int8() and cpu_elementwise.available()
+
+
+class CpuInt8Linear:
+    """Int8Linear's quantization through the C++ VNNI kernel; `gated`: SwiGLU's gate_up weight,
+    calling it gives silu(gate) * up."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> None:
+        self.in_features = weight.shape[1]
+        q, scale = quantize_weight_per_channel(weight)
+        self.packed = cpu_linear.pack_int8_weight(q, scale, bias, gated=gated)
+        self.out_features = self.packed.out_features
+        self.levels, self.zero_point = _FULL_RANGE  # vpdpbusd sums u8 x s8 products exactly
+
+    @property
+    def weight_bytes(self) -> dict[str, int]:
+        """Memory of the weight by dtype: int8 values, float32 scales (and int32 column sums)."""
+        n = self.packed.scales.numel()
+        return {"int8": self.packed.data.numel(), "float32": 4 * n, "int32": 4 * n}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        q, scale = cpu_elementwise.quantize_rows(rows, self.levels, self.zero_point)
+        out = cpu_linear.linear_int8(q, scale, self.zero_point, self.packed, x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)

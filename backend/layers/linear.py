@@ -22,8 +22,10 @@ Three ways to multiply float weights, chosen once at load (`EngineConfig.linear_
 for bf16, AVX-512 BF16 dot products) on a CPU without AMX (whose tile units oneDNN uses for
 large bf16 products). Elsewhere `onednn` where torch has it for the dtype, else `torch`.
 
-With `EngineConfig.quantization="int8"` the projections run `Int8Linear` (int8_linear.py)
-instead; the LM head and the MoE router keep the float kernel (they decide tokens and experts).
+With `EngineConfig.quantization="int8"` the projections run int8 kernels (int8_linear.py):
+`CpuInt8Linear` (the C++ kernel) with the `cpu` backend on CPUs with AVX-512 VNNI, else
+`Int8Linear` (oneDNN); the LM head and the MoE router keep the float kernel (they decide tokens
+and experts).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 
 from splitfuse.kernels.cpu import linear as cpu_linear
 from splitfuse.kernels.cpu.build import cpu_flags
-from splitfuse.layers.int8_linear import Int8Linear, int8_supported
+from splitfuse.layers.int8_linear import CpuInt8Linear, Int8Linear, cpu_int8_supported, int8_supported
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +178,8 @@ def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend:
     """The kernel for `backend` / `quantization`. `swiglu`: the weight is SwiGLU's gate_up [2I, K];
     a kernel that can (`fuses_swiglu`) then returns silu(gate) * up itself, others the product."""
     if quantization == "int8":
+        if backend == "cpu" and cpu_int8_supported(weight.dtype):
+            return CpuInt8Linear(weight, bias, gated=swiglu)
         return Int8Linear(weight, bias)
     if backend == "cpu":
         return CpuLinear(weight, bias, gated=swiglu)
@@ -184,12 +188,12 @@ def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend:
     return lambda x: linear(x, weight, bias)
 
 
-PACKED_KERNELS = (CpuLinear, OneDnnLinear, Int8Linear)
+PACKED_KERNELS = (CpuLinear, OneDnnLinear, Int8Linear, CpuInt8Linear)
 
 
 def fuses_swiglu(kernel: LinearKernel | None) -> bool:
     """Whether calling `kernel` already gives SwiGLU's silu(gate) * up (see make_linear_kernel)."""
-    return isinstance(kernel, CpuLinear) and kernel.packed.gated
+    return isinstance(kernel, (CpuLinear, CpuInt8Linear)) and kernel.packed.gated
 
 
 def swiglu(kernel: LinearKernel, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -13,9 +13,18 @@ rounded to x's dtype first): the [M, 2I] projection output is never written.
 The packed layout, NB = `block_width()` columns per block (64 with AVX-512, 32 with AVX2):
   float32: [ceil(N / NB), K, NB]
   bfloat16: [ceil(N / NB), ceil(K / 2), NB, 2]  (pairs of consecutive k per column)
+  int8:    [ceil(N / NB), ceil(K / 4), NB, 4]  (quads of consecutive k per column, vpdpbusd's
+            operand order), with per-column weight sums, weight scales and bias in float32
 Padding columns and the padding k of an odd K are zero. A gated weight's blocks hold NB / 2 gate
 columns followed by the same NB / 2 up columns. The rearrangement is cheap and made by torch, so
 the weight never needs a second, plain copy once packed.
+
+`pack_int8_weight` / `linear_int8` (CPUs with AVX-512 VNNI, `has_int8()`): symmetric int8
+weights with per-output-channel scales against uint8 activations quantized per row around a zero
+point (`elementwise.quantize_rows`); the int32 sums are corrected for the zero point, scaled
+(float(sum) * weight scale, then times the row scale, plus bias) and narrowed to the output
+dtype in the same pass: what oneDNN's int8 GEMM followed by `elementwise.dequantize_rows`
+computes. Gated weights work as above.
 
 The call releases the GIL (ctypes) and runs on the OpenMP pool shared with torch. Results do
 not depend on the thread count. Callers check `available()` first; functions raise ValueError
@@ -32,12 +41,15 @@ import torch
 
 from .build import library
 
-__all__ = ["PackedWeight", "available", "block_width", "linear", "native_bf16", "pack_weight"]
+__all__ = ["PackedInt8Weight", "PackedWeight", "available", "block_width", "has_int8", "linear", "linear_int8",
+           "native_bf16", "pack_int8_weight", "pack_weight"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _ARGS = struct.Struct("=9q")  # csrc/linear.cpp: sf_lin_linear_*_packed
+_I8_ARGS = struct.Struct("=13q")  # sf_lin_linear_i8_*_packed
 
 _fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr] = {}  # (dtype, gated)
+_i8_fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr] = {}  # (output dtype, gated)
 _lib: ctypes.CDLL | None = None
 _bound = False
 
@@ -53,14 +65,20 @@ def _bind() -> bool:
                    (torch.bfloat16, False): lib.sf_lin_linear_bf16_packed,
                    (torch.float32, True): lib.sf_lin_linear_silu_mul_f32_packed,
                    (torch.bfloat16, True): lib.sf_lin_linear_silu_mul_bf16_packed}
-            for f in (lib.sf_lin_block_width, lib.sf_lin_native_bf16):
+            i8_fns = {(torch.float32, False): lib.sf_lin_linear_i8_f32_packed,
+                      (torch.bfloat16, False): lib.sf_lin_linear_i8_bf16_packed,
+                      (torch.float32, True): lib.sf_lin_linear_i8_silu_mul_f32_packed,
+                      (torch.bfloat16, True): lib.sf_lin_linear_i8_silu_mul_bf16_packed}
+            for f in (lib.sf_lin_block_width, lib.sf_lin_native_bf16, lib.sf_lin_has_int8):
                 f.argtypes, f.restype = [], ctypes.c_int
         except AttributeError:  # a library built without linear.cpp
             lib = None
     if lib is not None:
-        for f in fns.values():
+        for f in (*fns.values(), *i8_fns.values()):
             f.argtypes, f.restype = [ctypes.c_char_p], None
         _fns.update(fns)
+        if lib.sf_lin_has_int8():
+            _i8_fns.update(i8_fns)
     _lib = lib
     _bound = True
     return lib is not None
@@ -80,6 +98,11 @@ def block_width() -> int:
     """Output columns per packed block: four vectors of the library's width."""
     _need()
     return int(_lib.sf_lin_block_width())
+
+
+def has_int8() -> bool:
+    """Whether the int8 kernel runs here (a build with AVX-512 VNNI)."""
+    return _bind() and bool(_i8_fns)
 
 
 def native_bf16() -> bool:
@@ -180,4 +203,87 @@ def linear(x: torch.Tensor, weight: PackedWeight, *, out: torch.Tensor | None = 
     bias = weight.bias
     fn(_ARGS.pack(x.data_ptr(), sx, weight.data.data_ptr(), n, k, 0 if bias is None else bias.data_ptr(),
                   out.data_ptr(), so, m))
+    return out
+
+
+@dataclass(frozen=True)
+class PackedInt8Weight:
+    """An int8 weight in the kernel's blocked layout with, in the packed column order, each
+    column's weight sum (int32, for the activations' zero point), weight scale and bias (float32,
+    or None). `out_features` as for PackedWeight."""
+
+    data: torch.Tensor
+    column_sums: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+    gated: bool = False
+
+
+def pack_int8_weight(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     gated: bool = False) -> PackedInt8Weight:
+    """int8 `weight` [N, K] with float32 per-row `scales` [N] (w ~ weight * scale) and optional
+    `bias` [N] rearranged into column blocks of quads of k. `gated` as for pack_weight."""
+    if not has_int8():
+        raise RuntimeError("the int8 linear kernel is unavailable here (needs a build with AVX-512 VNNI)")
+    if weight.dtype is not torch.int8 or not weight.is_cpu or weight.dim() != 2:
+        raise ValueError(f"pack_int8_weight: weight must be an int8 CPU matrix, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    n, k = weight.shape
+    if gated and n & 1:
+        raise ValueError(f"pack_int8_weight: a gated weight needs an even number of rows (gate, up), got {n}")
+    if scales.shape != (n,) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"pack_int8_weight: scales and bias must be [{n}]")
+    nb = block_width()
+    order = _column_order(n, nb, gated)
+    valid = order >= 0
+    blocks = order.numel() // nb
+    kq = -(-k // 4) * 4
+    rows = torch.zeros(order.numel(), kq, dtype=torch.int8)
+    rows[valid, :k] = weight.detach()[order[valid]]
+    data = rows.view(blocks, nb, kq // 4, 4).permute(0, 2, 1, 3).contiguous()
+    column_sums = rows.sum(dim=1, dtype=torch.int32)
+    packed_scales = torch.zeros(order.numel(), dtype=torch.float32)
+    packed_scales[valid] = scales.detach().float()[order[valid]]
+    b = None
+    if bias is not None:
+        b = torch.zeros(order.numel(), dtype=torch.float32)
+        b[valid] = bias.detach().float()[order[valid]]
+    return PackedInt8Weight(data, column_sums, packed_scales, b, n // 2 if gated else n, k, gated)
+
+
+def linear_int8(xq: torch.Tensor, xscales: torch.Tensor, zero_point: int, weight: PackedInt8Weight,
+                dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 activations xq [M, K] (row stride free, last dim contiguous) around `zero_point`,
+    with float32 row scales xscales ([M] or [M, 1], contiguous), times the packed int8 weight:
+    writes and returns `out` [M, out_features] in `dtype` (float32 or bfloat16)."""
+    fn = _i8_fns.get((dtype, weight.gated)) if _bound else None
+    if fn is None:
+        if not has_int8():
+            raise RuntimeError("the int8 linear kernel is unavailable here (needs a build with AVX-512 VNNI)")
+        fn = _i8_fns.get((dtype, weight.gated))
+        if fn is None:
+            raise ValueError(f"linear_int8: output dtype must be float32 or bfloat16, got {dtype}")
+    if xq.dtype is not torch.uint8 or not xq.is_cpu or xq.dim() != 2 or xq.shape[1] != weight.in_features:
+        raise ValueError(f"linear_int8: xq must be a uint8 CPU matrix [M, {weight.in_features}], got {xq.dtype} "
+                         f"{tuple(xq.shape)}")
+    m, k = xq.shape
+    if xq.stride(1) != 1 and k > 1:
+        raise ValueError(f"linear_int8: xq needs a contiguous last dimension (strides {xq.stride()})")
+    if xscales.dtype is not torch.float32 or xscales.numel() != m or not xscales.is_contiguous():
+        raise ValueError(f"linear_int8: xscales must be {m} contiguous float32 values, got {xscales.dtype} "
+                         f"{tuple(xscales.shape)}")
+    n = weight.out_features
+    if out is None:
+        out = torch.empty(m, n, dtype=dtype)
+        so = n
+    else:
+        if out.dtype is not dtype or not out.is_cpu or out.shape != (m, n) or (out.stride(1) != 1 and n > 1):
+            raise ValueError(f"linear_int8: out must be a {dtype} CPU [{m}, {n}] with a contiguous last dimension")
+        so = out.stride(0)
+    bias = weight.bias
+    fn(_I8_ARGS.pack(xq.data_ptr(), xq.stride(0), xscales.data_ptr(), zero_point, weight.data.data_ptr(),
+                     weight.column_sums.data_ptr(), weight.scales.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                     n, k, out.data_ptr(), so, m))
     return out

@@ -3,6 +3,8 @@
 float32: every output is one sequential fused multiply-add chain over k; torch sums in another
 order, so outputs agree to a few fp32 ulps of the terms' magnitudes: rtol=1e-5, atol=1e-5 *
 sqrt(K) (N(0, 1) data).
+int8 (AVX-512 VNNI builds): bit-identical to the torch reference (exact integer sums, then the
+same float32 scaling in the same order).
 Gated (SwiGLU gate_up, silu(gate) * up from the sums): bit-identical to the kernel's plain product
 followed by the C++ silu_and_mul (the same rounding of each sum to the dtype, the same exp), so
 within that kernel's tolerance of torch's silu_and_mul.
@@ -22,7 +24,8 @@ import torch
 from splitfuse.kernels.cpu import elementwise as ew
 from splitfuse.kernels.cpu import linear as cl
 from splitfuse.kernels.cpu.build import unavailable_reason
-from splitfuse.kernels.reference import linear_reference, silu_and_mul_reference
+from splitfuse.kernels.reference import (int8_linear_reference, linear_reference, quantize_rows_reference,
+                                         silu_and_mul_reference)
 
 if not cl.available():
     pytest.skip(f"C++ CPU kernels unavailable: {unavailable_reason() or 'library lacks sf_lin_* symbols'}",
@@ -157,3 +160,57 @@ def test_bad_inputs_raise():
         cl.pack_weight(torch.randn(8, 4).half())
     with pytest.raises(ValueError, match="even number of rows"):
         cl.pack_weight(torch.randn(7, 4), gated=True)
+
+
+needs_int8 = pytest.mark.skipif(not cl.has_int8(), reason="the int8 kernel needs a build with AVX-512 VNNI")
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 100])
+@pytest.mark.parametrize("out_features,in_features", [(64, 64), (100, 37), (911, 512), (130, 1), (5, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_matches_reference(dtype, rows, out_features, in_features, bias):
+    """K not a multiple of 4 (the last quad padded), partial column blocks, activations at the
+    ends of the uint8 range."""
+    g = _gen("int8", dtype, rows, out_features, in_features, bias)
+    wq = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+    ws = torch.rand(out_features, generator=g) * 0.1
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    xq, xs = quantize_rows_reference(x, 127, 128)
+    xq[0, 0] = 255
+    xq[-1, -1] = 0
+    out = cl.linear_int8(xq, xs, 128, cl.pack_int8_weight(wq, ws, b), dtype)
+    assert out.shape == (rows, out_features) and out.dtype == dtype
+    assert torch.equal(out, int8_linear_reference(xq, xs, 128, wq, ws, b, dtype))
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gated_and_strided(dtype):
+    g = _gen("int8g", dtype)
+    wq = torch.randint(-127, 128, (2 * 70, 45), generator=g, dtype=torch.int8)
+    ws = torch.rand(2 * 70, generator=g) * 0.1
+    big = torch.randint(0, 256, (9, 60), generator=g, dtype=torch.uint8)
+    xq, xs = big[:, 5:50], torch.rand(9, 1, generator=g)
+    plain = cl.linear_int8(xq, xs, 128, cl.pack_int8_weight(wq, ws), dtype)
+    torch.testing.assert_close(plain, int8_linear_reference(xq.contiguous(), xs, 128, wq, ws, None, dtype),
+                               rtol=0, atol=0)
+    out = cl.linear_int8(xq, xs, 128, cl.pack_int8_weight(wq, ws, gated=True), dtype)
+    assert out.shape == (9, 70)
+    if ew.available():
+        assert torch.equal(out, ew.silu_and_mul(plain))
+
+
+@needs_int8
+def test_int8_bad_inputs_raise():
+    packed = cl.pack_int8_weight(torch.ones(8, 4, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(ValueError, match="uint8"):
+        cl.linear_int8(torch.ones(2, 5, dtype=torch.uint8), torch.ones(2), 128, packed, torch.float32)
+    with pytest.raises(ValueError, match="xscales"):
+        cl.linear_int8(torch.ones(2, 4, dtype=torch.uint8), torch.ones(3), 128, packed, torch.float32)
+    with pytest.raises(ValueError, match="output dtype"):
+        cl.linear_int8(torch.ones(2, 4, dtype=torch.uint8), torch.ones(2), 128, packed, torch.float16)
+    with pytest.raises(ValueError, match="int8 CPU matrix"):
+        cl.pack_int8_weight(torch.ones(8, 4), torch.ones(8))

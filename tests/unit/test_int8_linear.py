@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from splitfuse.config import EngineConfig
-from splitfuse.layers.int8_linear import (Int8Linear, activation_range, int8_supported, quantize_per_token,
-                                          quantize_weight_per_channel)
+from splitfuse.layers.int8_linear import (CpuInt8Linear, Int8Linear, activation_range, cpu_int8_supported,
+                                          int8_supported, quantize_per_token, quantize_weight_per_channel)
 from splitfuse.layers.linear import Linear, check_quantization
 
 INT8_OK, INT8_WHY = int8_supported(torch.device("cpu"))
 needs_int8 = pytest.mark.skipif(not INT8_OK, reason=f"int8 linear unavailable: {INT8_WHY}")
+INT8_KERNELS = (Int8Linear, CpuInt8Linear)
 
 # Relative (Frobenius) error of int8 products against fp32 for normal inputs (per-token scales
 # follow each row's largest of K values, so it grows slowly with K): measured 0.9-1.2% with 8-bit
@@ -106,6 +107,37 @@ def test_linear_prepare_int8_releases_weight_and_keeps_shapes():
     assert out.shape == (2, 3, 48)
     rel = (out - F.linear(x, w, b)).norm() / F.linear(x, w, b).norm()
     assert rel < MAX_RELATIVE_ERROR[activation_range()[0]]
+    if not cpu_int8_supported(torch.float32):
+        return
+    layer = Linear(32, 48, bias=True)
+    layer.weight.data, layer.bias.data = w.clone(), b.clone()
+    layer.prepare("cpu", "int8")
+    assert isinstance(layer.kernel, CpuInt8Linear) and layer.weight.numel() == 0
+    x = torch.randn(2, 3, 32)
+    out = layer(x)
+    assert out.shape == (2, 3, 48)
+    rel = (out - F.linear(x, w, b)).norm() / F.linear(x, w, b).norm()
+    assert rel < MAX_RELATIVE_ERROR[activation_range()[0]]
+
+
+@pytest.mark.skipif(not cpu_int8_supported(torch.float32), reason="the C++ int8 kernel needs AVX-512 VNNI")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("gated", [False, True])
+def test_cpu_int8_linear_equals_onednn_int8_linear(dtype, rows, gated):
+    """The C++ VNNI kernel computes what oneDNN's int8 GEMM and the dequantize pass compute, bit
+    for bit (the same integer sums, scaled in the same order); gated, what the product followed by
+    the C++ silu_and_mul gives."""
+    from splitfuse.kernels.cpu import elementwise
+
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(2 * 96, 136, generator=g).to(dtype), torch.randn(2 * 96, generator=g).to(dtype)
+    x = (torch.randn(rows, 136, generator=g) * 3).to(dtype)
+    want = Int8Linear(w, b)(x)
+    if gated:
+        want = elementwise.silu_and_mul(want)
+    out = CpuInt8Linear(w, b, gated=gated)(x)
+    assert out.dtype == dtype and torch.equal(out, want)
 
 
 @needs_int8
@@ -117,14 +149,14 @@ def test_model_quantizes_projections_but_not_head_or_router(arch, tiny_model_fac
     path = tiny_model_factory(arch)
     runner = LLM(path, quantization="int8").engine.runner
     model = runner.model
-    assert not isinstance(model.lm_head.kernel, Int8Linear)
+    assert not isinstance(model.lm_head.kernel, INT8_KERNELS)
     layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj.kernel, Int8Linear)
+    assert isinstance(layer.self_attn.qkv_proj.kernel, INT8_KERNELS)
     mlp = layer.mlp
     if isinstance(mlp, SparseMoeBlock):
-        assert not isinstance(mlp.gate.kernel, Int8Linear)  # the router
+        assert not isinstance(mlp.gate.kernel, INT8_KERNELS)  # the router
         assert isinstance(mlp.experts, Experts)
-        assert all(isinstance(k, Int8Linear) for k in mlp.experts.gate_up + mlp.experts.down)
+        assert all(isinstance(k, INT8_KERNELS) for k in mlp.experts.gate_up + mlp.experts.down)
     memory = model.weight_memory()
     assert memory["int8"] > 0
     assert "int8" in runner.weight_memory_summary()

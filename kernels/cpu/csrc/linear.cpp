@@ -34,9 +34,18 @@
 
 #if defined(__AVX512BF16__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
 #define SF_LIN_BF16_DOT 1
-#include <immintrin.h>
 #else
 #define SF_LIN_BF16_DOT 0
+#endif
+// int8 products (u8 activations x s8 weights, 4 per int32 lane: vpdpbusd) only with AVX-512 VNNI;
+// elsewhere the int8 layers keep oneDNN's GEMM.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
+#define SF_LIN_VNNI 1
+#else
+#define SF_LIN_VNNI 0
+#endif
+#if SF_LIN_BF16_DOT || SF_LIN_VNNI
+#include <immintrin.h>
 #endif
 
 using namespace sf_ew;
@@ -164,6 +173,109 @@ void block(const T* x, int64_t sx, const T* w, int64_t K, const float* bias, T* 
     }
 }
 
+#if SF_LIN_VNNI
+// int8 strip: u8 rows x[0..R) (zero point zp) against the s8 block w [ceil(K / 4)][NB][4], into
+// exact int32 sums; then each sum less zp * (the column's weight sum) is the product of the
+// signed values, scaled by the column's weight scale and the row's activation scale:
+// acc = float(sum) * wscale, then rounded(acc * xscale) (+ bias in store), as oneDNN's int8 GEMM
+// followed by the dequantize pass computes it.
+// One quad of k: the block's int8 weights for quad kq times the rows' quads (as 32-bit values).
+template <int R>
+inline void quad_step(const int8_t* wk, const int32_t (&xq)[MR], vi (&s)[MR][NV]) {
+    vi wv[NV];
+    for (int j = 0; j < NV; ++j) std::memcpy(&wv[j], wk + j * 4 * VW, sizeof(vi));
+    for (int r = 0; r < R; ++r) {
+        const __m512i xb = _mm512_set1_epi32(xq[r]);
+        for (int j = 0; j < NV; ++j)
+            s[r][j] = reinterpret_cast<vi>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(s[r][j]), xb,
+                                                               reinterpret_cast<__m512i>(wv[j])));
+    }
+}
+
+template <int R>
+inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
+                     const float* wscale, const float* xscale, vf (&acc)[MR][NV]) {
+    vi s[MR][NV];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NV; ++j) s[r][j] = vi{};
+    const int64_t quads = K / 4;
+    int32_t xq[MR];
+    for (int64_t kq = 0; kq < quads; ++kq) {
+        for (int r = 0; r < R; ++r) std::memcpy(&xq[r], x + r * sx + 4 * kq, sizeof(int32_t));
+        quad_step<R>(w + kq * 4 * NB, xq, s);
+    }
+    if (K & 3) {  // the last quad: x's bytes past K read as 0 (their weights are 0)
+        for (int r = 0; r < R; ++r) {
+            xq[r] = 0;
+            std::memcpy(&xq[r], x + r * sx + 4 * quads, K & 3);
+        }
+        quad_step<R>(w + quads * 4 * NB, xq, s);
+    }
+    for (int r = 0; r < R; ++r) {
+        const vf xs = splat(xscale[r]);
+        for (int j = 0; j < NV; ++j) {
+            vi cs;
+            std::memcpy(&cs, colsum + j * VW, sizeof(cs));
+            const vf sum = __builtin_convertvector(s[r][j] - zp * cs, vf) * loadu(wscale + j * VW);
+            acc[r][j] = rounded(rounded(sum) * xs);
+        }
+    }
+}
+
+template <typename T, int R, bool GATED>
+inline void rows_block_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
+                          const float* wscale, const float* xscale, const float* bias, T* y, int64_t sy,
+                          int64_t cols) {
+    vf acc[MR][NV];
+    strip_i8<R>(x, sx, w, K, colsum, zp, wscale, xscale, acc);
+    store<T, R, GATED>(acc, bias, y, sy, cols);
+}
+
+template <typename T, bool GATED>
+void block_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
+              const float* wscale, const float* xscale, const float* bias, T* y, int64_t sy, int64_t rows,
+              int64_t cols) {
+    int64_t m = 0;
+    for (; m + MR <= rows; m += MR)
+        rows_block_i8<T, MR, GATED>(x + m * sx, sx, w, K, colsum, zp, wscale, xscale + m, bias, y + m * sy, sy, cols);
+    x += m * sx;
+    y += m * sy;
+    xscale += m;
+    switch (rows - m) {  // MR is 6 here
+        case 1: rows_block_i8<T, 1, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
+        case 2: rows_block_i8<T, 2, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
+        case 3: rows_block_i8<T, 3, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
+        case 4: rows_block_i8<T, 4, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
+        case 5: rows_block_i8<T, 5, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
+        default: break;
+    }
+}
+#endif
+
+// How a call's work splits: column blocks, and row chunks (whole strips) only when the blocks
+// alone leave threads idle.
+struct Split {
+    int64_t blocks, chunk_rows, items;
+    bool par;
+};
+
+inline Split split_work(int64_t M, int64_t N, int64_t K, int64_t out_cols) {
+    Split s;
+    s.blocks = (N + out_cols - 1) / out_cols;
+    const int threads = omp_get_max_threads();
+    s.par = threads > 1 && M * s.blocks * NB * K >= kParallelMacs;
+    int64_t chunks = 1;
+    const int64_t strips = (M + MR - 1) / MR;
+    if (s.par && s.blocks < 2 * threads && strips > 1) {
+        chunks = (2 * threads + s.blocks - 1) / s.blocks;
+        if (chunks > strips) chunks = strips;
+    }
+    s.chunk_rows = (strips + chunks - 1) / chunks * MR;
+    s.items = s.blocks * chunks;
+    s.par = s.par && s.items > 1;
+    return s;
+}
+
 // y [M, N] from x [M, K]; N counts output columns (GATED: the intermediate size, half the
 // packed weight's columns).
 template <typename T, bool GATED>
@@ -171,29 +283,48 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
             int64_t M) {
     if (M <= 0 || N <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;  // output columns per block
-    const int64_t blocks = (N + out_cols - 1) / out_cols;
     const int64_t block_elems = (sizeof(T) == 2 ? (K + 1) / 2 * 2 : K) * NB;
-    const int threads = omp_get_max_threads();
-    const bool par = threads > 1 && M * blocks * NB * K >= kParallelMacs;
-    // Row chunks (whole strips) only when the column blocks alone leave threads idle.
-    int64_t chunks = 1;
-    const int64_t strips = (M + MR - 1) / MR;
-    if (par && blocks < 2 * threads && strips > 1) {
-        chunks = (2 * threads + blocks - 1) / blocks;
-        if (chunks > strips) chunks = strips;
-    }
-    const int64_t chunk_rows = (strips + chunks - 1) / chunks * MR;
-    const int64_t items = blocks * chunks;
-#pragma omp parallel for schedule(static) if (par && items > 1)
-    for (int64_t it = 0; it < items; ++it) {
-        const int64_t b = it % blocks, m0 = (it / blocks) * chunk_rows;
+    const Split sp = split_work(M, N, K, out_cols);
+#pragma omp parallel for schedule(static) if (sp.par)
+    for (int64_t it = 0; it < sp.items; ++it) {
+        const int64_t b = it % sp.blocks, m0 = (it / sp.blocks) * sp.chunk_rows;
         if (m0 >= M) continue;
-        const int64_t rows = M - m0 < chunk_rows ? M - m0 : chunk_rows;
+        const int64_t rows = M - m0 < sp.chunk_rows ? M - m0 : sp.chunk_rows;
         const int64_t n0 = b * out_cols, cols = N - n0 < out_cols ? N - n0 : out_cols;
         block<T, GATED>(x + m0 * sx, sx, w + b * block_elems, K, bias == nullptr ? nullptr : bias + b * NB,
                         y + m0 * sy + n0, sy, rows, cols);
     }
 }
+
+#if SF_LIN_VNNI
+// The int8 form: x u8 [M, K] (zero point zp) with per-row scales xscale [M]; w s8 packed with
+// per-column weight sums, weight scales and bias (float32, or null) in the packed column order.
+template <typename T, bool GATED>
+void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, const int8_t* w, const int32_t* colsum,
+               const float* wscale, const float* bias, int64_t N, int64_t K, T* y, int64_t sy, int64_t M) {
+    if (M <= 0 || N <= 0) return;
+    constexpr int64_t out_cols = GATED ? NB / 2 : NB;
+    const int64_t block_elems = (K + 3) / 4 * 4 * NB;
+    const Split sp = split_work(M, N, K / 2, out_cols);  // a quad of int8 costs about a bf16 pair
+#pragma omp parallel for schedule(static) if (sp.par)
+    for (int64_t it = 0; it < sp.items; ++it) {
+        const int64_t b = it % sp.blocks, m0 = (it / sp.blocks) * sp.chunk_rows;
+        if (m0 >= M) continue;
+        const int64_t rows = M - m0 < sp.chunk_rows ? M - m0 : sp.chunk_rows;
+        const int64_t n0 = b * out_cols, cols = N - n0 < out_cols ? N - n0 : out_cols;
+        block_i8<T, GATED>(x + m0 * sx, sx, w + b * block_elems, K, colsum + b * NB, zp, wscale + b * NB,
+                           xscale + m0, bias == nullptr ? nullptr : bias + b * NB, y + m0 * sy + n0, sy, rows, cols);
+    }
+}
+
+template <typename T, bool GATED>
+void linear_i8_packed(const int64_t* a) {
+    linear_i8<T, GATED>(reinterpret_cast<const uint8_t*>(a[0]), a[1], reinterpret_cast<const float*>(a[2]),
+                        static_cast<int32_t>(a[3]), reinterpret_cast<const int8_t*>(a[4]),
+                        reinterpret_cast<const int32_t*>(a[5]), reinterpret_cast<const float*>(a[6]),
+                        reinterpret_cast<const float*>(a[7]), a[8], a[9], reinterpret_cast<T*>(a[10]), a[11], a[12]);
+}
+#endif
 
 }  // namespace
 
@@ -226,5 +357,23 @@ void sf_lin_linear_silu_mul_bf16_packed(const int64_t* a) {
                            a[3], a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<uint16_t*>(a[6]), a[7],
                            a[8]);
 }
+
+// 1 when the int8 entry points below compute (AVX-512 VNNI builds); elsewhere they do nothing.
+int sf_lin_has_int8(void) { return SF_LIN_VNNI; }
+
+// int8: x u8, x row stride, x row scales (float32 [M]), zero point, packed s8 w, column weight
+// sums (int32), weight scales (float32), bias (float32 or 0), N (output columns), K, y, y row
+// stride, M. Output float32 or bf16; `silu_mul`: a gated weight, as above.
+#if SF_LIN_VNNI
+void sf_lin_linear_i8_f32_packed(const int64_t* a) { linear_i8_packed<float, false>(a); }
+void sf_lin_linear_i8_bf16_packed(const int64_t* a) { linear_i8_packed<uint16_t, false>(a); }
+void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t* a) { linear_i8_packed<float, true>(a); }
+void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t* a) { linear_i8_packed<uint16_t, true>(a); }
+#else
+void sf_lin_linear_i8_f32_packed(const int64_t*) {}
+void sf_lin_linear_i8_bf16_packed(const int64_t*) {}
+void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t*) {}
+void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t*) {}
+#endif
 
 }  // extern "C"
