@@ -1,9 +1,12 @@
 // Linear layers for CPUs: y[M, N] = x[M, K] . W[N, K]^T (+ bias), float32 or bf16 (fp32
-// accumulation), with the weight packed once at load into column blocks
-// (splitfuse/kernels/cpu/linear.py packs it and documents the API):
+// accumulation), or int8 (uint8 activations x int8 weights, int32 sums, then scaled), with the
+// weight packed once at load into column blocks (splitfuse/kernels/cpu/linear.py packs it and
+// documents the API):
 //   float32: [N / NB][K][NB]          one row of NB weights per k
 //   bf16:    [N / NB][K / 2][NB][2]   pairs of consecutive k per column (the operand order of
 //                                     vdpbf16ps); K is padded to even with zeros
+//   int8:    [N / NB][K / 4][NB][4]   quads of consecutive k per column (vpdpbusd's order); K
+//                                     padded to a multiple of 4 with zeros
 // N is padded to a multiple of NB = 4 vectors with zero columns, which the kernel never stores.
 // A gated (SwiGLU gate_up) weight [2I, K] is packed with each block holding NB / 2 gate columns
 // followed by the same NB / 2 up columns; the kernel then writes silu(gate) * up [M, I] from its
@@ -24,7 +27,9 @@
 // depend on the thread count or on how rows are chunked.
 //
 // The vector code is GCC vector extensions (elementwise_simd.h); vdpbf16ps is used where the
-// compiler targets AVX-512 BF16, elsewhere bf16 pairs are widened and multiplied in fp32.
+// compiler targets AVX-512 BF16, elsewhere bf16 pairs are widened and multiplied in fp32. The
+// int8 form exists only with AVX-512 VNNI (32 vector registers hold its 24 int32 accumulators);
+// elsewhere the int8 layers keep oneDNN (sf_lin_has_int8).
 #include <omp.h>
 
 #include <cstdint>
