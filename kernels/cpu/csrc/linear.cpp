@@ -83,6 +83,27 @@ inline void strip(const float* x, int64_t sx, const float* w, int64_t K, vf (&ac
     }
 }
 
+// Calls step(g, xg) for each group g of 4 bytes of consecutive x elements (bf16 pairs, int8
+// quads) of rows [0..R), xg holding each row's group as one 32-bit value; a partial last group
+// has its missing elements 0 (their packed weights are 0 too).
+template <int R, typename E, typename Step>
+inline void for_each_group(const E* x, int64_t sx, int64_t K, Step&& step) {
+    constexpr int64_t G = 4 / sizeof(E);
+    const int64_t full = K / G;
+    uint32_t xg[MR];
+    for (int64_t g = 0; g < full; ++g) {
+        for (int r = 0; r < R; ++r) std::memcpy(&xg[r], x + r * sx + G * g, sizeof(uint32_t));
+        step(g, xg);
+    }
+    if (K % G) {
+        for (int r = 0; r < R; ++r) {
+            xg[r] = 0;
+            std::memcpy(&xg[r], x + r * sx + G * full, (K % G) * sizeof(E));
+        }
+        step(full, xg);
+    }
+}
+
 // One k pair of a bf16 strip: the block's weights for pair kp times the rows' pairs
 // (x[2kp], x[2kp + 1]) as 32-bit values (the high half 0 for the last pair of an odd K).
 template <int R>
@@ -115,16 +136,7 @@ template <int R>
 inline void strip(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t K, vf (&acc)[MR][NV]) {
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
-    const int64_t pairs = K / 2;
-    uint32_t xp[MR];
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-        for (int r = 0; r < R; ++r) std::memcpy(&xp[r], x + r * sx + 2 * kp, sizeof(uint32_t));
-        pair_step<R>(w + kp * 2 * NB, xp, acc);
-    }
-    if (K & 1) {  // the packed weight's padding pair is zero; x has no element K
-        for (int r = 0; r < R; ++r) xp[r] = x[r * sx + K - 1];
-        pair_step<R>(w + pairs * 2 * NB, xp, acc);
-    }
+    for_each_group<R>(x, sx, K, [&](int64_t kp, const uint32_t (&xp)[MR]) { pair_step<R>(w + kp * 2 * NB, xp, acc); });
 }
 
 // Accumulators (+ bias) to y's rows [0..R), columns [0..cols) of this block (cols below the
@@ -186,11 +198,11 @@ void block(const T* x, int64_t sx, const T* w, int64_t K, const float* bias, T* 
 // followed by the dequantize pass computes it.
 // One quad of k: the block's int8 weights for quad kq times the rows' quads (as 32-bit values).
 template <int R>
-inline void quad_step(const int8_t* wk, const int32_t (&xq)[MR], vi (&s)[MR][NV]) {
+inline void quad_step(const int8_t* wk, const uint32_t (&xq)[MR], vi (&s)[MR][NV]) {
     vi wv[NV];
     for (int j = 0; j < NV; ++j) std::memcpy(&wv[j], wk + j * 4 * VW, sizeof(vi));
     for (int r = 0; r < R; ++r) {
-        const __m512i xb = _mm512_set1_epi32(xq[r]);
+        const __m512i xb = _mm512_set1_epi32(static_cast<int>(xq[r]));
         for (int j = 0; j < NV; ++j)
             s[r][j] = reinterpret_cast<vi>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(s[r][j]), xb,
                                                                reinterpret_cast<__m512i>(wv[j])));
@@ -203,19 +215,7 @@ inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, c
     vi s[MR][NV];
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) s[r][j] = vi{};
-    const int64_t quads = K / 4;
-    int32_t xq[MR];
-    for (int64_t kq = 0; kq < quads; ++kq) {
-        for (int r = 0; r < R; ++r) std::memcpy(&xq[r], x + r * sx + 4 * kq, sizeof(int32_t));
-        quad_step<R>(w + kq * 4 * NB, xq, s);
-    }
-    if (K & 3) {  // the last quad: x's bytes past K read as 0 (their weights are 0)
-        for (int r = 0; r < R; ++r) {
-            xq[r] = 0;
-            std::memcpy(&xq[r], x + r * sx + 4 * quads, K & 3);
-        }
-        quad_step<R>(w + quads * 4 * NB, xq, s);
-    }
+    for_each_group<R>(x, sx, K, [&](int64_t kq, const uint32_t (&xq)[MR]) { quad_step<R>(w + kq * 4 * NB, xq, s); });
     for (int r = 0; r < R; ++r) {
         const vf xs = splat(xscale[r]);
         for (int j = 0; j < NV; ++j) {
@@ -301,6 +301,12 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
     }
 }
 
+template <typename T, bool GATED>
+void linear_packed(const int64_t* a) {
+    linear<T, GATED>(reinterpret_cast<const T*>(a[0]), a[1], reinterpret_cast<const T*>(a[2]), a[3], a[4],
+                     reinterpret_cast<const float*>(a[5]), reinterpret_cast<T*>(a[6]), a[7], a[8]);
+}
+
 #if SF_LIN_VNNI
 // The int8 form: x u8 [M, K] (zero point zp) with per-row scales xscale [M]; w s8 packed with
 // per-column weight sums, weight scales and bias (float32, or null) in the packed column order.
@@ -343,25 +349,11 @@ int sf_lin_native_bf16(void) { return SF_LIN_BF16_DOT; }
 // Packed arguments (one pointer to int64 slots, as the Python wrapper builds them):
 // x, x row stride, packed w, N (output columns), K, bias (float32 in the packed column order,
 // padded to whole blocks, or 0), y, y row stride, M.
-void sf_lin_linear_f32_packed(const int64_t* a) {
-    linear<float, false>(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<const float*>(a[2]), a[3],
-                         a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<float*>(a[6]), a[7], a[8]);
-}
-void sf_lin_linear_bf16_packed(const int64_t* a) {
-    linear<uint16_t, false>(reinterpret_cast<const uint16_t*>(a[0]), a[1], reinterpret_cast<const uint16_t*>(a[2]),
-                            a[3], a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<uint16_t*>(a[6]), a[7],
-                            a[8]);
-}
+void sf_lin_linear_f32_packed(const int64_t* a) { linear_packed<float, false>(a); }
+void sf_lin_linear_bf16_packed(const int64_t* a) { linear_packed<uint16_t, false>(a); }
 // The same for a gated (SwiGLU) weight: y = silu(x . gate^T) * (x . up^T), N = the intermediate size.
-void sf_lin_linear_silu_mul_f32_packed(const int64_t* a) {
-    linear<float, true>(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<const float*>(a[2]), a[3],
-                        a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<float*>(a[6]), a[7], a[8]);
-}
-void sf_lin_linear_silu_mul_bf16_packed(const int64_t* a) {
-    linear<uint16_t, true>(reinterpret_cast<const uint16_t*>(a[0]), a[1], reinterpret_cast<const uint16_t*>(a[2]),
-                           a[3], a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<uint16_t*>(a[6]), a[7],
-                           a[8]);
-}
+void sf_lin_linear_silu_mul_f32_packed(const int64_t* a) { linear_packed<float, true>(a); }
+void sf_lin_linear_silu_mul_bf16_packed(const int64_t* a) { linear_packed<uint16_t, true>(a); }
 
 // 1 when the int8 entry points below compute (AVX-512 VNNI builds); elsewhere they do nothing.
 int sf_lin_has_int8(void) { return SF_LIN_VNNI; }
