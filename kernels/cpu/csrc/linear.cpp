@@ -264,7 +264,7 @@ struct Split {
     bool par;
 };
 
-inline Split split_work(int64_t M, int64_t N, int64_t K, int64_t out_cols) {
+inline Split split_work(int64_t M, int64_t N, int64_t K, int64_t out_cols) {  // K: the cost per row and column
     Split s;
     s.blocks = (N + out_cols - 1) / out_cols;
     const int threads = omp_get_max_threads();
@@ -281,6 +281,20 @@ inline Split split_work(int64_t M, int64_t N, int64_t K, int64_t out_cols) {
     return s;
 }
 
+// Runs item(b, m0, rows, n0, cols) for every (column block b, row chunk from m0) of a call over
+// the OpenMP pool: rows [m0, m0 + rows) of x, output columns [n0, n0 + cols).
+template <typename Item>
+inline void for_each_item(int64_t M, int64_t N, int64_t k_cost, int64_t out_cols, Item&& item) {
+    const Split sp = split_work(M, N, k_cost, out_cols);
+#pragma omp parallel for schedule(static) if (sp.par)
+    for (int64_t it = 0; it < sp.items; ++it) {
+        const int64_t b = it % sp.blocks, m0 = (it / sp.blocks) * sp.chunk_rows;
+        if (m0 >= M) continue;
+        const int64_t n0 = b * out_cols;
+        item(b, m0, M - m0 < sp.chunk_rows ? M - m0 : sp.chunk_rows, n0, N - n0 < out_cols ? N - n0 : out_cols);
+    }
+}
+
 // y [M, N] from x [M, K]; N counts output columns (GATED: the intermediate size, half the
 // packed weight's columns).
 template <typename T, bool GATED>
@@ -289,16 +303,10 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
     if (M <= 0 || N <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;  // output columns per block
     const int64_t block_elems = (sizeof(T) == 2 ? (K + 1) / 2 * 2 : K) * NB;
-    const Split sp = split_work(M, N, K, out_cols);
-#pragma omp parallel for schedule(static) if (sp.par)
-    for (int64_t it = 0; it < sp.items; ++it) {
-        const int64_t b = it % sp.blocks, m0 = (it / sp.blocks) * sp.chunk_rows;
-        if (m0 >= M) continue;
-        const int64_t rows = M - m0 < sp.chunk_rows ? M - m0 : sp.chunk_rows;
-        const int64_t n0 = b * out_cols, cols = N - n0 < out_cols ? N - n0 : out_cols;
+    for_each_item(M, N, K, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
         block<T, GATED>(x + m0 * sx, sx, w + b * block_elems, K, bias == nullptr ? nullptr : bias + b * NB,
                         y + m0 * sy + n0, sy, rows, cols);
-    }
+    });
 }
 
 template <typename T, bool GATED>
@@ -316,16 +324,11 @@ void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, co
     if (M <= 0 || N <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;
     const int64_t block_elems = (K + 3) / 4 * 4 * NB;
-    const Split sp = split_work(M, N, K / 2, out_cols);  // a quad of int8 costs about a bf16 pair
-#pragma omp parallel for schedule(static) if (sp.par)
-    for (int64_t it = 0; it < sp.items; ++it) {
-        const int64_t b = it % sp.blocks, m0 = (it / sp.blocks) * sp.chunk_rows;
-        if (m0 >= M) continue;
-        const int64_t rows = M - m0 < sp.chunk_rows ? M - m0 : sp.chunk_rows;
-        const int64_t n0 = b * out_cols, cols = N - n0 < out_cols ? N - n0 : out_cols;
+    // A quad of int8 costs about a bf16 pair: K / 2 for the parallel threshold.
+    for_each_item(M, N, K / 2, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
         block_i8<T, GATED>(x + m0 * sx, sx, w + b * block_elems, K, colsum + b * NB, zp, wscale + b * NB,
                            xscale + m0, bias == nullptr ? nullptr : bias + b * NB, y + m0 * sy + n0, sy, rows, cols);
-    }
+    });
 }
 
 template <typename T, bool GATED>
