@@ -69,7 +69,9 @@ def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(served):
     s = _start(served, "ensemble", "cancel-ensemble")
     before = _generated(served)
     s.close(cancel=True)
-    time.sleep(1.0)
+    # Long enough for a forwarded cancellation to have freed the blocks (it takes milliseconds),
+    # short against the time the tiny model needs for the tokens _assert_aborted_early allows.
+    time.sleep(0.3)
     assert _used(served) > 0, "Triton now forwards ensemble cancellation: update the docs and this test"
     r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id="cancel-ensemble")
     assert r.error is None and r.finish_reason == "abort"

@@ -99,7 +99,7 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
            "--openai-port", str(ports[3]),
            "--param", "device=cpu", "--param", "num_kv_blocks=256", "--param", "num_threads=1",
-           "--drain-timeout", "2", "--model-repository-out", str(tmp_path / "repo")]
+           "--drain-timeout", "1", "--model-repository-out", str(tmp_path / "repo")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     ready = threading.Event()
@@ -121,7 +121,8 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
             assert [m["id"] for m in json.load(r)["data"]] == [Path(tiny_llama).name]
         grpc_url = f"127.0.0.1:{ports[1]}"
         s = GrpcStream(grpc_url)
-        s.send("llm", {"text_input": "hello", "max_tokens": 3000, "temperature": 0.0, "ignore_eos": True,
+        # Longer than the tiny model generates in the 1 s drain (~1,400 tokens/s here).
+        s.send("llm", {"text_input": "hello", "max_tokens": 4000, "temperature": 0.0, "ignore_eos": True,
                        "stream": True})
         for _ in range(3):
             assert s.next()[1] is None
