@@ -143,6 +143,40 @@ def _column_order(n: int, nb: int, gated: bool) -> torch.Tensor:
     return torch.cat([gate, up], dim=1).reshape(-1)
 
 
+def _check_rows(name: str, n: int, gated: bool, **per_row: torch.Tensor | None) -> None:
+    if gated and n & 1:
+        raise ValueError(f"{name}: a gated weight needs an even number of rows (gate, up), got {n}")
+    for label, t in per_row.items():
+        if t is not None and t.shape != (n,):
+            raise ValueError(f"{name}: {label} must be [{n}], got {tuple(t.shape)}")
+
+
+def _blocks(weight: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weight in column blocks, the packed column order of `_column_order`): k grouped by
+    4 bytes (bf16 pairs, int8 quads, single floats), K padded to whole groups with zeros:
+    [blocks, ceil(K / G), NB, G], the last dim dropped for float32."""
+    nb = block_width()
+    n, k = weight.shape
+    order = _column_order(n, nb, gated)
+    valid = order >= 0
+    group = 4 // weight.element_size()
+    kg = -(-k // group)
+    rows = torch.zeros(order.numel(), kg * group, dtype=weight.dtype)
+    rows[valid, :k] = weight.detach()[order[valid]]
+    data = rows.view(order.numel() // nb, nb, kg, group).permute(0, 2, 1, 3).contiguous()
+    return (data.squeeze(3) if group == 1 else data), order
+
+
+def _per_column(values: torch.Tensor | None, order: torch.Tensor) -> torch.Tensor | None:
+    """Per-row `values` as float32 in the packed column order (0 in padding columns)."""
+    if values is None:
+        return None
+    valid = order >= 0
+    out = torch.zeros(order.numel(), dtype=torch.float32)
+    out[valid] = values.detach().float()[order[valid]]
+    return out
+
+
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False) -> PackedWeight:
     """`weight` [N, K] (float32 or bfloat16, CPU) rearranged into column blocks; `bias` [N] is
     kept as float32 (the kernel adds it to the float32 sums). `gated`: SwiGLU's gate_up weight
@@ -152,26 +186,19 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated
         raise ValueError(f"pack_weight: weight must be a float32 or bfloat16 CPU matrix, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     n, k = weight.shape
-    if gated and n & 1:
-        raise ValueError(f"pack_weight: a gated weight needs an even number of rows (gate, up), got {n}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"pack_weight: bias must be [{n}], got {tuple(bias.shape)}")
-    nb = block_width()
-    order = _column_order(n, nb, gated)
-    valid = order >= 0
-    blocks = order.numel() // nb
-    kp = k + (k & 1) if weight.dtype is torch.bfloat16 else k
-    rows = torch.zeros(order.numel(), kp, dtype=weight.dtype)
-    rows[valid, :k] = weight.detach()[order[valid]]
-    if weight.dtype is torch.bfloat16:
-        data = rows.view(blocks, nb, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
-    else:
-        data = rows.view(blocks, nb, k).permute(0, 2, 1).contiguous()
-    b = None
-    if bias is not None:
-        b = torch.zeros(order.numel(), dtype=torch.float32)
-        b[valid] = bias.detach().float()[order[valid]]
-    return PackedWeight(data, n // 2 if gated else n, k, b, gated)
+    _check_rows("pack_weight", n, gated, bias=bias)
+    data, order = _blocks(weight, gated)
+    return PackedWeight(data, n // 2 if gated else n, k, _per_column(bias, order), gated)
+
+
+def _output(name: str, out: torch.Tensor | None, m: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """`out` [m, n] of `dtype` and its row stride: a new contiguous tensor, or the given one checked."""
+    if out is None:
+        return torch.empty(m, n, dtype=dtype), n
+    if out.dtype is not dtype or not out.is_cpu or out.shape != (m, n) or (out.stride(1) != 1 and n > 1):
+        raise ValueError(f"{name}: out must be a {dtype} CPU [{m}, {n}] with a contiguous last dimension, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    return out, out.stride(0)
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,14 +219,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, *, out: torch.Tensor | None = 
     sx = x.stride(0)
     if x.stride(1) != 1 and k > 1:
         raise ValueError(f"linear: x needs a contiguous last dimension (strides {x.stride()})")
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype)
-        so = n
-    else:
-        if out.dtype is not x.dtype or not out.is_cpu or out.shape != (m, n) or (out.stride(1) != 1 and n > 1):
-            raise ValueError(f"linear: out must be a {x.dtype} CPU [{m}, {n}] with a contiguous last dimension, "
-                             f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
-        so = out.stride(0)
+    out, so = _output("linear", out, m, n, x.dtype)
     bias = weight.bias
     fn(_ARGS.pack(x.data_ptr(), sx, weight.data.data_ptr(), n, k, 0 if bias is None else bias.data_ptr(),
                   out.data_ptr(), so, m))
@@ -231,26 +251,11 @@ def pack_int8_weight(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Ten
         raise ValueError(f"pack_int8_weight: weight must be an int8 CPU matrix, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     n, k = weight.shape
-    if gated and n & 1:
-        raise ValueError(f"pack_int8_weight: a gated weight needs an even number of rows (gate, up), got {n}")
-    if scales.shape != (n,) or (bias is not None and bias.shape != (n,)):
-        raise ValueError(f"pack_int8_weight: scales and bias must be [{n}]")
-    nb = block_width()
-    order = _column_order(n, nb, gated)
-    valid = order >= 0
-    blocks = order.numel() // nb
-    kq = -(-k // 4) * 4
-    rows = torch.zeros(order.numel(), kq, dtype=torch.int8)
-    rows[valid, :k] = weight.detach()[order[valid]]
-    data = rows.view(blocks, nb, kq // 4, 4).permute(0, 2, 1, 3).contiguous()
-    column_sums = rows.sum(dim=1, dtype=torch.int32)
-    packed_scales = torch.zeros(order.numel(), dtype=torch.float32)
-    packed_scales[valid] = scales.detach().float()[order[valid]]
-    b = None
-    if bias is not None:
-        b = torch.zeros(order.numel(), dtype=torch.float32)
-        b[valid] = bias.detach().float()[order[valid]]
-    return PackedInt8Weight(data, column_sums, packed_scales, b, n // 2 if gated else n, k, gated)
+    _check_rows("pack_int8_weight", n, gated, scales=scales, bias=bias)
+    data, order = _blocks(weight, gated)
+    column_sums = data.sum(dim=(1, 3), dtype=torch.int32).reshape(-1)  # padding k and columns are 0
+    return PackedInt8Weight(data, column_sums, _per_column(scales, order), _per_column(bias, order),
+                            n // 2 if gated else n, k, gated)
 
 
 def linear_int8(xq: torch.Tensor, xscales: torch.Tensor, zero_point: int, weight: PackedInt8Weight,
@@ -275,13 +280,7 @@ def linear_int8(xq: torch.Tensor, xscales: torch.Tensor, zero_point: int, weight
         raise ValueError(f"linear_int8: xscales must be {m} contiguous float32 values, got {xscales.dtype} "
                          f"{tuple(xscales.shape)}")
     n = weight.out_features
-    if out is None:
-        out = torch.empty(m, n, dtype=dtype)
-        so = n
-    else:
-        if out.dtype is not dtype or not out.is_cpu or out.shape != (m, n) or (out.stride(1) != 1 and n > 1):
-            raise ValueError(f"linear_int8: out must be a {dtype} CPU [{m}, {n}] with a contiguous last dimension")
-        so = out.stride(0)
+    out, so = _output("linear_int8", out, m, n, dtype)
     bias = weight.bias
     fn(_I8_ARGS.pack(xq.data_ptr(), xq.stride(0), xscales.data_ptr(), zero_point, weight.data.data_ptr(),
                      weight.column_sums.data_ptr(), weight.scales.data_ptr(), 0 if bias is None else bias.data_ptr(),

@@ -34,6 +34,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "elementwise_simd.h"
 
@@ -163,39 +164,23 @@ inline void store(vf (&acc)[MR][NV], const float* bias, T* y, int64_t sy, int64_
     }
 }
 
-template <typename T, int R, bool GATED>
-inline void rows_block(const T* x, int64_t sx, const T* w, int64_t K, const float* bias, T* y, int64_t sy,
-                       int64_t cols) {
-    vf acc[MR][NV];
-    strip<R>(x, sx, w, K, acc);
-    store<T, R, GATED>(acc, bias, y, sy, cols);
-}
-
-// Rows [0..rows) of x against one column block, MR rows at a time.
-template <typename T, bool GATED>
-void block(const T* x, int64_t sx, const T* w, int64_t K, const float* bias, T* y, int64_t sy, int64_t rows,
-           int64_t cols) {
+// Calls fn(std::integral_constant<int, R>{}, m) for the register strips of rows [0..rows): whole
+// strips of MR rows from m = 0, then one strip of the R < MR rows left.
+template <typename Fn>
+inline void for_each_strip(int64_t rows, Fn&& fn) {
     int64_t m = 0;
-    for (; m + MR <= rows; m += MR) rows_block<T, MR, GATED>(x + m * sx, sx, w, K, bias, y + m * sy, sy, cols);
-    const int64_t rest = rows - m;
-    x += m * sx;
-    y += m * sy;
-    switch (rest) {  // MR is at most 6
-        case 1: rows_block<T, 1, GATED>(x, sx, w, K, bias, y, sy, cols); break;
-        case 2: if constexpr (MR > 2) rows_block<T, 2, GATED>(x, sx, w, K, bias, y, sy, cols); break;
-        case 3: if constexpr (MR > 3) rows_block<T, 3, GATED>(x, sx, w, K, bias, y, sy, cols); break;
-        case 4: if constexpr (MR > 4) rows_block<T, 4, GATED>(x, sx, w, K, bias, y, sy, cols); break;
-        case 5: if constexpr (MR > 5) rows_block<T, 5, GATED>(x, sx, w, K, bias, y, sy, cols); break;
+    for (; m + MR <= rows; m += MR) fn(std::integral_constant<int, MR>{}, m);
+    switch (rows - m) {  // MR is at most 6
+        case 1: fn(std::integral_constant<int, 1>{}, m); break;
+        case 2: if constexpr (MR > 2) fn(std::integral_constant<int, 2>{}, m); break;
+        case 3: if constexpr (MR > 3) fn(std::integral_constant<int, 3>{}, m); break;
+        case 4: if constexpr (MR > 4) fn(std::integral_constant<int, 4>{}, m); break;
+        case 5: if constexpr (MR > 5) fn(std::integral_constant<int, 5>{}, m); break;
         default: break;
     }
 }
 
 #if SF_LIN_VNNI
-// int8 strip: u8 rows x[0..R) (zero point zp) against the s8 block w [ceil(K / 4)][NB][4], into
-// exact int32 sums; then each sum less zp * (the column's weight sum) is the product of the
-// signed values, scaled by the column's weight scale and the row's activation scale:
-// acc = float(sum) * wscale, then rounded(acc * xscale) (+ bias in store), as oneDNN's int8 GEMM
-// followed by the dequantize pass computes it.
 // One quad of k: the block's int8 weights for quad kq times the rows' quads (as 32-bit values).
 template <int R>
 inline void quad_step(const int8_t* wk, const uint32_t (&xq)[MR], vi (&s)[MR][NV]) {
@@ -209,6 +194,11 @@ inline void quad_step(const int8_t* wk, const uint32_t (&xq)[MR], vi (&s)[MR][NV
     }
 }
 
+// int8 strip: u8 rows x[0..R) (zero point zp) against the s8 block w [ceil(K / 4)][NB][4], into
+// exact int32 sums; then each sum less zp * (the column's weight sum) is the product of the
+// signed values, scaled by the column's weight scale and the row's activation scale:
+// acc = float(sum) * wscale, then rounded(acc * xscale) (+ bias in store), as oneDNN's int8 GEMM
+// followed by the dequantize pass computes it.
 template <int R>
 inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
                      const float* wscale, const float* xscale, vf (&acc)[MR][NV]) {
@@ -227,34 +217,6 @@ inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, c
     }
 }
 
-template <typename T, int R, bool GATED>
-inline void rows_block_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
-                          const float* wscale, const float* xscale, const float* bias, T* y, int64_t sy,
-                          int64_t cols) {
-    vf acc[MR][NV];
-    strip_i8<R>(x, sx, w, K, colsum, zp, wscale, xscale, acc);
-    store<T, R, GATED>(acc, bias, y, sy, cols);
-}
-
-template <typename T, bool GATED>
-void block_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
-              const float* wscale, const float* xscale, const float* bias, T* y, int64_t sy, int64_t rows,
-              int64_t cols) {
-    int64_t m = 0;
-    for (; m + MR <= rows; m += MR)
-        rows_block_i8<T, MR, GATED>(x + m * sx, sx, w, K, colsum, zp, wscale, xscale + m, bias, y + m * sy, sy, cols);
-    x += m * sx;
-    y += m * sy;
-    xscale += m;
-    switch (rows - m) {  // MR is 6 here
-        case 1: rows_block_i8<T, 1, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
-        case 2: rows_block_i8<T, 2, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
-        case 3: rows_block_i8<T, 3, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
-        case 4: rows_block_i8<T, 4, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
-        case 5: rows_block_i8<T, 5, GATED>(x, sx, w, K, colsum, zp, wscale, xscale, bias, y, sy, cols); break;
-        default: break;
-    }
-}
 #endif
 
 // How a call's work splits: column blocks, and row chunks (whole strips) only when the blocks
@@ -304,8 +266,14 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;  // output columns per block
     const int64_t block_elems = (sizeof(T) == 2 ? (K + 1) / 2 * 2 : K) * NB;
     for_each_item(M, N, K, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
-        block<T, GATED>(x + m0 * sx, sx, w + b * block_elems, K, bias == nullptr ? nullptr : bias + b * NB,
-                        y + m0 * sy + n0, sy, rows, cols);
+        const T* wb = w + b * block_elems;
+        const float* bb = bias == nullptr ? nullptr : bias + b * NB;
+        for_each_strip(rows, [=](auto r, int64_t m) {
+            constexpr int R = decltype(r)::value;
+            vf acc[MR][NV];
+            strip<R>(x + (m0 + m) * sx, sx, wb, K, acc);
+            store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols);
+        });
     });
 }
 
@@ -326,8 +294,14 @@ void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, co
     const int64_t block_elems = (K + 3) / 4 * 4 * NB;
     // A quad of int8 costs about a bf16 pair: K / 2 for the parallel threshold.
     for_each_item(M, N, K / 2, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
-        block_i8<T, GATED>(x + m0 * sx, sx, w + b * block_elems, K, colsum + b * NB, zp, wscale + b * NB,
-                           xscale + m0, bias == nullptr ? nullptr : bias + b * NB, y + m0 * sy + n0, sy, rows, cols);
+        const int8_t* wb = w + b * block_elems;
+        const float* bb = bias == nullptr ? nullptr : bias + b * NB;
+        for_each_strip(rows, [=](auto r, int64_t m) {
+            constexpr int R = decltype(r)::value;
+            vf acc[MR][NV];
+            strip_i8<R>(x + (m0 + m) * sx, sx, wb, K, colsum + b * NB, zp, wscale + b * NB, xscale + m0 + m, acc);
+            store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols);
+        });
     });
 }
 
