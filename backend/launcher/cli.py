@@ -104,7 +104,7 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
         signals.append(signum)
         if len(signals) == 1:
             print(f"\nsplitfuse.launcher: {signal.Signals(signum).name}: stopping (in-flight generations get "
-                  f"{server.drain_timeout_s:.0f}s to finish, then are aborted; signal again to kill now)",
+                  f"{server.drain_timeout_s:g}s to finish, then are aborted; signal again to kill now)",
                   file=sys.stderr, flush=True)
         else:  # a second Ctrl-C: no drain
             server.kill()

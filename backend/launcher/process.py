@@ -193,6 +193,8 @@ class TritonServer:
         if self.control_dir is None or not self.running():
             return True
         control.request_drain(self.control_dir)
+        print(f"splitfuse.launcher: draining: new requests are refused, in-flight generations get {timeout_s:g}s",
+              file=sys.stderr, flush=True)
         return self._wait_idle(timeout_s)
 
     def abort_in_flight(self, timeout_s: float = 10.0) -> bool:

@@ -88,9 +88,12 @@ def test_stop_request_reaches_the_replica_that_holds_the_request(served):
         assert s.next()[1] is None
         streams.append(s)
     try:
-        for i, s in enumerate(streams):
+        # Every stop first: the ensemble's responses can lag the engine, and a stream still being
+        # read must not let the others finish in the meantime.
+        for i in range(len(streams)):
             r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id=f"stop-me-{i}")
             assert r.error is None
+        for s in streams:
             rest = s.collect(timeout=60)
             assert rest.error is None and rest.finish_reason == "abort"
     finally:

@@ -99,16 +99,18 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
            "--openai-port", str(ports[3]),
            "--param", "device=cpu", "--param", "num_kv_blocks=256", "--param", "num_threads=1",
-           "--drain-timeout", "1", "--model-repository-out", str(tmp_path / "repo")]
+           "--drain-timeout", "0.5", "--model-repository-out", str(tmp_path / "repo")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    ready = threading.Event()
+    ready, draining = threading.Event(), threading.Event()
 
     def read() -> None:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("splitfuse.launcher: ready"):
                 ready.set()
+            if line.startswith("splitfuse.launcher: draining"):
+                draining.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -121,13 +123,14 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
             assert [m["id"] for m in json.load(r)["data"]] == [Path(tiny_llama).name]
         grpc_url = f"127.0.0.1:{ports[1]}"
         s = GrpcStream(grpc_url)
-        # Longer than the tiny model generates in the 1 s drain (~1,400 tokens/s here).
+        # Far longer than the tiny model generates between the signal and the end of the 0.5 s
+        # drain (it makes ~1,400 tokens/s here; the OpenAI front stops first).
         s.send("llm", {"text_input": "hello", "max_tokens": 4000, "temperature": 0.0, "ignore_eos": True,
                        "stream": True})
         for _ in range(3):
             assert s.next()[1] is None
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
+        assert draining.wait(30), "".join(lines[-40:])
         with GrpcStream(grpc_url) as late:  # refused while draining
             late.send("llm", {"text_input": "hello", "max_tokens": 4})
             assert "shutting down" in (late.collect(timeout=30).error or "")

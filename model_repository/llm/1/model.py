@@ -98,7 +98,6 @@ class TritonPythonModel:
         self.live_lock = threading.Lock()
         self.ids = itertools.count()
         self.control = Control(self.model_name, self.instance)
-        self.draining = False
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
@@ -140,7 +139,7 @@ class TritonPythonModel:
             self._stop(client_id, sender)
             return
         engine_id = f"{client_id}#{next(self.ids)}"
-        if self.draining:
+        if self.control.draining():  # the file itself, not the housekeeper's copy: no 10 ms window
             raise RuntimeError("the server is shutting down")
         live = Live(engine_id, Control.key(client_id), sender, parsed, arrival=time.perf_counter(),
                     arrival_wall=time.time(), echo_pending=not parsed.exclude_input)
@@ -262,8 +261,7 @@ class TritonPythonModel:
                 log.exception("housekeeping failed")
 
     def _shutdown_handshake(self) -> None:
-        self.draining = self.control.draining()
-        if not self.draining:
+        if not self.control.draining():
             return
         if self.control.aborting():
             with self.live_lock:
