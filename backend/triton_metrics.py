@@ -41,8 +41,8 @@ class MetricsBatch:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
 
-    def total(self, field: str) -> int:
-        """A StepStats count summed over the steps."""
+    def total(self, field: str) -> float:
+        """A StepStats count (or duration) summed over the steps."""
         return sum(getattr(s, field) for s in self.steps)
 
     @property
@@ -107,6 +107,9 @@ STEP_COUNTERS = [
     ("splitfuse_spec_draft_tokens_total", "spec_draft_tokens", "Proposed tokens verified (speculative decoding)"),
     ("splitfuse_spec_accepted_tokens_total", "spec_accepted_tokens",
      "Proposed tokens accepted (each a decode step saved)"),
+    ("splitfuse_step_seconds_total", "duration_s",
+     "Seconds spent in engine steps (its rate is the engine's busy share)"),
+    ("splitfuse_forward_seconds_total", "forward_s", "Of the step seconds, the model's forward pass"),
 ]
 
 

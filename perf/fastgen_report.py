@@ -10,7 +10,8 @@ from pathlib import Path
 from fastgen_metrics import EMA_SPAN, SLA_GEN_RATES, SLA_PROMPT_TOKENS_PER_S, RequestRecord, percentile, summarize, \
     token_gen_times, ttft
 from fastgen_plots import make_plots
-from systems import BUDGETED, ENGINE_SYSTEM, TRITON_POLICIES, base_of, float_twin, label_of, order_key, precision_of
+from systems import (BUDGETED, ENGINE_SYSTEM, TRITON_POLICIES, VLLM_DTYPES, base_of, float_twin, label_of, order_key,
+                     precision_of)
 
 # Supplementary first-token SLA: prompt_tokens / 128 s. The blog's 512 tokens/s is a small share
 # of a GPU's prefill rate; our engine prefills ~1000 tokens/s on 2 CPU cores, so under the blog's
@@ -132,6 +133,35 @@ def _serving_cost_rows(rows: list[dict], served: str, engine: str, token_clients
     return out
 
 
+def _floor_rps(meta: dict, system: str) -> float | None:
+    """The served floor (requests/s) in the dtype `system` computes in, when the run measured it."""
+    dtype = VLLM_DTYPES.get(precision_of(system))
+    return meta.get("roofline", {}).get("floor_rps", {}).get(dtype)
+
+
+def _roofline_lines(best: dict, meta: dict) -> list[str]:
+    roof = meta.get("roofline")
+    if not roof:
+        return []
+    peaks = ", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in roof["gemm_peak_gflops"].items())
+    lines = ["### Roofline\n",
+             (f"Measured in this run ({roof['threads']} threads, best of before and after the systems): GEMM peak "
+              f"(oneDNN, large shapes) {peaks}; memory read {roof['read_gbs']:.1f} GB/s. The floor of a dtype is "
+              "the rate no engine computing in it could exceed on this machine with this workload: every "
+              "request's matmuls at that GEMM peak and its decodes' K/V reads at the read rate, with norms, "
+              "rotary, sampling, scheduling and serving free (`perf/roofline.py`).\n"),
+             "| system | max raw throughput (req/s) | floor in its dtype (req/s) | share of the floor |",
+             "|---|---|---|---|"]
+    for s in sorted(best, key=order_key):
+        floor = _floor_rps(meta, s)
+        if floor is None or best[s]["max_throughput"] is None:
+            continue
+        lines.append(f"| {label_of(s)} | {_fmt(best[s]['max_throughput'])} | {_fmt(floor)} | "
+                     f"{_fmt(best[s]['max_throughput'] / floor, 2)} |")
+    lines.append("")
+    return lines
+
+
 def headline(rows: list[dict], token_clients: int, prefix: str = "") -> dict:
     systems = sorted({r["system"] for r in rows}, key=order_key)
     best = {}
@@ -243,6 +273,11 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
                 ratio = _ratio(sf["max_throughput"], best[other]["max_throughput"])
                 met = "-" if ratio is None else ("yes" if ratio >= thr_target else "no")
                 lines.append(f"| {me} / {other}: max raw throughput | {_fmt(ratio, 2)}x | >= {thr_target:g}x | {met} |")
+                floor = _floor_rps(meta, other)
+                if floor is not None:
+                    lines.append(f"| floor / {other}: max raw throughput (the most any engine computing in "
+                                 f"{VLLM_DTYPES[precision_of(other)]} could show here; see Roofline) | "
+                                 f"{_fmt(_ratio(floor, best[other]['max_throughput']), 2)}x | (bound) | - |")
                 ratio = _ratio(sf["p50_token_1client_s"], best[other]["p50_token_1client_s"])
                 met = "-" if ratio is None else ("yes" if ratio <= 1.0 else "no")
                 lines.append(f"| {me} / {other}: P50 token latency @1 client | {_fmt(ratio, 2)}x | <= 1x | {met} |")
@@ -252,6 +287,7 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
             lines.append(f"| {me} / {other}: P95 token latency @{token_clients} clients | {_fmt(ratio, 2)}x | "
                          f"{tgt} | {met} |")
         lines.append("")
+    lines.extend(_roofline_lines(best, meta))
     if relaxed_prompt_tps:
         rbest = headline(rows, token_clients, prefix="relaxed_")
         lines.append(f"### Supplementary: first-token SLA relaxed to prompt_tokens / {relaxed_prompt_tps:g} s\n")

@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 from workload import draw_lengths  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
 from systems import PRECISIONS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, check_precision, precision_of  # noqa: E402
+from roofline import flops_per_request, floor_seconds, gemm_peak_gflops, read_bandwidth_gbs  # noqa: E402
 
 RESULTS = HERE / "results" / "offline"
 
@@ -49,78 +50,6 @@ def make_requests(model_dir: str, n: int, prompt_mean: float, gen_mean: float, s
     gens = draw_lengths(n, gen_mean, 0.3, 2, 200, rng)
     # Ids above the few special tokens; random, so no two prompts share a prefix.
     return [{"prompt": [rng.randrange(4, vocab) for _ in range(p)], "max_tokens": g} for p, g in zip(prompts, gens)]
-
-
-def flops_per_request(model_dir: str, prompt_len: int, gen_len: int) -> float:
-    """Matmul FLOPs of one request (weights 2*params per token, attention 4*ctx*H per layer,
-    the LM head on sampled tokens only)."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
-    d = c.get("head_dim") or h // heads
-    per_token = 2 * layers * (h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter)
-    tokens = prompt_len + gen_len
-    attn = 4 * layers * heads * d * (prompt_len * prompt_len / 2 + gen_len * (prompt_len + gen_len / 2))
-    return per_token * tokens + attn + 2 * h * c["vocab_size"] * gen_len
-
-
-def decode_attention_flops(model_dir: str, prompt_len: int, gen_len: int) -> float:
-    """The part of `flops_per_request`'s attention term spent by decode steps (memory-bound)."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
-    d = c.get("head_dim") or c["hidden_size"] // heads
-    return 4 * layers * heads * d * gen_len * (prompt_len + gen_len / 2)
-
-
-def decode_kv_bytes(model_dir: str, prompt_len: int, gen_len: int, kv_itemsize: int) -> float:
-    """K/V bytes the decode steps of one request must read: each generated token after the first
-    reads the K and V of its whole context in every layer (a context of a few hundred tokens per
-    sequence, hundreds of MB over a batch: DRAM, not cache)."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
-    kv = c.get("num_key_value_heads", heads)
-    d = c.get("head_dim") or c["hidden_size"] // heads
-    contexts = sum(prompt_len + i for i in range(1, gen_len))
-    return 2 * layers * kv * d * kv_itemsize * contexts
-
-
-def read_bandwidth_gbs(threads: int) -> float:
-    """Best memory read rate of `torch.sum` over 512 MB (far above the last-level cache) on
-    transparent huge pages where the kernel offers them, as the engine's KV cache is."""
-    import torch
-
-    from splitfuse.kernels.cpu.paged_attention import huge_page_empty
-
-    torch.set_num_threads(threads)
-    x = huge_page_empty((128 << 20,)).fill_(1.0)
-    x.sum()
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - t) / 1e9)
-    return best
-
-
-def gemm_peak_gflops(threads: int, dtype: str = "float32") -> float:
-    """Best oneDNN GEMM rate over a few large shapes (the compute roofline of this run)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    dt = getattr(torch, dtype)
-    best = 0.0
-    for n, k, m in [(1536, 512, 512), (2048, 2048, 512), (4096, 1024, 256)]:
-        w = torch.randn(n, k).to(dt)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-        x = torch.randn(m, k).to(dt)
-        for _ in range(3):
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        reps = 10
-        t = time.perf_counter()
-        for _ in range(reps):
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        best = max(best, 2 * n * k * m * reps / (time.perf_counter() - t) / 1e9)
-    return best
 
 
 def single_stream(reqs: list[dict]) -> list[dict]:
@@ -205,7 +134,6 @@ def main() -> None:
     peaks = {p: gemm_peak_gflops(threads, d) for p, d in floor_dtypes.items()}
     peak = peaks.get("") or gemm_peak_gflops(threads)
     bandwidth = read_bandwidth_gbs(threads)
-    decode_flops = sum(decode_attention_flops(args.model_dir, len(r["prompt"]), r["max_tokens"]) for r in reqs)
     results: dict[str, dict] = {}
     outputs_by_system: dict[str, list[list[int]]] = {}
     for system in args.systems.split(","):
@@ -243,11 +171,10 @@ def main() -> None:
     # attention excepted) plus the decodes' K/V reads at the memory read rate, with norms, rotary,
     # sampling and scheduling free. No system computing in that dtype finishes the workload faster.
     floors = {}
+    lengths = [(len(r["prompt"]), r["max_tokens"]) for r in reqs]
     for p, d in floor_dtypes.items():
-        itemsize = 4 if d == "float32" else 2
-        kv_bytes = sum(decode_kv_bytes(args.model_dir, len(r["prompt"]), r["max_tokens"], itemsize) for r in reqs)
-        floor_s = (flops - decode_flops) / 1e9 / peaks[p] + kv_bytes / 1e9 / bandwidth
-        floors[d] = {"wall_s": floor_s, "gemm_peak_gflops": peaks[p], "decode_kv_gb": kv_bytes / 1e9,
+        floor_s, kv_gb = floor_seconds(args.model_dir, lengths, d, peaks[p], bandwidth)
+        floors[d] = {"wall_s": floor_s, "gemm_peak_gflops": peaks[p], "decode_kv_gb": kv_gb,
                      "best_ratio_over": {s: r["wall_s"] / floor_s for s, r in results.items() if precision_of(s) == p}}
         for s, r in results.items():
             if precision_of(s) == p:

@@ -49,6 +49,10 @@ def test_metric_families(served):
     for name in ("splitfuse_prompt_tokens_total", "splitfuse_generation_tokens_total", "splitfuse_preemptions_total",
                  "splitfuse_requests_finished_total", "splitfuse_kv_cache_usage_ratio", "splitfuse_engine_healthy"):
         assert name in names
+    # Steps ran: time in them, the forward pass a part of it.
+    step_s, forward_s = (metric_sum(served.metrics_url, n)
+                         for n in ("splitfuse_step_seconds_total", "splitfuse_forward_seconds_total"))
+    assert step_s >= forward_s > 0
     assert metric_sum(served.metrics_url, "splitfuse_engine_healthy") == served.instances
     states = {(n, lab["state"]) for n, lab, _ in samples if "state" in lab}
     assert {("splitfuse_kv_cache_blocks", "used"), ("splitfuse_kv_cache_blocks", "free"),

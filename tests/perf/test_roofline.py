@@ -1,5 +1,6 @@
-"""The counts behind offline_compare.py's floors: the decode share of the attention FLOPs and the
-K/V bytes the decodes read, against a token-by-token count."""
+"""The counts behind the floors (perf/roofline.py, used by offline_compare.py and run_all.py): the
+decode share of the attention FLOPs and the K/V bytes the decodes read, against a token-by-token
+count, and how a floor adds them up."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))
 
-import offline_compare as oc  # noqa: E402
+import roofline as oc  # noqa: E402
 
 
 @pytest.fixture
@@ -45,3 +46,19 @@ def test_decode_attention_flops_is_the_generation_part_of_the_attention_term(mod
     assert len(steps) == 1
     assert steps.pop() > 2 * 64 * 100  # more than the LM head alone
     assert 0 < oc.decode_attention_flops(model_dir, prompt, gen) < oc.flops_per_request(model_dir, prompt, gen)
+
+
+def test_floor_is_matmuls_at_the_peak_plus_decode_reads_at_the_read_rate(model_dir):
+    lengths = [(9, 6), (4, 1)]
+    peak, read = 100.0, 10.0  # GFLOP/s, GB/s
+    for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
+        floor, kv_gb = oc.floor_seconds(model_dir, lengths, dtype, peak, read)
+        flops = sum(oc.flops_per_request(model_dir, p, g) - oc.decode_attention_flops(model_dir, p, g)
+                    for p, g in lengths)
+        want_kv = oc.decode_kv_bytes(model_dir, 9, 6, itemsize) / 1e9  # (4, 1) decodes nothing
+        assert kv_gb == pytest.approx(want_kv)
+        assert floor == pytest.approx(flops / 1e9 / peak + want_kv / read)
+    # Halving the peak doubles the matmul part only.
+    f1, kv = oc.floor_seconds(model_dir, lengths, "float32", peak, read)
+    f2, _ = oc.floor_seconds(model_dir, lengths, "float32", peak / 2, read)
+    assert f2 - f1 == pytest.approx(f1 - kv / read)

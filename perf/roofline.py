@@ -1,0 +1,93 @@
+"""The machine's compute and memory roofline, and the floor of a workload on it: the shortest time
+any engine computing in a dtype could take here (every matmul at that dtype's GEMM peak, the
+decodes' K/V reads at the memory read rate, everything else free). A floor bounds the speed-up
+over a peer of that dtype that any engine could show on this machine. Used by offline_compare.py
+(offline wall time) and run_all.py (served requests/s).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+def flops_per_request(model_dir: str, prompt_len: int, gen_len: int) -> float:
+    """Matmul FLOPs of one request (weights 2*params per token, attention 4*ctx*H per layer,
+    the LM head on sampled tokens only)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    d = c.get("head_dim") or h // heads
+    per_token = 2 * layers * (h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter)
+    tokens = prompt_len + gen_len
+    attn = 4 * layers * heads * d * (prompt_len * prompt_len / 2 + gen_len * (prompt_len + gen_len / 2))
+    return per_token * tokens + attn + 2 * h * c["vocab_size"] * gen_len
+
+
+def decode_attention_flops(model_dir: str, prompt_len: int, gen_len: int) -> float:
+    """The part of `flops_per_request`'s attention term spent by decode steps (memory-bound)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
+    d = c.get("head_dim") or c["hidden_size"] // heads
+    return 4 * layers * heads * d * gen_len * (prompt_len + gen_len / 2)
+
+
+def decode_kv_bytes(model_dir: str, prompt_len: int, gen_len: int, kv_itemsize: int) -> float:
+    """K/V bytes the decode steps of one request must read: each generated token after the first
+    reads the K and V of its whole context in every layer (a context of a few hundred tokens per
+    sequence, hundreds of MB over a batch: DRAM, not cache)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
+    kv = c.get("num_key_value_heads", heads)
+    d = c.get("head_dim") or c["hidden_size"] // heads
+    contexts = sum(prompt_len + i for i in range(1, gen_len))
+    return 2 * layers * kv * d * kv_itemsize * contexts
+
+
+def read_bandwidth_gbs(threads: int) -> float:
+    """Best memory read rate of `torch.sum` over 512 MB (far above the last-level cache) on
+    transparent huge pages where the kernel offers them, as the engine's KV cache is."""
+    import torch
+
+    from splitfuse.kernels.cpu.paged_attention import huge_page_empty
+
+    torch.set_num_threads(threads)
+    x = huge_page_empty((128 << 20,)).fill_(1.0)
+    x.sum()
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def gemm_peak_gflops(threads: int, dtype: str = "float32") -> float:
+    """Best oneDNN GEMM rate over a few large shapes (the compute roofline of this run)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dt = getattr(torch, dtype)
+    best = 0.0
+    for n, k, m in [(1536, 512, 512), (2048, 2048, 512), (4096, 1024, 256)]:
+        w = torch.randn(n, k).to(dt)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        x = torch.randn(m, k).to(dt)
+        for _ in range(3):
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        reps = 10
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        best = max(best, 2 * n * k * m * reps / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def floor_seconds(model_dir: str, lengths: list[tuple[int, int]], dtype: str, gemm_peak_gflops: float,
+                  read_gbs: float) -> tuple[float, float]:
+    """The floor of requests of (prompt, generated) lengths in `dtype` ("float32" or "bfloat16":
+    weights, activations and KV cache), and the decodes' K/V gigabytes in it."""
+    itemsize = 4 if dtype == "float32" else 2
+    flops = sum(flops_per_request(model_dir, p, g) - decode_attention_flops(model_dir, p, g) for p, g in lengths)
+    kv_gb = sum(decode_kv_bytes(model_dir, p, g, itemsize) for p, g in lengths) / 1e9
+    return flops / 1e9 / gemm_peak_gflops + kv_gb / read_gbs, kv_gb
