@@ -30,7 +30,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch  # noqa: F401  (loads torch's libgomp before the library binds to one)
 
@@ -138,6 +140,40 @@ def library() -> ctypes.CDLL | None:
         if _cached is None:
             _cached = _load()
         return _cached[0]
+
+
+T = TypeVar("T")
+
+
+class Entries(Generic[T]):
+    """The entry points one source file adds to the library, looked up once on first use (which
+    builds the library): `lookup(lib)` finds them and sets their signatures. `get()` returns what
+    it returned, or None when the library is missing or was built without that file (a symbol is
+    absent)."""
+
+    def __init__(self, what: str, lookup: Callable[[ctypes.CDLL], T]) -> None:
+        self._what, self._lookup = what, lookup
+        self._looked = False
+        self._value: T | None = None
+
+    def get(self) -> T | None:
+        if not self._looked:
+            lib = library()
+            try:
+                self._value = None if lib is None else self._lookup(lib)
+            except AttributeError:  # a library built without this file
+                self._value = None
+            self._looked = True
+        return self._value
+
+    def available(self) -> bool:
+        return self.get() is not None
+
+    def need(self) -> T:
+        value = self.get()
+        if value is None:
+            raise RuntimeError(f"splitfuse C++ CPU {self._what} kernels are unavailable; check available() first")
+        return value
 
 
 def unavailable_reason() -> str:

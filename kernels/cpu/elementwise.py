@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from dataclasses import dataclass
 
 import torch
 
-from .build import library
+from .build import Entries
 
 __all__ = ["apply_rotary", "available", "dequantize_rows", "get_parallel_threshold", "quantize_rows", "rms_norm",
            "set_parallel_threshold", "silu_and_mul", "vector_width"]
@@ -46,53 +47,43 @@ _SILU_ARGS = struct.Struct("=6q")
 _QUANT_ARGS = struct.Struct("=8q")
 _DEQUANT_ARGS = struct.Struct("=8q")
 
-_bound = False
-_rms = _rot = _silu = _quant = _dequant = None
-_bf16: dict[str, ctypes._CFuncPtr] = {}  # rms / rot / silu / quant / dequant for bfloat16 tensors
-_lib: ctypes.CDLL | None = None
+
+@dataclass(frozen=True)
+class _Kernels:
+    lib: ctypes.CDLL
+    f32: dict[str, ctypes._CFuncPtr]  # rms / rot / silu / quant / dequant for float32 tensors
+    bf16: dict[str, ctypes._CFuncPtr]  # the same for bfloat16 tensors
+
+    def fn(self, dtype: torch.dtype, key: str) -> ctypes._CFuncPtr:
+        return (self.f32 if dtype is _F32 else self.bf16)[key]
 
 
-def _bind() -> bool:
-    """Look the symbols up once and set their signatures; False when the library is missing."""
-    global _bound, _rms, _rot, _silu, _quant, _dequant, _lib
-    if _bound:
-        return _lib is not None
-    lib = library()
-    if lib is not None:
-        try:
-            rms, rot, silu = lib.sf_ew_rms_norm_f32_packed, lib.sf_ew_rotary_f32_packed, lib.sf_ew_silu_and_mul_f32_packed
-            quant, dequant = lib.sf_ew_quantize_rows_u8_packed, lib.sf_ew_dequantize_rows_f32_packed
-            bf16 = {"rms": lib.sf_ew_rms_norm_bf16_packed, "rot": lib.sf_ew_rotary_bf16_packed,
-                    "silu": lib.sf_ew_silu_and_mul_bf16_packed, "quant": lib.sf_ew_quantize_rows_u8_bf16_packed,
-                    "dequant": lib.sf_ew_dequantize_rows_bf16_packed}
-        except AttributeError:  # a library built without elementwise.cpp
-            lib = None
-    if lib is not None:
-        for fn, res in ((rms, None), (rot, ctypes.c_int64), (silu, None), (quant, None), (dequant, None),
-                        *((f, ctypes.c_int64 if key == "rot" else None) for key, f in bf16.items())):
-            fn.argtypes = [ctypes.c_char_p]
-            fn.restype = res
-        _bf16.update(bf16)
-        lib.sf_ew_set_parallel_threshold.argtypes = [ctypes.c_int64]
-        lib.sf_ew_set_parallel_threshold.restype = None
-        lib.sf_ew_get_parallel_threshold.argtypes = []
-        lib.sf_ew_get_parallel_threshold.restype = ctypes.c_int64
-        lib.sf_ew_vector_width.argtypes = []
-        lib.sf_ew_vector_width.restype = ctypes.c_int
-        _rms, _rot, _silu, _quant, _dequant = rms, rot, silu, quant, dequant
-    _lib = lib
-    _bound = True
-    return lib is not None
+def _lookup(lib: ctypes.CDLL) -> _Kernels:
+    f32 = {"rms": lib.sf_ew_rms_norm_f32_packed, "rot": lib.sf_ew_rotary_f32_packed,
+           "silu": lib.sf_ew_silu_and_mul_f32_packed, "quant": lib.sf_ew_quantize_rows_u8_packed,
+           "dequant": lib.sf_ew_dequantize_rows_f32_packed}
+    bf16 = {"rms": lib.sf_ew_rms_norm_bf16_packed, "rot": lib.sf_ew_rotary_bf16_packed,
+            "silu": lib.sf_ew_silu_and_mul_bf16_packed, "quant": lib.sf_ew_quantize_rows_u8_bf16_packed,
+            "dequant": lib.sf_ew_dequantize_rows_bf16_packed}
+    for table in (f32, bf16):
+        for key, f in table.items():
+            f.argtypes = [ctypes.c_char_p]
+            f.restype = ctypes.c_int64 if key == "rot" else None
+    lib.sf_ew_set_parallel_threshold.argtypes = [ctypes.c_int64]
+    lib.sf_ew_set_parallel_threshold.restype = None
+    lib.sf_ew_get_parallel_threshold.argtypes = []
+    lib.sf_ew_get_parallel_threshold.restype = ctypes.c_int64
+    lib.sf_ew_vector_width.argtypes = []
+    lib.sf_ew_vector_width.restype = ctypes.c_int
+    return _Kernels(lib, f32, bf16)
+
+
+_entries = Entries("elementwise", _lookup)
 
 
 def available() -> bool:
     """True when the kernel library is loaded and has these kernels (builds it on first call)."""
-    return _bind()
-
-
-def _need() -> None:
-    if not _bind():
-        raise RuntimeError("splitfuse C++ CPU elementwise kernels are unavailable; check available() first")
+    return _entries.available()
 
 
 def set_parallel_threshold(elements: int) -> None:
@@ -100,19 +91,16 @@ def set_parallel_threshold(elements: int) -> None:
     and column chunks) over the OpenMP pool; op_cost is 1 for rms_norm (row_length H) and rotary
     ((Hq+Hk)*D), 4 for silu_and_mul (row_length I). 0: always; a huge value: never.
     Process-wide; default 16384."""
-    _need()
-    _lib.sf_ew_set_parallel_threshold(int(elements))
+    _entries.need().lib.sf_ew_set_parallel_threshold(int(elements))
 
 
 def get_parallel_threshold() -> int:
-    _need()
-    return int(_lib.sf_ew_get_parallel_threshold())
+    return int(_entries.need().lib.sf_ew_get_parallel_threshold())
 
 
 def vector_width() -> int:
     """Floats per vector the library was compiled for: 16 (AVX-512), 8 (AVX2), 4 (other)."""
-    _need()
-    return int(_lib.sf_ew_vector_width())
+    return int(_entries.need().lib.sf_ew_vector_width())
 
 
 def _bad(name: str, what: str) -> ValueError:
@@ -124,10 +112,6 @@ def _dtype(name: str, t: torch.Tensor) -> torch.dtype:
     if t.dtype not in (_F32, _BF16) or not t.is_cpu:
         raise _bad(name, f"tensors must be float32 or bfloat16 on the CPU, got {t.dtype} on {t.device}")
     return t.dtype
-
-
-def _kernel(dtype: torch.dtype, f32_fn, key: str):
-    return f32_fn if dtype is _F32 else _bf16[key]
 
 
 def _rows(name: str, label: str, t: torch.Tensor, shape: torch.Size | tuple[int, ...] | None,
@@ -188,10 +172,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     other (partial) overlaps between inputs and outputs are not checked and give undefined
     results. Rows may be strided (e.g. slices); the last dim must be contiguous.
     """
-    if _rms is None:
-        _need()
+    kernels = _entries.need()
     dtype = _dtype("rms_norm", x)
-    fn = _kernel(dtype, _rms, "rms")
+    fn = kernels.fn(dtype, "rms")
     shape = x.shape
     if not shape or shape[-1] == 0:
         raise _bad("rms_norm", f"x must be [..., H] with H > 0, got {tuple(shape)}")
@@ -247,10 +230,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     contiguous tensors; given ones may be strided the same way), which must not overlap q or k.
     A position outside [0, max_pos) raises ValueError before anything is written.
     """
-    if _rot is None:
-        _need()
+    kernels = _entries.need()
     dtype = _dtype("apply_rotary", q)
-    fn = _kernel(dtype, _rot, "rot")
+    fn = kernels.fn(dtype, "rot")
     qs = q.shape
     if len(qs) != 3:
         raise _bad("apply_rotary", f"q must be [T, Hq, D], got {tuple(qs)}")
@@ -299,10 +281,9 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     """SwiGLU gate of x [..., 2I] (float32 or bfloat16, CPU): writes and returns `out` [..., I] =
     silu(x[..., :I]) * x[..., I:] (default: a new contiguous tensor; a given one must not
     overlap x). Rows may be strided; the last dim must be contiguous."""
-    if _silu is None:
-        _need()
+    kernels = _entries.need()
     dtype = _dtype("silu_and_mul", x)
-    fn = _kernel(dtype, _silu, "silu")
+    fn = kernels.fn(dtype, "silu")
     shape = x.shape
     if not shape or shape[-1] & 1 or shape[-1] == 0:
         raise _bad("silu_and_mul", f"x must be [..., 2I] with an even last dim > 0, got {tuple(shape)}")
@@ -325,10 +306,9 @@ def quantize_rows(x: torch.Tensor, levels: int, zero_point: int) -> tuple[torch.
     scales [M, 1] float32) with scale = max(max|x_row|, 1e-12) / levels and
     q = round(x / scale) + zero_point, bit-identical to
     `splitfuse.kernels.reference.quantize_rows_reference`."""
-    if _quant is None:
-        _need()
+    kernels = _entries.need()
     dtype = _dtype("quantize_rows", x)
-    fn = _kernel(dtype, _quant, "quant")
+    fn = kernels.fn(dtype, "quant")
     if x.dim() != 2:
         raise _bad("quantize_rows", f"x must be [M, K], got {tuple(x.shape)}")
     if not (0 < levels and 0 <= zero_point - levels and zero_point + levels <= 255):
@@ -348,8 +328,7 @@ def dequantize_rows(acc: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor 
     optional float32 bias [N], in one pass; bit-identical to
     `splitfuse.kernels.reference.dequantize_rows_reference`. float32 results overwrite `acc`
     and return it; bfloat16 ones go to a new contiguous tensor."""
-    if _dequant is None:
-        _need()
+    kernels = _entries.need()
     if dtype not in (_F32, _BF16):
         raise _bad("dequantize_rows", f"dtype must be float32 or bfloat16, got {dtype}")
     if acc.dim() != 2:
@@ -370,5 +349,5 @@ def dequantize_rows(acc: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor 
     else:
         out = torch.empty((rows, n), dtype=dtype)
         po, so = out.data_ptr(), n
-    _kernel(dtype, _dequant, "dequant")(_DEQUANT_ARGS.pack(pa, sa, scales.data_ptr(), pb, po, so, rows, n))
+    kernels.fn(dtype, "dequant")(_DEQUANT_ARGS.pack(pa, sa, scales.data_ptr(), pb, po, so, rows, n))
     return out

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import library
+from .build import Entries
 
 __all__ = ["PackedInt8Weight", "PackedWeight", "available", "block_width", "has_int8", "linear", "linear_int8",
            "native_bf16", "pack_int8_weight", "pack_weight"]
@@ -48,67 +48,52 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _ARGS = struct.Struct("=9q")  # csrc/linear.cpp: sf_lin_linear_*_packed
 _I8_ARGS = struct.Struct("=13q")  # sf_lin_linear_i8_*_packed
 
-_fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr] = {}  # (dtype, gated)
-_i8_fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr] = {}  # (output dtype, gated)
-_lib: ctypes.CDLL | None = None
-_bound = False
+
+@dataclass(frozen=True)
+class _Kernels:
+    lib: ctypes.CDLL
+    fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr]  # (dtype, gated)
+    i8_fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr]  # (output dtype, gated); empty without VNNI
 
 
-def _bind() -> bool:
-    global _lib, _bound
-    if _bound:
-        return _lib is not None
-    lib = library()
-    if lib is not None:
-        try:
-            fns = {(torch.float32, False): lib.sf_lin_linear_f32_packed,
-                   (torch.bfloat16, False): lib.sf_lin_linear_bf16_packed,
-                   (torch.float32, True): lib.sf_lin_linear_silu_mul_f32_packed,
-                   (torch.bfloat16, True): lib.sf_lin_linear_silu_mul_bf16_packed}
-            i8_fns = {(torch.float32, False): lib.sf_lin_linear_i8_f32_packed,
-                      (torch.bfloat16, False): lib.sf_lin_linear_i8_bf16_packed,
-                      (torch.float32, True): lib.sf_lin_linear_i8_silu_mul_f32_packed,
-                      (torch.bfloat16, True): lib.sf_lin_linear_i8_silu_mul_bf16_packed}
-            for f in (lib.sf_lin_block_width, lib.sf_lin_native_bf16, lib.sf_lin_has_int8):
-                f.argtypes, f.restype = [], ctypes.c_int
-        except AttributeError:  # a library built without linear.cpp
-            lib = None
-    if lib is not None:
-        for f in (*fns.values(), *i8_fns.values()):
-            f.argtypes, f.restype = [ctypes.c_char_p], None
-        _fns.update(fns)
-        if lib.sf_lin_has_int8():
-            _i8_fns.update(i8_fns)
-    _lib = lib
-    _bound = True
-    return lib is not None
+def _lookup(lib: ctypes.CDLL) -> _Kernels:
+    fns = {(torch.float32, False): lib.sf_lin_linear_f32_packed,
+           (torch.bfloat16, False): lib.sf_lin_linear_bf16_packed,
+           (torch.float32, True): lib.sf_lin_linear_silu_mul_f32_packed,
+           (torch.bfloat16, True): lib.sf_lin_linear_silu_mul_bf16_packed}
+    i8_fns = {(torch.float32, False): lib.sf_lin_linear_i8_f32_packed,
+              (torch.bfloat16, False): lib.sf_lin_linear_i8_bf16_packed,
+              (torch.float32, True): lib.sf_lin_linear_i8_silu_mul_f32_packed,
+              (torch.bfloat16, True): lib.sf_lin_linear_i8_silu_mul_bf16_packed}
+    for f in (lib.sf_lin_block_width, lib.sf_lin_native_bf16, lib.sf_lin_has_int8):
+        f.argtypes, f.restype = [], ctypes.c_int
+    for f in (*fns.values(), *i8_fns.values()):
+        f.argtypes, f.restype = [ctypes.c_char_p], None
+    return _Kernels(lib, fns, i8_fns if lib.sf_lin_has_int8() else {})
+
+
+_entries = Entries("linear", _lookup)
 
 
 def available() -> bool:
     """True when the kernel library is loaded and has these kernels (builds it on first call)."""
-    return _bind()
-
-
-def _need() -> None:
-    if not _bind():
-        raise RuntimeError("splitfuse C++ CPU linear kernels are unavailable; check available() first")
+    return _entries.available()
 
 
 def block_width() -> int:
     """Output columns per packed block: four vectors of the library's width."""
-    _need()
-    return int(_lib.sf_lin_block_width())
+    return int(_entries.need().lib.sf_lin_block_width())
 
 
 def has_int8() -> bool:
     """Whether the int8 kernel runs here (a build with AVX-512 VNNI)."""
-    return _bind() and bool(_i8_fns)
+    kernels = _entries.get()
+    return kernels is not None and bool(kernels.i8_fns)
 
 
 def native_bf16() -> bool:
     """Whether bf16 products run as AVX-512 BF16 dot products (else widened to float32)."""
-    _need()
-    return bool(_lib.sf_lin_native_bf16())
+    return bool(_entries.need().lib.sf_lin_native_bf16())
 
 
 @dataclass(frozen=True)
@@ -181,7 +166,7 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated
     """`weight` [N, K] (float32 or bfloat16, CPU) rearranged into column blocks; `bias` [N] is
     kept as float32 (the kernel adds it to the float32 sums). `gated`: SwiGLU's gate_up weight
     (N = 2I, gate rows first)."""
-    _need()
+    _entries.need()
     if weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2:
         raise ValueError(f"pack_weight: weight must be a float32 or bfloat16 CPU matrix, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
@@ -205,11 +190,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, *, out: torch.Tensor | None = 
     """x [M, K] (the weight's dtype, CPU; rows may be strided, the last dim contiguous) times the
     packed weight: writes and returns `out` [M, out_features] (default: a new contiguous tensor;
     a given one may have strided rows and must not overlap x)."""
-    key = (x.dtype, weight.gated)
-    fn = _fns.get(key) if _bound else None
-    if fn is None:
-        _need()
-        fn = _fns.get(key)
+    fn = _entries.need().fns.get((x.dtype, weight.gated))
     if fn is None or x.dtype is not weight.dtype or not x.is_cpu or x.dim() != 2:
         raise ValueError(f"linear: x must be a {weight.dtype} CPU matrix, got {x.dtype} {tuple(x.shape)} on {x.device}")
     m, k = x.shape
@@ -263,13 +244,12 @@ def linear_int8(xq: torch.Tensor, xscales: torch.Tensor, zero_point: int, weight
     """uint8 activations xq [M, K] (row stride free, last dim contiguous) around `zero_point`,
     with float32 row scales xscales ([M] or [M, 1], contiguous), times the packed int8 weight:
     writes and returns `out` [M, out_features] in `dtype` (float32 or bfloat16)."""
-    fn = _i8_fns.get((dtype, weight.gated)) if _bound else None
+    kernels = _entries.get()
+    fn = None if kernels is None else kernels.i8_fns.get((dtype, weight.gated))
     if fn is None:
         if not has_int8():
             raise RuntimeError("the int8 linear kernel is unavailable here (needs a build with AVX-512 VNNI)")
-        fn = _i8_fns.get((dtype, weight.gated))
-        if fn is None:
-            raise ValueError(f"linear_int8: output dtype must be float32 or bfloat16, got {dtype}")
+        raise ValueError(f"linear_int8: output dtype must be float32 or bfloat16, got {dtype}")
     if xq.dtype is not torch.uint8 or not xq.is_cpu or xq.dim() != 2 or xq.shape[1] != weight.in_features:
         raise ValueError(f"linear_int8: xq must be a uint8 CPU matrix [M, {weight.in_features}], got {xq.dtype} "
                          f"{tuple(xq.shape)}")
