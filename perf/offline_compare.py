@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE))
 from workload import draw_lengths  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
 from systems import PRECISIONS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, check_precision, precision_of  # noqa: E402
-from roofline import flops_per_request, floor_seconds, gemm_peak_gflops, read_bandwidth_gbs  # noqa: E402
+from roofline import Roofline, flops_per_request, floor_seconds  # noqa: E402
 
 RESULTS = HERE / "results" / "offline"
 
@@ -131,9 +131,8 @@ def main() -> None:
     # Floors for the precisions that ran in both engines: float32 ("") and bfloat16 (weights,
     # activations and KV cache in that dtype).
     floor_dtypes = {p: d for p, d in VLLM_DTYPES.items() if any(precision_of(s) == p for s in args.systems.split(","))}
-    peaks = {p: gemm_peak_gflops(threads, d) for p, d in floor_dtypes.items()}
-    peak = peaks.get("") or gemm_peak_gflops(threads)
-    bandwidth = read_bandwidth_gbs(threads)
+    # float32 always: every system's share of the fp32 GEMM peak (`roofline_share`).
+    roof = Roofline.measure(threads, list(dict.fromkeys(["float32", *floor_dtypes.values()])))
     results: dict[str, dict] = {}
     outputs_by_system: dict[str, list[list[int]]] = {}
     for system in args.systems.split(","):
@@ -162,19 +161,16 @@ def main() -> None:
         print(f"[offline] {system}: {r['wall_s']:.2f} s, {r['req_per_s']:.3f} req/s; single stream: TTFT "
               f"{r['single_stream']['ttft_ms']:.0f} ms, {r['single_stream']['decode_ms_per_token']:.1f} ms/token",
               flush=True)
-    # Measured again after the systems ran, keeping the better figures: a rate disturbed by another
-    # process would shrink the peak and overstate every share below.
-    peaks = {p: max(v, gemm_peak_gflops(threads, floor_dtypes[p])) for p, v in peaks.items()}
-    peak = peaks.get("") or max(peak, gemm_peak_gflops(threads))
-    bandwidth = max(bandwidth, read_bandwidth_gbs(threads))
+    roof = roof.remeasured()
+    peak, bandwidth = roof.gemm_peak_gflops["float32"], roof.read_gbs
     # The floor of this machine in a dtype: every matmul at that dtype's GEMM peak (decode
     # attention excepted) plus the decodes' K/V reads at the memory read rate, with norms, rotary,
     # sampling and scheduling free. No system computing in that dtype finishes the workload faster.
     floors = {}
     lengths = [(len(r["prompt"]), r["max_tokens"]) for r in reqs]
     for p, d in floor_dtypes.items():
-        floor_s, kv_gb = floor_seconds(args.model_dir, lengths, d, peaks[p], bandwidth)
-        floors[d] = {"wall_s": floor_s, "gemm_peak_gflops": peaks[p], "decode_kv_gb": kv_gb,
+        floor_s, kv_gb = floor_seconds(args.model_dir, lengths, d, roof.gemm_peak_gflops[d], bandwidth)
+        floors[d] = {"wall_s": floor_s, "gemm_peak_gflops": roof.gemm_peak_gflops[d], "decode_kv_gb": kv_gb,
                      "best_ratio_over": {s: r["wall_s"] / floor_s for s, r in results.items() if precision_of(s) == p}}
         for s, r in results.items():
             if precision_of(s) == p:

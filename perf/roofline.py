@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 def flops_per_request(model_dir: str, prompt_len: int, gen_len: int) -> float:
@@ -91,3 +92,23 @@ def floor_seconds(model_dir: str, lengths: list[tuple[int, int]], dtype: str, ge
     flops = sum(flops_per_request(model_dir, p, g) - decode_attention_flops(model_dir, p, g) for p, g in lengths)
     kv_gb = sum(decode_kv_bytes(model_dir, p, g, itemsize) for p, g in lengths) / 1e9
     return flops / 1e9 / gemm_peak_gflops + kv_gb / read_gbs, kv_gb
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The GEMM peak per dtype and the memory read rate of this machine on `threads` threads."""
+
+    threads: int
+    gemm_peak_gflops: dict[str, float]
+    read_gbs: float
+
+    @classmethod
+    def measure(cls, threads: int, dtypes: list[str]) -> Roofline:
+        return cls(threads, {d: gemm_peak_gflops(threads, d) for d in dtypes}, read_bandwidth_gbs(threads))
+
+    def remeasured(self) -> Roofline:
+        """Measured again (after the systems ran), keeping the better figures: a rate disturbed by
+        another process would understate the floor and overstate every share against it."""
+        again = Roofline.measure(self.threads, list(self.gemm_peak_gflops))
+        return Roofline(self.threads, {d: max(v, again.gemm_peak_gflops[d]) for d, v in self.gemm_peak_gflops.items()},
+                        max(self.read_gbs, again.read_gbs))

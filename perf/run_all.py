@@ -42,7 +42,7 @@ from closed_loop import parse_ints  # noqa: E402
 from fastgen_report import RELAXED_PROMPT_TPS, report, save_raw  # noqa: E402
 from fastgen_servers import log, run_engine, run_triton, run_vllm  # noqa: E402
 from machine import machine_info  # noqa: E402
-from roofline import floor_seconds, gemm_peak_gflops, read_bandwidth_gbs  # noqa: E402
+from roofline import Roofline, floor_seconds  # noqa: E402
 from systems import (BUDGETED, ENGINE_SYSTEM, SYSTEM_ORDER, VLLM_DTYPES, VLLM_SYSTEMS, base_of, budget_of,  # noqa: E402
                      check_precision, file_stem, precision_of)
 from workload import VARIANCE, ensure_model, make_workload, model_info  # noqa: E402
@@ -134,12 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     meta["commands"] = list(dict.fromkeys(meta.get("commands", []) + [meta["command"]]))
     meta.setdefault("servers", {})
     meta_path.write_text(json.dumps(meta, indent=1))
-    # The roofline, for the dtypes vLLM computes in too: measured before and after the systems (the
-    # better figures kept: a rate disturbed by another process would understate the floor).
+    # The roofline, for the dtypes vLLM computes in too: measured before and after the systems.
     floor_dtypes = sorted({VLLM_DTYPES[precision_of(s)] for s in systems if precision_of(s) in VLLM_DTYPES})
-    threads = os.cpu_count() or 1
-    peaks = {d: gemm_peak_gflops(threads, d) for d in floor_dtypes}
-    read_gbs = read_bandwidth_gbs(threads) if floor_dtypes else None
+    roof = Roofline.measure(os.cpu_count() or 1, floor_dtypes) if floor_dtypes else None
     for s in systems:
         t = time.time()
         started = time.strftime("%Y-%m-%d %H:%M %Z")
@@ -160,12 +157,13 @@ def main(argv: list[str] | None = None) -> None:
         meta["servers"][s] = res["server"]
         meta_path.write_text(json.dumps(meta, indent=1))
         log(f"{s}: done in {time.time() - t:.0f}s")
-    if floor_dtypes:
-        peaks = {d: max(v, gemm_peak_gflops(threads, d)) for d, v in peaks.items()}
-        read_gbs = max(read_gbs, read_bandwidth_gbs(threads))
+    if roof is not None:
+        roof = roof.remeasured()
         lengths = [(spec.prompt_tokens, spec.gen_tokens) for spec in specs]
-        meta["roofline"] = {"threads": threads, "read_gbs": read_gbs, "gemm_peak_gflops": peaks, "floor_rps": {
-            d: len(lengths) / floor_seconds(args.model_dir, lengths, d, peaks[d], read_gbs)[0] for d in peaks}}
+        floor_rps = {d: len(lengths) / floor_seconds(args.model_dir, lengths, d, peak, roof.read_gbs)[0]
+                     for d, peak in roof.gemm_peak_gflops.items()}
+        meta["roofline"] = {"threads": roof.threads, "read_gbs": roof.read_gbs,
+                            "gemm_peak_gflops": roof.gemm_peak_gflops, "floor_rps": floor_rps}
         meta_path.write_text(json.dumps(meta, indent=1))
     log(f"wrote {report(out, args.token_clients, args.relaxed_prompt_tps, args.headline_system)}")
 
