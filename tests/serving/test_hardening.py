@@ -146,15 +146,19 @@ def test_kv_usage_ratio(server):
 
 
 def test_broken_engine_fails_pending_and_later_requests_at_once(server):
+    # The breaker's stream is open before the long generations start, so it is sent the moment
+    # both are in flight: opening a client takes long enough for the tiny model to finish one.
+    breaker_stream = GrpcStream(server.grpc_url)
     streams = []
     for p in PROMPTS[:2]:  # two long generations in flight (together more than the pool holds)
         s = GrpcStream(server.grpc_url)
         s.send("llm", {"text_input": p, "max_tokens": 360, "ignore_eos": True, "stream": True})
         assert s.next()[1] is None
         streams.append(s)
-    breaker = _generate(server, "hello", "fault-break-1", max_tokens=2)
+    breaker_stream.send("llm", {"text_input": "hello", **GREEDY, "max_tokens": 2}, request_id="fault-break-1")
+    breaker = breaker_stream.collect(timeout=120)
     results = [s.collect(timeout=120) for s in streams]  # a hang fails here, not forever
-    for s in streams:
+    for s in [breaker_stream, *streams]:
         s.close()
     for r in [breaker, *results]:
         assert r.error is not None and "engine failed" in r.error and "injected block pool fault" in r.error, r
