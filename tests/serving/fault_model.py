@@ -6,19 +6,25 @@ model beside it as llm_model.py. A client request id starting with
     fault-abort   makes aborting it raise (stop it with a `stop` request),
     fault-sample  makes sampling any batch that holds it raise,
     fault-break   breaks the engine's block pool from then on (freeing KV raises),
-    fault-respond makes building its second response raise.
+    fault-respond makes building its second response raise,
+    fault-slow    adds 20 ms to each step that samples it (the tiny model is fast enough to
+                  finish a long generation before a test's next request arrives).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location("splitfuse_llm_model", Path(__file__).with_name("llm_model.py"))
 _real = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = _real  # dataclasses look their module up there
 _spec.loader.exec_module(_real)
+
+
+SLOW_STEP_S = 0.02
 
 
 class InjectedFault(RuntimeError):
@@ -65,6 +71,8 @@ class TritonPythonModel(_real.TritonPythonModel):
         def sampler(logits, seqs):
             if any(_marked(s.request_id, "sample") for s in seqs):
                 raise InjectedFault("injected sampling fault")
+            if any(_marked(s.request_id, "slow") for s in seqs):
+                time.sleep(SLOW_STEP_S)
             return sample(logits, seqs)
 
         engine.add_prepared, engine.abort_request, engine.sampler = add_prepared, abort_request, sampler

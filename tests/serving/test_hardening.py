@@ -67,13 +67,14 @@ def test_one_request_failing_in_add_abort_sampling_or_its_response_fails_alone(s
     errors_before = _finished(server, "error")
 
     def aborted_with_fault():
-        with GrpcStream(server.grpc_url) as s:
+        # The stop's stream is open before the generation starts: opening one takes long enough
+        # for the tiny model to make many of the 300 tokens.
+        with GrpcStream(server.grpc_url) as stop, GrpcStream(server.grpc_url) as s:
             s.send("llm", {"text_input": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True},
                    request_id="fault-abort-1")
             assert s.next()[1] is None  # generating
-            with GrpcStream(server.grpc_url) as stop:
-                stop.send("llm", {"stop": True}, request_id="fault-abort-1")
-                assert stop.collect(timeout=30).finish_reason == "abort"
+            stop.send("llm", {"stop": True}, request_id="fault-abort-1")
+            assert stop.collect(timeout=30).finish_reason == "abort"
             return s.collect(timeout=60)
 
     with ThreadPoolExecutor(7) as pool:
@@ -109,9 +110,12 @@ def test_new_metrics_on_the_metrics_port(server):
     before = settled(lambda: {n: metric_sum(server.metrics_url, n) for n in names}, quiet_s=0.7)
     length_before = _finished(server, "length")
     prompt_ids = [1, 5, 9, 13, 17, 21, 25, 29]
+    # Slowed (fault-slow) so that all four are in the engine together: the tiny model alone makes
+    # 120 tokens in about the time it takes the next client to connect.
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda i: grpc_generate(server.grpc_url, "llm", {
-            "input_ids": prompt_ids, "max_tokens": 120, "ignore_eos": True}, timeout=300), range(4)))
+            "input_ids": prompt_ids, "max_tokens": 120, "ignore_eos": True}, request_id=f"fault-slow-m{i}",
+            timeout=300), range(4)))
     assert all(r.error is None and len(r.output_ids) == 120 for r in results)
     after = lambda n: metric_sum(server.metrics_url, n) - before[n]  # noqa: E731
     assert wait_for(lambda: after("splitfuse_request_generation_tokens_sum") == 4 * 120), {n: after(n) for n in names}
@@ -146,19 +150,18 @@ def test_kv_usage_ratio(server):
 
 
 def test_broken_engine_fails_pending_and_later_requests_at_once(server):
-    # The breaker's stream is open before the long generations start, so it is sent the moment
-    # both are in flight: opening a client takes long enough for the tiny model to finish one.
-    breaker_stream = GrpcStream(server.grpc_url)
+    # The long generations are slowed (fault-slow: 20 ms a step, so 360 tokens take over 7 s):
+    # the tiny model alone can finish one before a loaded test process sends the breaker.
     streams = []
-    for p in PROMPTS[:2]:  # two long generations in flight (together more than the pool holds)
+    for i, p in enumerate(PROMPTS[:2]):  # two long generations in flight (together more than the pool holds)
         s = GrpcStream(server.grpc_url)
-        s.send("llm", {"text_input": p, "max_tokens": 360, "ignore_eos": True, "stream": True})
+        s.send("llm", {"text_input": p, "max_tokens": 360, "ignore_eos": True, "stream": True},
+               request_id=f"fault-slow-{i}")
         assert s.next()[1] is None
         streams.append(s)
-    breaker_stream.send("llm", {"text_input": "hello", **GREEDY, "max_tokens": 2}, request_id="fault-break-1")
-    breaker = breaker_stream.collect(timeout=120)
+    breaker = _generate(server, "hello", "fault-break-1", max_tokens=2)
     results = [s.collect(timeout=120) for s in streams]  # a hang fails here, not forever
-    for s in [breaker_stream, *streams]:
+    for s in streams:
         s.close()
     for r in [breaker, *results]:
         assert r.error is not None and "engine failed" in r.error and "injected block pool fault" in r.error, r
