@@ -8,6 +8,8 @@ over a peer of that dtype that any engine could show on this machine. Used by of
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +106,18 @@ class Roofline:
 
     @classmethod
     def measure(cls, threads: int, dtypes: list[str]) -> Roofline:
-        return cls(threads, {d: gemm_peak_gflops(threads, d) for d in dtypes}, read_bandwidth_gbs(threads))
+        """Measured in a child process. In this one the GEMMs would start an OpenMP pool on the
+        calling thread, and an engine later stepped on its own thread in the same process (run_all's
+        in-process `engine` systems) would then run throttled: with more OpenMP threads than cores
+        libgomp stops spinning between parallel regions (a 14-sequence bf16 decode step measured
+        6.7-6.8 -> 8.5-9.3 ms with a second pool alive)."""
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import roofline as r; "
+                "t, ds = int(sys.argv[2]), json.loads(sys.argv[3]); "
+                "print(json.dumps([{d: r.gemm_peak_gflops(t, d) for d in ds}, r.read_bandwidth_gbs(t)]))")
+        out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(threads),
+                              json.dumps(dtypes)], check=True, capture_output=True, text=True).stdout
+        peaks, read = json.loads(out.strip().splitlines()[-1])
+        return cls(threads, peaks, read)
 
     def remeasured(self) -> Roofline:
         """Measured again (after the systems ran), keeping the better figures: a rate disturbed by

@@ -76,3 +76,16 @@ def test_remeasured_keeps_the_better_figure_of_each(monkeypatch):
     monkeypatch.setattr(oc.Roofline, "measure", classmethod(lambda cls, threads, dtypes: measure_once(threads, dtypes)))
     roof = oc.Roofline.measure(2, ["float32", "bfloat16"]).remeasured()
     assert roof == oc.Roofline(2, {"float32": 120.0, "bfloat16": 300.0}, 20.0)
+
+
+def test_measure_runs_in_a_child_process(monkeypatch):
+    # Measured here, the GEMMs would leave an OpenMP pool on this thread that throttles an engine
+    # stepped later on another thread of this process (run_all's in-process systems).
+    def not_here(*args, **kwargs):
+        raise AssertionError("the roofline was measured in the calling process")
+
+    monkeypatch.setattr(oc, "gemm_peak_gflops", not_here)
+    monkeypatch.setattr(oc, "read_bandwidth_gbs", not_here)
+    roof = oc.Roofline.measure(1, ["float32"])
+    assert roof.threads == 1 and set(roof.gemm_peak_gflops) == {"float32"}
+    assert roof.gemm_peak_gflops["float32"] > 0 and roof.read_gbs > 0
