@@ -54,6 +54,11 @@ class EngineConfig:
     packed at load into column blocks; onednn: oneDNN with weights packed at load; torch:
     F.linear. auto: cpu on AVX-512 CPUs without AMX (bf16 also needs AVX-512 BF16), else oneDNN
     where torch supports it for the dtype, else F.linear."""
+    fused_decoder: bool = True
+    """Run a step's decoder layers in one C++ call where every part of them runs the C++ CPU
+    kernels (dense models, float32 or bfloat16, the KV cache in the model's dtype, no
+    quantization or tensor parallelism): the same kernels and results without the Python between
+    them. false runs them layer by layer in Python."""
     quantization: str = "none"
     """none | int8: int8 quantizes the projections' weights at load (per output channel) and
     their activations per token at run time (CPU, oneDNN); the LM head and MoE routers stay float."""
@@ -128,6 +133,8 @@ class EngineConfig:
         self._check_speculation()
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if not isinstance(self.fused_decoder, bool):
+            raise ValueError(f"fused_decoder must be true or false, got {self.fused_decoder!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.num_threads < 0:

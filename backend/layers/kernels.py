@@ -33,6 +33,11 @@ class KernelSet:
     apply_rotary: Callable
     silu_and_mul: Callable
 
+    @property
+    def native_cpu(self) -> bool:
+        """Whether attention and the elementwise ops are the C++ CPU kernels."""
+        return self.attention_backend == "cpu" and self.rms_norm is _cpu_rms_norm
+
     @classmethod
     def create(cls, attention_backend: str, dtype: torch.dtype = torch.float32) -> "KernelSet":
         attention = make_backend(attention_backend)

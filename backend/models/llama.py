@@ -14,9 +14,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from splitfuse.kernels.cpu import decoder as cpu_decoder
 from splitfuse.layers.attention import AttentionMetadata
 from splitfuse.layers.kernels import KernelSet
-from splitfuse.layers.linear import Linear
+from splitfuse.layers.linear import CpuLinear, Linear, fuses_swiglu
 from splitfuse.layers.moe import Experts, SparseMoeBlock
 
 # Rows to keep after the last layer's K/V write, and the attention metadata of those rows alone.
@@ -221,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Set by prepare_decoder_stack: the decoder layers in one C++ call.
+        self.decoder_stack: cpu_decoder.DecoderStack | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor,
@@ -231,8 +234,17 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         residual = None
         last = len(self.model.layers) - 1
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
-            h, residual = layer(h, residual, positions, meta, k_cache, v_cache, cos, sin, keep if i == last else None)
+        start = 0
+        if self.decoder_stack is not None:
+            # All layers in one call, but a last layer that keeps some rows only (Python's).
+            start = last if keep is not None else last + 1
+            if start:
+                h, residual = self.decoder_stack.run(h, start, positions, cos, sin, meta.slot_mapping,
+                                                     meta.query_start_loc, meta.seq_lens, meta.block_tables)
+        for i in range(start, last + 1):
+            k_cache, v_cache = kv_caches[i]
+            h, residual = self.model.layers[i](h, residual, positions, meta, k_cache, v_cache, cos, sin,
+                                               keep if i == last else None)
         if h.shape[0] == 0:
             return h
         h, _ = self.model.norm(h, residual)
@@ -240,6 +252,39 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def prepare_decoder_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+        """Run the decoder layers in one C++ call (`splitfuse.kernels.cpu.decoder`): the kernels
+        and arguments of the layers' Python without the Python between them (bit-identical
+        results). For dense models whose layers all run the C++ CPU kernels in float32 or
+        bfloat16, with the KV cache in the model's dtype and no tensor parallelism. Call after
+        prepare_linears; returns None when set, else why not."""
+        layers = self.model.layers
+        if not cpu_decoder.available():
+            return "the C++ kernel library has no decoder entry point"
+        if not layers[0].self_attn.ops.native_cpu:
+            return "attention or the elementwise ops are not the C++ CPU kernels"
+        if self.args.num_experts:
+            return "a mixture-of-experts MLP"
+        if any(layer.all_reduce is not _identity for layer in layers):
+            return "tensor parallelism"
+        stack = []
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            kernels = (attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel, mlp.down_proj.kernel)
+            if not all(isinstance(k, CpuLinear) for k in kernels) or not fuses_swiglu(kernels[2]):
+                return "projections not all through the C++ float linear kernel (quantization or another backend)"
+            if k_cache.dtype is not kernels[0].packed.dtype:
+                return f"a {k_cache.dtype} KV cache under {kernels[0].packed.dtype} weights"
+            stack.append(cpu_decoder.DecoderLayerWeights(
+                qkv=kernels[0].packed, o=kernels[1].packed, gate_up=kernels[2].packed, down=kernels[3].packed,
+                input_norm=layer.input_layernorm.weight.data, post_norm=layer.post_attention_layernorm.weight.data,
+                k_cache=k_cache, v_cache=v_cache, sliding_window=attn.sliding_window))
+        a = self.args
+        self.decoder_stack = cpu_decoder.DecoderStack(stack, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                                                      head_dim=a.head_dim, eps=a.rms_norm_eps,
+                                                      scale=layers[0].self_attn.scale)
+        return None
 
     def prepare_linears(self, backend: str, quantization: str = "none") -> None:
         """Give every projection its kernel for `backend` and `quantization` (after the weights

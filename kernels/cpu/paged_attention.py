@@ -131,6 +131,11 @@ CACHE_DTYPES = (_FP32, _BF16)
 _MAX_WINDOW = 1 << 30  # any window longer than every context means "no window"
 
 
+def window_arg(sliding_window: int | None) -> int:
+    """The kernel's window argument for `sliding_window`: 0 for none, longer ones clamped."""
+    return min(sliding_window, _MAX_WINDOW) if sliding_window else 0
+
+
 def allocate_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """A zeroed float32 cache tensor of `cache_shape(...)`, on transparent huge pages where Linux
     allows it (THP "enabled" = always or madvise). Attention reads the blocks of a sequence in
@@ -306,7 +311,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     args[:] = (q.data_ptr(), qs[0], qs[1], out.data_ptr(), os_[0], os_[1], k_cache.data_ptr(), v_cache.data_ptr(),
                query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                block_tables.shape[1], b, t, hq, kshape[1], d, kshape[2] // d, kshape[0],
-               min(sliding_window, _MAX_WINDOW) if sliding_window else 0, k_layout, num_splits or 0,
+               window_arg(sliding_window), k_layout, num_splits or 0,
                rows_per_tile or 0, num_threads or torch.get_num_threads(), 0, 0, int(k_cache.dtype is _BF16),
                int(q.dtype is _BF16))
     rc = attn(args, scale)
@@ -330,7 +335,7 @@ def plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_st
         q.data_ptr(), q.stride(0), q.stride(1), 0, 0, 0, k_cache.data_ptr(), v_cache.data_ptr(),
         query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         block_tables.shape[1], seq_lens.shape[0], t, hq, kshape[1], d, kshape[2] // d, kshape[0],
-        min(sliding_window, _MAX_WINDOW) if sliding_window else 0, K_TRANSPOSED, num_splits or 0,
+        window_arg(sliding_window), K_TRANSPOSED, num_splits or 0,
         rows_per_tile or 0, num_threads or torch.get_num_threads(), ctypes.addressof(stats), 1,
         int(k_cache.dtype is _BF16), int(q.dtype is _BF16))
     rc = attn(args, 1.0)

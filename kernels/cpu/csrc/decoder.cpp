@@ -1,0 +1,186 @@
+// The decoder layers of a dense Llama-family model, run one after another from one call: the
+// same kernels the Python layers call one by one (rms_norm and rotary from elementwise.cpp, the
+// linear kernel of linear.cpp, the KV write and paged attention of paged_attention.cpp), with
+// the same arguments, so the results are bit-identical to the Python path's. What it saves is
+// the Python between the kernels: ~10 calls per layer, each a few microseconds of wrapper
+// checks and argument packing and a GIL re-acquisition (which a server's response threads can
+// delay). Python wrapper and conditions: splitfuse/kernels/cpu/decoder.py.
+//
+// One layer, H hidden, N = (Hq + 2 Hkv) * D, I intermediate, all [T, .] row-major, fp32 or bf16:
+//   layer 0:  Y = norm_in(X); the residual stream is X itself (written in place from here on)
+//   layer l:  RES = Y + RES; Y = norm_in(RES)
+//   QKV = Y . Wqkv^T (+ b); rotate q, k in place; write k, v into the caches
+//   ATT = attention(q) (fp32; rounded to bf16 for a bf16 model, as torch's .to() rounds)
+//   AO = ATT . Wo^T (+ b); RES = AO + RES; AO = norm_post(RES)
+//   ACT = silu(AO . Wgate^T) * (AO . Wup^T); Y = ACT . Wdown^T (+ b)
+// The hidden state after the last layer run is Y, the residual stream RES (= X).
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "bf16.h"
+
+extern "C" {
+void sf_lin_linear_f32_packed(const int64_t* a);
+void sf_lin_linear_bf16_packed(const int64_t* a);
+void sf_lin_linear_silu_mul_f32_packed(const int64_t* a);
+void sf_lin_linear_silu_mul_bf16_packed(const int64_t* a);
+void sf_ew_rms_norm_f32_packed(const int64_t* a);
+void sf_ew_rms_norm_bf16_packed(const int64_t* a);
+int64_t sf_ew_rotary_f32_packed(const int64_t* a);
+int64_t sf_ew_rotary_bf16_packed(const int64_t* a);
+int sf_attn_write_kv_f32_packed(const int64_t* p);
+int sf_attn_write_kv_bf16_packed(const int64_t* p);
+int sf_attn_paged_attention_f32_packed(const int64_t* p, float scale);
+}
+
+namespace {
+
+// Per-layer table row (int64 slots): packed weights and their float32 biases (0: none), the
+// norms' weights, the caches and the layer's attention window (0: none, else already clamped
+// as the Python wrapper clamps it).
+enum Layer {
+    L_QKV, L_QKV_B, L_O, L_O_B, L_GATE_UP, L_GATE_UP_B, L_DOWN, L_DOWN_B, L_NORM_IN, L_NORM_POST,
+    L_K_CACHE, L_V_CACHE, L_WINDOW, L_FIELDS
+};
+// The model's shape: layers in the table, hidden, heads, kv heads, head dim, intermediate size,
+// block size, cache blocks, model dtype bf16 (0/1), K layout of the caches, eps and the
+// attention scale (doubles stored in int64 slots).
+enum Shape { S_LAYERS, S_H, S_HQ, S_HKV, S_D, S_I, S_BLOCK, S_NUM_BLOCKS, S_BF16, S_K_LAYOUT, S_EPS, S_SCALE, S_FIELDS };
+// One call: tokens, layers to run [0, n), X (the embedding output; becomes the residual
+// stream), Y, positions (int64), cos, cos row stride, sin, sin row stride, table rows, slot
+// mapping (int64), query_start_loc, seq_lens, block_tables (int32), its row stride and width,
+// sequences, threads, and the scratch buffers QKV [T, N], ATT (fp32 [T, Hq*D]), ATTC (bf16
+// [T, Hq*D], bf16 models), AO [T, H], ACT [T, I].
+enum Call {
+    C_T, C_LAYERS, C_X, C_Y, C_POS, C_COS, C_COS_ST, C_SIN, C_SIN_ST, C_MAX_POS, C_SLOTS, C_QSL, C_SEQ_LENS,
+    C_BT, C_BT_ST, C_BT_W, C_SEQS, C_THREADS, C_QKV, C_ATT, C_ATTC, C_AO, C_ACT, C_FIELDS
+};
+
+enum { SF_DEC_BAD_POSITION = -100, SF_DEC_BAD_SHAPE = -101 };
+
+inline double slot_double(int64_t v) {
+    double d;
+    std::memcpy(&d, &v, sizeof(d));
+    return d;
+}
+
+// dst = src rounded to bf16 (to nearest even, as torch's .to(bfloat16)); split over the pool
+// from the size where torch's copy splits it too.
+void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+    constexpr int64_t kChunk = 4096;
+    const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n >= 32768 && omp_get_max_threads() > 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t end = c * kChunk + kChunk < n ? c * kChunk + kChunk : n;
+        for (int64_t i = c * kChunk; i < end; ++i) dst[i] = sf_bf16::from_f32(src[i]);
+    }
+}
+
+template <typename T>
+struct Kernels;
+template <>
+struct Kernels<float> {
+    static constexpr auto linear = sf_lin_linear_f32_packed;
+    static constexpr auto linear_gated = sf_lin_linear_silu_mul_f32_packed;
+    static constexpr auto rms = sf_ew_rms_norm_f32_packed;
+    static constexpr auto rotary = sf_ew_rotary_f32_packed;
+    static constexpr auto write = sf_attn_write_kv_f32_packed;
+};
+template <>
+struct Kernels<uint16_t> {
+    static constexpr auto linear = sf_lin_linear_bf16_packed;
+    static constexpr auto linear_gated = sf_lin_linear_silu_mul_bf16_packed;
+    static constexpr auto rms = sf_ew_rms_norm_bf16_packed;
+    static constexpr auto rotary = sf_ew_rotary_bf16_packed;
+    static constexpr auto write = sf_attn_write_kv_bf16_packed;
+};
+
+template <typename T>
+int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
+    using K = Kernels<T>;
+    const int64_t T_ = call[C_T], H = shape[S_H], Hq = shape[S_HQ], Hkv = shape[S_HKV], D = shape[S_D];
+    const int64_t I = shape[S_I], N = (Hq + 2 * Hkv) * D, QD = Hq * D;
+    const int64_t layers = call[C_LAYERS];
+    if (layers < 0 || layers > shape[S_LAYERS] || T_ < 0) return SF_DEC_BAD_SHAPE;
+    if (T_ == 0 || layers == 0) return 0;
+    const int64_t X = call[C_X], Y = call[C_Y], QKV = call[C_QKV], ATT = call[C_ATT], AO = call[C_AO];
+    const int64_t ATTC = sizeof(T) == 2 ? call[C_ATTC] : ATT;
+    const int64_t ACT = call[C_ACT], es = sizeof(T);
+    const double eps = slot_double(shape[S_EPS]);
+    const float scale = float(slot_double(shape[S_SCALE]));
+    int64_t a[32];
+    for (int64_t l = 0; l < layers; ++l) {
+        const int64_t* w = table + l * L_FIELDS;
+        // Input norm: layer 0 norms X into Y; later layers add Y to the residual stream X first.
+        if (l == 0) {
+            const int64_t r[] = {X, H, 0, 0, w[L_NORM_IN], Y, H, 0, 0, T_, H};
+            std::memcpy(a, r, sizeof(r));
+        } else {
+            const int64_t r[] = {Y, H, X, H, w[L_NORM_IN], Y, H, X, H, T_, H};
+            std::memcpy(a, r, sizeof(r));
+        }
+        std::memcpy(a + 11, &eps, sizeof(eps));
+        K::rms(a);
+        {  // QKV = Y . Wqkv^T
+            const int64_t r[] = {Y, H, w[L_QKV], N, H, w[L_QKV_B], QKV, N, T_};
+            K::linear(r);
+        }
+        const int64_t q = QKV, k = QKV + QD * es, v = QKV + (QD + Hkv * D) * es;
+        {  // rotate q and k in place (views of QKV: token stride N, head stride D)
+            const int64_t r[] = {q, N, D, k, N, D, q, N, D, k, N, D, call[C_POS], call[C_COS], call[C_COS_ST],
+                                 call[C_SIN], call[C_SIN_ST], call[C_MAX_POS], T_, Hq, Hkv, D};
+            if (K::rotary(r) >= 0) return SF_DEC_BAD_POSITION;
+        }
+        {
+            const int64_t r[] = {k, N, D, v, N, D, w[L_K_CACHE], w[L_V_CACHE], call[C_SLOTS], T_, Hkv, D,
+                                 shape[S_BLOCK], shape[S_NUM_BLOCKS], shape[S_K_LAYOUT], call[C_THREADS]};
+            const int rc = K::write(r);
+            if (rc) return rc;
+        }
+        {
+            const int64_t r[] = {q, N, D, ATT, QD, D, w[L_K_CACHE], w[L_V_CACHE], call[C_QSL], call[C_SEQ_LENS],
+                                 call[C_BT], call[C_BT_ST], call[C_BT_W], call[C_SEQS], T_, Hq, Hkv, D,
+                                 shape[S_BLOCK], shape[S_NUM_BLOCKS], w[L_WINDOW], shape[S_K_LAYOUT], 0, 0,
+                                 call[C_THREADS], 0, 0, sizeof(T) == 2, sizeof(T) == 2};
+            const int rc = sf_attn_paged_attention_f32_packed(r, scale);
+            if (rc) return rc;
+        }
+        if (sizeof(T) == 2) to_bf16(reinterpret_cast<const float*>(ATT), reinterpret_cast<uint16_t*>(ATTC), T_ * QD);
+        {  // AO = ATT . Wo^T
+            const int64_t r[] = {ATTC, QD, w[L_O], H, QD, w[L_O_B], AO, H, T_};
+            K::linear(r);
+        }
+        {  // RES = AO + RES; AO = norm_post(RES)
+            const int64_t r[] = {AO, H, X, H, w[L_NORM_POST], AO, H, X, H, T_, H};
+            std::memcpy(a, r, sizeof(r));
+            std::memcpy(a + 11, &eps, sizeof(eps));
+            K::rms(a);
+        }
+        {  // ACT = silu(AO . Wgate^T) * (AO . Wup^T)
+            const int64_t r[] = {AO, H, w[L_GATE_UP], I, H, w[L_GATE_UP_B], ACT, I, T_};
+            K::linear_gated(r);
+        }
+        {  // Y = ACT . Wdown^T
+            const int64_t r[] = {ACT, I, w[L_DOWN], H, I, w[L_DOWN_B], Y, H, T_};
+            K::linear(r);
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Slots per table row, shape and call (the wrapper checks it builds them to these sizes).
+int sf_dec_layout(int which) { return which == 0 ? int(L_FIELDS) : which == 1 ? int(S_FIELDS) : int(C_FIELDS); }
+
+// Runs call[C_LAYERS] layers; 0 on success, else the failing kernel's error code (the attention
+// codes of paged_attention.cpp, or SF_DEC_*). The caches may then hold some of the new K/V.
+int sf_dec_forward(const int64_t* shape, const int64_t* table, const int64_t* call) {
+    return shape[S_BF16] ? run<uint16_t>(shape, table, call) : run<float>(shape, table, call);
+}
+
+}  // extern "C"

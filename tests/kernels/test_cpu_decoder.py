@@ -1,0 +1,94 @@
+"""The decoder layers in one C++ call (splitfuse.kernels.cpu.decoder) against the same layers run
+one by one in Python: the same kernels with the same arguments, so every step's logits and the
+KV caches must be bit-identical, for float32 and bfloat16, GQA, q/k/v biases (Qwen2), a sliding
+window (Mistral), block sizes 4 and 16, prompt chunks with decodes in one step, and steps whose
+last layer keeps only the sampling rows (run in Python after the C++ call)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from splitfuse import LLM, SamplingParams
+from splitfuse.kernels.cpu import decoder as cpu_decoder
+
+pytestmark = pytest.mark.skipif(not cpu_decoder.available(), reason="C++ CPU kernels not built")
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 70))] for _ in range(n)]
+
+
+def _run(path: str, fused: bool, **kw) -> tuple[LLM, list[torch.Tensor], list[list[int]]]:
+    llm = LLM(path, fused_decoder=fused, token_budget=48, num_kv_blocks=128, **kw)
+    runner = llm.engine.runner
+    logits: list[torch.Tensor] = []
+    execute = runner.execute
+
+    def recording(batch):
+        out = execute(batch)
+        logits.append(out.clone())
+        return out
+
+    runner.execute = recording
+    outs = llm.generate(_prompts(6, 0), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    return llm, logits, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 24})])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_one_call_matches_the_python_layers_bit_for_bit(tiny_model_factory, arch, overrides, dtype, block_size):
+    path = tiny_model_factory(arch, **overrides)
+    fused, fused_logits, fused_tokens = _run(path, True, dtype=dtype, block_size=block_size)
+    plain, plain_logits, plain_tokens = _run(path, False, dtype=dtype, block_size=block_size)
+    assert fused.engine.runner.model.decoder_stack is not None
+    assert plain.engine.runner.model.decoder_stack is None
+    assert len(fused_logits) == len(plain_logits) > 10
+    for step, (a, b) in enumerate(zip(fused_logits, plain_logits)):
+        assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max().item()}"
+    assert fused_tokens == plain_tokens
+    for (fk, fv), (pk, pv) in zip(fused.engine.runner.kv_caches, plain.engine.runner.kv_caches):
+        assert torch.equal(fk, pk) and torch.equal(fv, pv)
+    assert fused.engine.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch,kw,why", [
+    ("mixtral", {}, "mixture-of-experts"),
+    ("llama", {"quantization": "int8"}, "projections not all"),
+    ("llama", {"kv_cache_dtype": "bfloat16"}, "KV cache"),
+    ("llama", {"attention_backend": "torch"}, "not the C++ CPU kernels"),
+])
+def test_models_it_cannot_run_keep_the_python_layers(tiny_model_factory, arch, kw, why, caplog):
+    if kw.get("quantization") == "int8":
+        from splitfuse.layers.int8_linear import int8_supported
+
+        if not int8_supported(torch.device("cpu"))[0]:
+            pytest.skip("int8 needs oneDNN or VNNI here")
+    caplog.set_level("INFO", logger="splitfuse.model_runner")
+    llm = LLM(tiny_model_factory(arch), num_kv_blocks=64, **kw)
+    assert llm.engine.runner.model.decoder_stack is None
+    assert any(why in r.getMessage() and "decoder layers in Python" in r.getMessage() for r in caplog.records)
+    outs = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(outs[0].token_ids) == 3
+
+
+def test_stack_rejects_inputs_it_does_not_take(tiny_model_factory):
+    llm = LLM(tiny_model_factory("llama"), num_kv_blocks=64)
+    stack = llm.engine.runner.model.decoder_stack
+    assert stack is not None
+    x = torch.zeros(3, stack.hidden)
+    pos = torch.zeros(3, dtype=torch.int64)
+    cos = sin = torch.zeros(8, stack.head_dim // 2)
+    meta = (torch.zeros(3, dtype=torch.int64), torch.tensor([0, 3], dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x must be"):
+        stack.run(x.double(), 1, pos, cos, sin, *meta)
+    with pytest.raises(ValueError, match="num_layers"):
+        stack.run(x, stack.num_layers + 1, pos, cos, sin, *meta)
+    with pytest.raises(ValueError, match="positions"):
+        stack.run(x, 1, pos.int(), cos, sin, *meta)
+    with pytest.raises(ValueError, match="outside the rotary tables"):
+        stack.run(x, 1, torch.full((3,), 8, dtype=torch.int64), cos, sin, *meta)
