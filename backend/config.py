@@ -56,8 +56,8 @@ class EngineConfig:
     where torch supports it for the dtype, else F.linear."""
     fused_decoder: bool = True
     """Run a step's decoder layers in one C++ call where every part of them runs the C++ CPU
-    kernels (dense models, float32 or bfloat16, the KV cache in the model's dtype, no
-    quantization or tensor parallelism): the same kernels and results without the Python between
+    kernels (dense models, float32 or bfloat16, float or int8 projections, the KV cache in the
+    model's dtype, no tensor parallelism): the same kernels and results without the Python between
     them. false runs them layer by layer in Python."""
     quantization: str = "none"
     """none | int8: int8 quantizes the projections' weights at load (per output channel) and

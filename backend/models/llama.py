@@ -16,6 +16,7 @@ from torch import nn
 
 from splitfuse.kernels.cpu import decoder as cpu_decoder
 from splitfuse.layers.attention import AttentionMetadata
+from splitfuse.layers.int8_linear import CpuInt8Linear
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import CpuLinear, Linear, fuses_swiglu
 from splitfuse.layers.moe import Experts, SparseMoeBlock
@@ -172,6 +173,14 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _projections(layer: "DecoderLayer") -> tuple:
+    """A dense layer's projection kernels: qkv, o, gate_up, down (empty for a MoE layer)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, MLP):
+        return ()
+    return attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel, mlp.down_proj.kernel
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, ops: KernelSet,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] = _identity) -> None:
@@ -257,8 +266,8 @@ class LlamaForCausalLM(nn.Module):
         """Run the decoder layers in one C++ call (`splitfuse.kernels.cpu.decoder`): the kernels
         and arguments of the layers' Python without the Python between them (bit-identical
         results). For dense models whose layers all run the C++ CPU kernels in float32 or
-        bfloat16, with the KV cache in the model's dtype and no tensor parallelism. Call after
-        prepare_linears; returns None when set, else why not."""
+        bfloat16 (projections float or int8), with the KV cache in the model's dtype and no
+        tensor parallelism. Call after prepare_linears; returns None when set, else why not."""
         layers = self.model.layers
         if not cpu_decoder.available():
             return "the C++ kernel library has no decoder entry point"
@@ -269,21 +278,27 @@ class LlamaForCausalLM(nn.Module):
         if any(layer.all_reduce is not _identity for layer in layers):
             return "tensor parallelism"
         stack = []
+        int8 = {(k.levels, k.zero_point) for layer in layers for k in _projections(layer) if isinstance(k, CpuInt8Linear)}
+        if len(int8) > 1:
+            return "int8 projections quantizing their inputs in different ways"
+        dtype = layers[0].input_layernorm.weight.dtype
         for layer, (k_cache, v_cache) in zip(layers, kv_caches):
-            attn, mlp = layer.self_attn, layer.mlp
-            kernels = (attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel, mlp.down_proj.kernel)
-            if not all(isinstance(k, CpuLinear) for k in kernels) or not fuses_swiglu(kernels[2]):
-                return "projections not all through the C++ float linear kernel (quantization or another backend)"
-            if k_cache.dtype is not kernels[0].packed.dtype:
-                return f"a {k_cache.dtype} KV cache under {kernels[0].packed.dtype} weights"
+            attn = layer.self_attn
+            kernels = _projections(layer)
+            if not all(isinstance(k, (CpuLinear, CpuInt8Linear)) for k in kernels) or not fuses_swiglu(kernels[2]):
+                return "projections not all through the C++ linear kernels (oneDNN, torch or another backend)"
+            if k_cache.dtype is not dtype:
+                return f"a {k_cache.dtype} KV cache in a {dtype} model"
             stack.append(cpu_decoder.DecoderLayerWeights(
                 qkv=kernels[0].packed, o=kernels[1].packed, gate_up=kernels[2].packed, down=kernels[3].packed,
                 input_norm=layer.input_layernorm.weight.data, post_norm=layer.post_attention_layernorm.weight.data,
                 k_cache=k_cache, v_cache=v_cache, sliding_window=attn.sliding_window))
         a = self.args
+        levels, zero_point = int8.pop() if int8 else (127, 128)
         self.decoder_stack = cpu_decoder.DecoderStack(stack, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
                                                       head_dim=a.head_dim, eps=a.rms_norm_eps,
-                                                      scale=layers[0].self_attn.scale)
+                                                      scale=layers[0].self_attn.scale, int8_levels=levels,
+                                                      int8_zero_point=zero_point)
         return None
 
     def prepare_linears(self, backend: str, quantization: str = "none") -> None:

@@ -37,13 +37,23 @@ def _run(path: str, fused: bool, **kw) -> tuple[LLM, list[torch.Tensor], list[li
     return llm, logits, [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 24})])
+def _cpu_int8() -> bool:
+    from splitfuse.layers.int8_linear import cpu_int8_supported
+
+    return cpu_int8_supported(torch.float32)
+
+
+@pytest.mark.parametrize("arch,overrides,kw", [
+    ("llama", {}, {}), ("qwen2", {}, {}), ("mistral", {"sliding_window": 24}, {}),
+    pytest.param("llama", {}, {"quantization": "int8"}, id="llama-int8",
+                 marks=pytest.mark.skipif(not _cpu_int8(), reason="the C++ int8 kernel needs AVX-512 VNNI")),
+])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_one_call_matches_the_python_layers_bit_for_bit(tiny_model_factory, arch, overrides, dtype, block_size):
+def test_one_call_matches_the_python_layers_bit_for_bit(tiny_model_factory, arch, overrides, kw, dtype, block_size):
     path = tiny_model_factory(arch, **overrides)
-    fused, fused_logits, fused_tokens = _run(path, True, dtype=dtype, block_size=block_size)
-    plain, plain_logits, plain_tokens = _run(path, False, dtype=dtype, block_size=block_size)
+    fused, fused_logits, fused_tokens = _run(path, True, dtype=dtype, block_size=block_size, **kw)
+    plain, plain_logits, plain_tokens = _run(path, False, dtype=dtype, block_size=block_size, **kw)
     assert fused.engine.runner.model.decoder_stack is not None
     assert plain.engine.runner.model.decoder_stack is None
     assert len(fused_logits) == len(plain_logits) > 10
@@ -57,16 +67,11 @@ def test_one_call_matches_the_python_layers_bit_for_bit(tiny_model_factory, arch
 
 @pytest.mark.parametrize("arch,kw,why", [
     ("mixtral", {}, "mixture-of-experts"),
-    ("llama", {"quantization": "int8"}, "projections not all"),
+    ("llama", {"linear_backend": "onednn"}, "projections not all"),
     ("llama", {"kv_cache_dtype": "bfloat16"}, "KV cache"),
     ("llama", {"attention_backend": "torch"}, "not the C++ CPU kernels"),
 ])
 def test_models_it_cannot_run_keep_the_python_layers(tiny_model_factory, arch, kw, why, caplog):
-    if kw.get("quantization") == "int8":
-        from splitfuse.layers.int8_linear import int8_supported
-
-        if not int8_supported(torch.device("cpu"))[0]:
-            pytest.skip("int8 needs oneDNN or VNNI here")
     caplog.set_level("INFO", logger="splitfuse.model_runner")
     llm = LLM(tiny_model_factory(arch), num_kv_blocks=64, **kw)
     assert llm.engine.runner.model.decoder_stack is None

@@ -13,7 +13,8 @@
 //   ATT = attention(q) (fp32; rounded to bf16 for a bf16 model, as torch's .to() rounds)
 //   AO = ATT . Wo^T (+ b); RES = AO + RES; AO = norm_post(RES)
 //   ACT = silu(AO . Wgate^T) * (AO . Wup^T); Y = ACT . Wdown^T (+ b)
-// The hidden state after the last layer run is Y, the residual stream RES (= X).
+// The hidden state after the last layer run is Y, the residual stream RES (= X). A projection
+// may be int8 (quantization=int8): its input rows are quantized first, as CpuInt8Linear does.
 #include <omp.h>
 
 #include <cstdint>
@@ -26,6 +27,12 @@ void sf_lin_linear_f32_packed(const int64_t* a);
 void sf_lin_linear_bf16_packed(const int64_t* a);
 void sf_lin_linear_silu_mul_f32_packed(const int64_t* a);
 void sf_lin_linear_silu_mul_bf16_packed(const int64_t* a);
+void sf_lin_linear_i8_f32_packed(const int64_t* a);
+void sf_lin_linear_i8_bf16_packed(const int64_t* a);
+void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t* a);
+void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t* a);
+void sf_ew_quantize_rows_u8_packed(const int64_t* a);
+void sf_ew_quantize_rows_u8_bf16_packed(const int64_t* a);
 void sf_ew_rms_norm_f32_packed(const int64_t* a);
 void sf_ew_rms_norm_bf16_packed(const int64_t* a);
 int64_t sf_ew_rotary_f32_packed(const int64_t* a);
@@ -37,25 +44,31 @@ int sf_attn_paged_attention_f32_packed(const int64_t* p, float scale);
 
 namespace {
 
-// Per-layer table row (int64 slots): packed weights and their float32 biases (0: none), the
+// Per-layer table row (int64 slots): the four projections, P_FIELDS slots each (below), the
 // norms' weights, the caches and the layer's attention window (0: none, else already clamped
 // as the Python wrapper clamps it).
-enum Layer {
-    L_QKV, L_QKV_B, L_O, L_O_B, L_GATE_UP, L_GATE_UP_B, L_DOWN, L_DOWN_B, L_NORM_IN, L_NORM_POST,
-    L_K_CACHE, L_V_CACHE, L_WINDOW, L_FIELDS
-};
+enum Layer { L_QKV = 0, L_O = 5, L_GATE_UP = 10, L_DOWN = 15, L_NORM_IN = 20, L_NORM_POST, L_K_CACHE, L_V_CACHE,
+             L_WINDOW, L_FIELDS };
+// A projection: 0 for a float weight (linear.cpp's blocks in the model's dtype) or 1 for int8
+// (its quads, with per-column weight sums and scales), the packed data, the float32 bias in the
+// packed column order (0: none), and for int8 the column sums and scales.
+enum Projection { P_KIND, P_DATA, P_BIAS, P_COL_SUMS, P_SCALES, P_FIELDS };
+static_assert(L_O - L_QKV == P_FIELDS && L_NORM_IN - L_DOWN == P_FIELDS, "projection slots");
 // The model's shape: layers in the table, hidden, heads, kv heads, head dim, intermediate size,
 // block size, cache blocks, model dtype bf16 (0/1), K layout of the caches, eps and the
-// attention scale (doubles stored in int64 slots).
-enum Shape { S_LAYERS, S_H, S_HQ, S_HKV, S_D, S_I, S_BLOCK, S_NUM_BLOCKS, S_BF16, S_K_LAYOUT, S_EPS, S_SCALE, S_FIELDS };
+// attention scale (doubles stored in int64 slots), and the int8 projections' activation
+// quantization (levels around a zero point).
+enum Shape { S_LAYERS, S_H, S_HQ, S_HKV, S_D, S_I, S_BLOCK, S_NUM_BLOCKS, S_BF16, S_K_LAYOUT, S_EPS, S_SCALE,
+             S_LEVELS, S_ZERO_POINT, S_FIELDS };
 // One call: tokens, layers to run [0, n), X (the embedding output; becomes the residual
 // stream), Y, positions (int64), cos, cos row stride, sin, sin row stride, table rows, slot
 // mapping (int64), query_start_loc, seq_lens, block_tables (int32), its row stride and width,
 // sequences, threads, and the scratch buffers QKV [T, N], ATT (fp32 [T, Hq*D]), ATTC (bf16
-// [T, Hq*D], bf16 models), AO [T, H], ACT [T, I].
+// [T, Hq*D], bf16 models), AO [T, H], ACT [T, I], and for int8 projections XQ (uint8 [T, the
+// largest K]) and XS (fp32 [T]).
 enum Call {
     C_T, C_LAYERS, C_X, C_Y, C_POS, C_COS, C_COS_ST, C_SIN, C_SIN_ST, C_MAX_POS, C_SLOTS, C_QSL, C_SEQ_LENS,
-    C_BT, C_BT_ST, C_BT_W, C_SEQS, C_THREADS, C_QKV, C_ATT, C_ATTC, C_AO, C_ACT, C_FIELDS
+    C_BT, C_BT_ST, C_BT_W, C_SEQS, C_THREADS, C_QKV, C_ATT, C_ATTC, C_AO, C_ACT, C_XQ, C_XS, C_FIELDS
 };
 
 enum { SF_DEC_BAD_POSITION = -100, SF_DEC_BAD_SHAPE = -101 };
@@ -84,6 +97,9 @@ template <>
 struct Kernels<float> {
     static constexpr auto linear = sf_lin_linear_f32_packed;
     static constexpr auto linear_gated = sf_lin_linear_silu_mul_f32_packed;
+    static constexpr auto linear_i8 = sf_lin_linear_i8_f32_packed;
+    static constexpr auto linear_i8_gated = sf_lin_linear_i8_silu_mul_f32_packed;
+    static constexpr auto quantize = sf_ew_quantize_rows_u8_packed;
     static constexpr auto rms = sf_ew_rms_norm_f32_packed;
     static constexpr auto rotary = sf_ew_rotary_f32_packed;
     static constexpr auto write = sf_attn_write_kv_f32_packed;
@@ -92,10 +108,32 @@ template <>
 struct Kernels<uint16_t> {
     static constexpr auto linear = sf_lin_linear_bf16_packed;
     static constexpr auto linear_gated = sf_lin_linear_silu_mul_bf16_packed;
+    static constexpr auto linear_i8 = sf_lin_linear_i8_bf16_packed;
+    static constexpr auto linear_i8_gated = sf_lin_linear_i8_silu_mul_bf16_packed;
+    static constexpr auto quantize = sf_ew_quantize_rows_u8_bf16_packed;
     static constexpr auto rms = sf_ew_rms_norm_bf16_packed;
     static constexpr auto rotary = sf_ew_rotary_bf16_packed;
     static constexpr auto write = sf_attn_write_kv_bf16_packed;
 };
+
+// y [m, n] (row stride sy) = x [m, k] (row stride sx) times projection p (gated: SwiGLU's
+// silu(gate) * up, n = I); an int8 projection first quantizes x's rows into XQ / XS, as
+// CpuInt8Linear does.
+template <typename T>
+void project(const int64_t* p, bool gated, int64_t x, int64_t sx, int64_t n, int64_t k, int64_t y, int64_t sy,
+             int64_t m, const int64_t* shape, const int64_t* call) {
+    using K = Kernels<T>;
+    if (p[P_KIND] == 0) {
+        const int64_t r[] = {x, sx, p[P_DATA], n, k, p[P_BIAS], y, sy, m};
+        (gated ? K::linear_gated : K::linear)(r);
+        return;
+    }
+    const int64_t q[] = {x, sx, call[C_XQ], call[C_XS], m, k, shape[S_LEVELS], shape[S_ZERO_POINT]};
+    K::quantize(q);
+    const int64_t r[] = {call[C_XQ], k, call[C_XS], shape[S_ZERO_POINT], p[P_DATA], p[P_COL_SUMS], p[P_SCALES],
+                         p[P_BIAS], n, k, y, sy, m};
+    (gated ? K::linear_i8_gated : K::linear_i8)(r);
+}
 
 template <typename T>
 int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
@@ -123,10 +161,7 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
         }
         std::memcpy(a + 11, &eps, sizeof(eps));
         K::rms(a);
-        {  // QKV = Y . Wqkv^T
-            const int64_t r[] = {Y, H, w[L_QKV], N, H, w[L_QKV_B], QKV, N, T_};
-            K::linear(r);
-        }
+        project<T>(w + L_QKV, false, Y, H, N, H, QKV, N, T_, shape, call);  // QKV = Y . Wqkv^T
         const int64_t q = QKV, k = QKV + QD * es, v = QKV + (QD + Hkv * D) * es;
         {  // rotate q and k in place (views of QKV: token stride N, head stride D)
             const int64_t r[] = {q, N, D, k, N, D, q, N, D, k, N, D, call[C_POS], call[C_COS], call[C_COS_ST],
@@ -148,24 +183,15 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
             if (rc) return rc;
         }
         if (sizeof(T) == 2) to_bf16(reinterpret_cast<const float*>(ATT), reinterpret_cast<uint16_t*>(ATTC), T_ * QD);
-        {  // AO = ATT . Wo^T
-            const int64_t r[] = {ATTC, QD, w[L_O], H, QD, w[L_O_B], AO, H, T_};
-            K::linear(r);
-        }
+        project<T>(w + L_O, false, ATTC, QD, H, QD, AO, H, T_, shape, call);  // AO = ATT . Wo^T
         {  // RES = AO + RES; AO = norm_post(RES)
             const int64_t r[] = {AO, H, X, H, w[L_NORM_POST], AO, H, X, H, T_, H};
             std::memcpy(a, r, sizeof(r));
             std::memcpy(a + 11, &eps, sizeof(eps));
             K::rms(a);
         }
-        {  // ACT = silu(AO . Wgate^T) * (AO . Wup^T)
-            const int64_t r[] = {AO, H, w[L_GATE_UP], I, H, w[L_GATE_UP_B], ACT, I, T_};
-            K::linear_gated(r);
-        }
-        {  // Y = ACT . Wdown^T
-            const int64_t r[] = {ACT, I, w[L_DOWN], H, I, w[L_DOWN_B], Y, H, T_};
-            K::linear(r);
-        }
+        project<T>(w + L_GATE_UP, true, AO, H, I, H, ACT, I, T_, shape, call);  // ACT = silu(gate) * up
+        project<T>(w + L_DOWN, false, ACT, I, H, I, Y, H, T_, shape, call);     // Y = ACT . Wdown^T
     }
     return 0;
 }
