@@ -121,9 +121,9 @@ class ModelRunner:
                                                    self.args.head_dim)
         # Zeroed so padded block slots read by batched kernels are finite.
         self.kv_caches = [(self._zeroed_cache(shape), self._zeroed_cache(shape)) for _ in range(self.args.num_layers)]
-        if config.fused_decoder:
-            why = self.model.prepare_decoder_stack(self.kv_caches)
-            log.info("splitfuse: decoder layers %s", "in one C++ call" if why is None else f"in Python ({why})")
+        why = self.model.prepare_decoder_stack(self.kv_caches) if config.fused_decoder else "fused_decoder=false"
+        self.decoder_layers = "one C++ call" if why is None else f"Python ({why})"
+        log.info("splitfuse: decoder layers in %s", self.decoder_layers)
         if group is not None:
             group.barrier()  # every rank has its shard and cache
 

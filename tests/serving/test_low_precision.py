@@ -9,7 +9,10 @@ import random
 import pytest
 from conftest import offline_greedy, one_instance_server, served_greedy
 
-from splitfuse.layers.int8_linear import int8_supported
+import torch
+
+from splitfuse.kernels.cpu import decoder as cpu_decoder
+from splitfuse.layers.int8_linear import cpu_int8_supported, int8_supported
 
 pytestmark = pytest.mark.serving
 
@@ -22,8 +25,6 @@ SETTINGS = {
 
 @pytest.fixture(scope="module", params=list(SETTINGS))
 def low_precision_server(request, tiny_llama, tmp_path_factory):
-    import torch
-
     if request.param.startswith("int8"):
         ok, why = int8_supported(torch.device("cpu"))
         if not ok:
@@ -46,3 +47,7 @@ def test_served_low_precision_matches_offline_engine(low_precision_server, tiny_
     ready = [line for line in log.splitlines() if "splitfuse engine ready" in line]
     assert ready and "weights=" in ready[0]
     assert ("int8" in ready[0].split("weights=")[1]) == name.startswith("int8")
+    # The ready line says how the decoder layers run: in one C++ call where the kernels allow it.
+    assert "decoder layers in " in ready[0]
+    one_call = cpu_decoder.available() and (not name.startswith("int8") or cpu_int8_supported(torch.float32))
+    assert ("decoder layers in one C++ call" in ready[0]) == one_call, ready[0]

@@ -106,7 +106,8 @@ class TritonPythonModel:
             f"{self.instance}: splitfuse engine ready: device={runner.device} "
             f"dtype={str(runner.dtype).removeprefix('torch.')} attention_backend={runner.attention_backend} "
             f"linear_backend={runner.linear_backend} quantization={config.quantization} "
-            f"weights={runner.weight_memory_summary()} threads={torch.get_num_threads()}; {config}")
+            f"weights={runner.weight_memory_summary()} threads={torch.get_num_threads()} "
+            f"decoder layers in {runner.decoder_layers}; {config}")
 
     def execute(self, requests: list) -> None:
         for request in requests:
