@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,7 +179,10 @@ class LLMEngine:
         )
 
     # ---- the step -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One forward pass over the scheduled batch; the outputs of the requests it sampled.
+        `before_forward` runs once the batch is built, just before the forward pass (a server
+        hands out the previous step's outputs there, while this thread leaves the GIL to them)."""
         start = time.perf_counter()
         self.last_step = None
         decision = self.scheduler.schedule()
@@ -190,6 +194,8 @@ class LLMEngine:
         chunks = decision.chunks
         sampling = [c for c in chunks if c.samples]
         batch = RaggedBatch.build(chunks, self.config.block_size, self.runner.device)
+        if before_forward is not None:
+            before_forward()
         forward_start = time.perf_counter()
         logits = self.runner.execute(batch)
         forward_s = time.perf_counter() - forward_start

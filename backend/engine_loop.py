@@ -3,7 +3,10 @@
 Callers submit and abort from any thread; the engine thread applies those between steps
 and hands each request's outputs to a few delivery threads, which call the request's callback
 (a Triton response send is a round trip to the server process) while the engine goes on with
-the next step. A request has at most one delivery in flight: outputs produced meanwhile wait in
+the next step. A step's outputs are handed over once the next step's batch is built, as its
+forward pass starts (at once when no step follows): the delivery threads' Python then runs
+while the engine thread is in the kernels, not against its scheduling for the GIL (bf16 served
+at 16 clients: +3-7% req/s, alternating pairs). A request has at most one delivery in flight: outputs produced meanwhile wait in
 its mailbox and go out merged into one (their deltas joined) when the callback returns, so a
 slow consumer gets fewer, larger outputs instead of a growing queue, and a request's outputs
 always arrive in order, its final one last.
@@ -84,6 +87,10 @@ class EngineLoop:
         self._failure: str | None = None
         self._delivery_pool: ThreadPoolExecutor | None = None
         self._held: dict[str, RequestOutput] = {}  # stream_interval: undelivered outputs (engine thread)
+        # The last step's outputs, handed to the delivery threads when the next step's forward pass
+        # starts (engine thread): their Python then runs while this thread is in the kernels rather
+        # than competing for the GIL with its scheduling and batch building.
+        self._step_outputs: list[RequestOutput] = []
         self._mail_lock = threading.Lock()
         # Requests with a delivery in flight or waiting, by (request id, callback identity): a
         # request id reused while its predecessor's last outputs are still going out gets a box
@@ -174,6 +181,8 @@ class EngineLoop:
                 commands = list(self._inbox)
                 self._inbox.clear()
                 stopping = self._stopping
+            if stopping or any(command[0] != "add" for command in commands):
+                self._hand_out()  # an abort's output must follow the request's earlier ones
             for command in commands:
                 self._apply(command)
             if stopping:
@@ -183,22 +192,33 @@ class EngineLoop:
                     self._apply(("abort", request_id))
                 return
             if not self.engine.has_unfinished_requests():
+                self._hand_out()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(before_forward=self._hand_out)
             except FatalEngineError:
+                self._hand_out()
                 raise
             except Exception as e:  # not tied to one request: every request in flight ends
+                self._hand_out()
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_in_flight(f"engine step failed: {type(e).__name__}: {e}")
                 continue
-            for out in outputs:
-                self._deliver(out)
+            self._hand_out()  # a step that ran no forward pass
+            self._step_outputs = outputs
+            if not self.engine.has_unfinished_requests():
+                self._hand_out()
             if self.on_step is not None and self.engine.last_step is not None:
                 try:
                     self.on_step(self.engine.last_step)
                 except Exception:
                     log.exception("on_step callback failed")
+
+    def _hand_out(self) -> None:
+        """Deliver the last step's outputs (engine thread)."""
+        outputs, self._step_outputs = self._step_outputs, []
+        for out in outputs:
+            self._deliver(out)
 
     def _apply(self, command: tuple) -> None:
         kind, request_id = command[0], command[1]

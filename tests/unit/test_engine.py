@@ -237,6 +237,57 @@ def test_engine_loop_threads_submit_abort_shutdown(tiny_llama):
         loop.submit("after", "hello", SamplingParams(), on_output)
 
 
+def test_engine_loop_hands_a_steps_outputs_out_as_the_next_forward_pass_starts(tiny_llama):
+    """Between scheduling (S) and the forward pass (F) of the next step, not right after their own
+    step: the delivery threads' Python then runs while the engine thread is in the kernels. The
+    last step's outputs go at once, as no step follows."""
+    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4))
+    engine = loop.start()
+    events: list[str] = []
+    schedule, execute, post = engine.scheduler.schedule, engine.runner.execute, loop._post
+
+    def on_schedule():
+        events.append("S")
+        return schedule()
+
+    def on_execute(batch):
+        events.append("F")
+        return execute(batch)
+
+    def on_post(callback, out):
+        events.append("P")
+        return post(callback, out)
+
+    engine.scheduler.schedule, engine.runner.execute, loop._post = on_schedule, on_execute, on_post
+    try:
+        results = _stream(loop, {"a": SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                                 "b": SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)})
+    finally:
+        loop.shutdown(timeout=30)
+    assert [len(results[r][-1].token_ids) for r in ("a", "b")] == [5, 3]
+    trace = "".join(events)
+    runs = _runs(trace, "P")
+    assert len(runs) >= 4
+    for i, j in runs[:-1]:
+        assert trace[i - 1] == "S" and trace[j] == "F", trace
+    assert trace.endswith("P") and trace[runs[-1][0] - 1] == "F", trace
+
+
+def _runs(text: str, ch: str) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of `ch` in text."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == ch:
+            j = i
+            while j < len(text) and text[j] == ch:
+                j += 1
+            out.append((i, j))
+            i = j
+        else:
+            i += 1
+    return out
+
+
 def _stream(loop: EngineLoop, requests: dict[str, SamplingParams]) -> dict[str, list]:
     on_output = _Collector(len(requests))
     for request_id, params in requests.items():
