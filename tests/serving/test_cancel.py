@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from triton_helpers import GrpcStream, grpc_generate, metric_sum, wait_for
@@ -90,11 +91,12 @@ def test_stop_request_reaches_the_replica_that_holds_the_request(served):
         assert s.next()[1] is None
         streams.append(s)
     try:
-        # Every stop first: the ensemble's responses can lag the engine, and a stream still being
-        # read must not let the others finish in the meantime.
-        for i in range(len(streams)):
-            r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id=f"stop-me-{i}")
-            assert r.error is None
+        # Every stop first, all at once: the ensemble's responses can lag the engine, and a stream
+        # still being read, or waiting for its stop, must not finish in the meantime.
+        with ThreadPoolExecutor(len(streams)) as pool:
+            acks = list(pool.map(lambda i: grpc_generate(served.grpc_url, "llm", {"stop": True},
+                                                         request_id=f"stop-me-{i}"), range(len(streams))))
+        assert all(r.error is None for r in acks)
         for s in streams:
             rest = s.collect(timeout=60)
             assert rest.error is None and rest.finish_reason == "abort"

@@ -134,8 +134,11 @@ def test_kv_usage_ratio(server):
     seen: list[float] = []
     with ThreadPoolExecutor(1) as pool:
         for _ in range(10):
+            # Slowed (fault-slow: 20 ms a step): the tiny model alone can finish 360 tokens between
+            # two of the metric's 0.5 s updates.
             run = pool.submit(grpc_generate, server.grpc_url, "llm", {
-                "input_ids": [1, 5, 9, 13], "max_tokens": 360, "ignore_eos": True}, timeout=300)
+                "input_ids": [1, 5, 9, 13], "max_tokens": 360, "ignore_eos": True}, timeout=300,
+                request_id="fault-slow-ratio")
             while not run.done():
                 seen.append(ratio())
                 time.sleep(0.05)
