@@ -6,10 +6,10 @@ and hands each request's outputs to a few delivery threads, which call the reque
 the next step. A step's outputs are handed over once the next step's batch is built, as its
 forward pass starts (at once when no step follows): the delivery threads' Python then runs
 while the engine thread is in the kernels, not against its scheduling for the GIL (bf16 served
-at 16 clients: +3-7% req/s, alternating pairs). A request has at most one delivery in flight: outputs produced meanwhile wait in
-its mailbox and go out merged into one (their deltas joined) when the callback returns, so a
-slow consumer gets fewer, larger outputs instead of a growing queue, and a request's outputs
-always arrive in order, its final one last.
+at 16 clients: +3-7% req/s, alternating pairs). A request has at most one delivery in flight:
+outputs produced meanwhile wait in its mailbox and go out merged into one (their deltas joined)
+when the callback returns, so a slow consumer gets fewer, larger outputs instead of a growing
+queue, and a request's outputs always arrive in order, its final one last.
 
 The engine is built on the engine thread too, so that every OpenMP parallel region of the
 process (loading and packing the weights, then every step) starts from that one thread. Each

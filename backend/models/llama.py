@@ -174,10 +174,8 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def _projections(layer: "DecoderLayer") -> tuple:
-    """A dense layer's projection kernels: qkv, o, gate_up, down (empty for a MoE layer)."""
+    """A dense layer's projection kernels: qkv, o, gate_up, down."""
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(mlp, MLP):
-        return ()
     return attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel, mlp.down_proj.kernel
 
 
@@ -277,14 +275,14 @@ class LlamaForCausalLM(nn.Module):
             return "a mixture-of-experts MLP"
         if any(layer.all_reduce is not _identity for layer in layers):
             return "tensor parallelism"
-        stack = []
-        int8 = {(k.levels, k.zero_point) for layer in layers for k in _projections(layer) if isinstance(k, CpuInt8Linear)}
+        projections = [_projections(layer) for layer in layers]
+        int8 = {(k.levels, k.zero_point) for kernels in projections for k in kernels if isinstance(k, CpuInt8Linear)}
         if len(int8) > 1:
             return "int8 projections quantizing their inputs in different ways"
         dtype = layers[0].input_layernorm.weight.dtype
-        for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+        stack = []
+        for layer, kernels, (k_cache, v_cache) in zip(layers, projections, kv_caches):
             attn = layer.self_attn
-            kernels = _projections(layer)
             if not all(isinstance(k, (CpuLinear, CpuInt8Linear)) for k in kernels) or not fuses_swiglu(kernels[2]):
                 return "projections not all through the C++ linear kernels (oneDNN, torch or another backend)"
             if k_cache.dtype is not dtype:

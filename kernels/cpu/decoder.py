@@ -2,16 +2,18 @@
 
 `DecoderStack` holds, per layer, the packed projections (qkv, o, the gated gate_up and down:
 `linear.PackedWeight` in the model's dtype, or `linear.PackedInt8Weight` whose input rows are
-quantized first, as `layers.int8_linear.CpuInt8Linear` does), the two norms' weights, the layer's K/V caches (the paged-attention
-kernel's layout) and its attention window; `run` computes layers 0..n-1 over a ragged batch
-with the kernels the Python layers call one by one (`elementwise.rms_norm`, `apply_rotary`,
-`linear.linear` or `quantize_rows` + `linear.linear_int8`, `paged_attention.write_kv_cache`,
-`paged_attention.paged_attention`), with
-the same arguments: results are bit-identical. It returns the hidden states and the residual
-stream, as the Python layers leave them. What it saves is the Python between the kernels.
+quantized first, as `layers.int8_linear.CpuInt8Linear` does), the two norms' weights, the
+layer's K/V caches (the paged-attention kernel's layout) and its attention window; `run`
+computes layers 0..n-1 over a ragged batch with the kernels the Python layers call one by one
+(`elementwise.rms_norm`, `apply_rotary`, `linear.linear` or `quantize_rows` +
+`linear.linear_int8`, `paged_attention.write_kv_cache`, `paged_attention.paged_attention`),
+with the same arguments: results are bit-identical. It returns the hidden states and the
+residual stream, as the Python layers leave them. What it saves is the Python between the
+kernels.
 
-Float32 or bfloat16 models whose KV cache has the model's dtype, projections in that dtype or int8. The call releases the GIL
-(ctypes) and runs on the calling thread's OpenMP pool. Callers check `available()` first.
+Float32 or bfloat16 models whose KV cache has the model's dtype, projections in that dtype or
+int8. The call releases the GIL (ctypes) and runs on the calling thread's OpenMP pool. Callers
+check `available()` first.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class DecoderStack:
             raise ValueError(f"DecoderStack: a float32 or bfloat16 model, got {dtype}")
         hidden, inter = first.qkv.in_features, first.down.in_features
         qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
-        num_blocks, kv_heads, block_elems = first.k_cache.shape
+        num_blocks, _, block_elems = first.k_cache.shape
         for i, w in enumerate(layers):
             shapes = [(w.qkv, qkv_n, hidden, False), (w.o, hidden, num_heads * head_dim, False),
                       (w.gate_up, inter, hidden, True), (w.down, hidden, inter, False)]
@@ -99,7 +101,7 @@ class DecoderStack:
                     raise ValueError(f"DecoderStack: layer {i} norm weights must be contiguous {dtype} [{hidden}]")
             for cache in (w.k_cache, w.v_cache):
                 if (cache.dtype is not dtype or cache.shape != (num_blocks, num_kv_heads, block_elems)
-                        or not cache.is_contiguous() or kv_heads != num_kv_heads):
+                        or not cache.is_contiguous()):
                     raise ValueError(f"DecoderStack: layer {i} caches must be contiguous {dtype} "
                                      f"[{num_blocks}, {num_kv_heads}, block_size * {head_dim}]")
         self.dtype, self.hidden, self.intermediate = dtype, hidden, inter
