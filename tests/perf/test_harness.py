@@ -164,6 +164,16 @@ def test_report_compares_served_with_in_process_engine(tmp_path):
     assert "SplitFuse engine in-process (no server)" in text
 
 
+def test_cpu_model_names_the_family_of_a_generic_model_name(tmp_path):
+    # Zen 4 and Zen 5 virtual machines both say "AMD EPYC"; results must tell them apart.
+    info = tmp_path / "cpuinfo"
+    cpu = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n\n"
+    info.write_text(cpu.format(n=0) + cpu.format(n=1).replace("26", "25"))
+    assert machine.cpu_model(info) == "AMD EPYC (family 26, model 2)"
+    info.write_text("model name\t: Some CPU\n")
+    assert machine.cpu_model(info) == "Some CPU"
+
+
 def test_system_names_carry_budget_and_precision():
     import systems
 
