@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from triton_helpers import GrpcStream, grpc_generate, metric_sum, wait_for
+from triton_helpers import GrpcStream, grpc_generate, metric_sum, settled, wait_for
 
 pytestmark = pytest.mark.serving
 
@@ -65,38 +65,54 @@ def test_http_disconnect_frees_kv_blocks(served):
     _assert_aborted_early(served, before)
 
 
+def _finished(served, reason: str) -> float:
+    return metric_sum(served.metrics_url, "splitfuse_requests_finished_total", reason=reason)
+
+
 def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(served):
     """Triton 2.51 does not forward an ensemble request's cancellation to its decoupled step:
-    the generation keeps its blocks after the client cancels. A `stop` request with the
+    the generation runs to its end after the client cancels. A `stop` request with the
     same request id, sent to `llm` (any replica), aborts it."""
+    # (Once the earlier tests' ends are published: metrics go out every 0.5 s.)
+    aborted, completed = settled(lambda: (_finished(served, "abort"), _finished(served, "length")))
     s = _start(served, "ensemble", "cancel-ensemble")
-    before = _generated(served)
     s.close(cancel=True)
-    # Long enough for a forwarded cancellation to have freed the blocks (it takes milliseconds),
-    # short against the time the tiny model needs for the tokens _assert_aborted_early allows.
-    time.sleep(0.15)
-    assert _used(served) > 0, "Triton now forwards ensemble cancellation: update the docs and this test"
-    r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id="cancel-ensemble")
-    assert r.error is None and r.finish_reason == "abort"
+    # However fast the engine: a forwarded cancellation would end it as an abort, within
+    # milliseconds; it ends at max_tokens.
+    assert wait_for(lambda: _finished(served, "abort") + _finished(served, "length") > aborted + completed,
+                    timeout=60)
+    assert _finished(served, "abort") == aborted, "Triton now forwards ensemble cancellation: update the docs and this test"
+    assert _finished(served, "length") == completed + 1
+    # The stop goes as soon as the stream runs: one round trip, against thousands of tokens.
+    s = _start(served, "ensemble", "stop-ensemble")
+    try:
+        before = _generated(served)
+        r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id="stop-ensemble")
+        assert r.error is None and r.finish_reason == "abort"
+        rest = s.collect(timeout=60)
+        assert rest.error is None and rest.finish_reason == "abort"
+    finally:
+        s.close()
     _assert_aborted_early(served, before)
 
 
 def test_stop_request_reaches_the_replica_that_holds_the_request(served):
     # Several streams, spread over both replicas; each stop lands on whichever replica
     # Triton picks, and each stream still ends with finish_reason "abort".
-    streams = []
-    for i in range(4):
-        s = GrpcStream(served.grpc_url)
-        s.send("ensemble", LONG, request_id=f"stop-me-{i}")
-        assert s.next()[1] is None
-        streams.append(s)
+    streams = [GrpcStream(served.grpc_url) for _ in range(4)]
     try:
-        # Every stop first, all at once: the ensemble's responses can lag the engine, and a stream
-        # still being read, or waiting for its stop, must not finish in the meantime.
+        # The four requests go at once, and each stream's stop as soon as its first token is
+        # back: one round trip, against the thousands of tokens a stream asks for (a stop sent
+        # after the last stream had started came too late for the first one on a fast CPU).
+        for i, s in enumerate(streams):
+            s.send("ensemble", LONG, request_id=f"stop-me-{i}")
         with ThreadPoolExecutor(len(streams)) as pool:
-            acks = list(pool.map(lambda i: grpc_generate(served.grpc_url, "llm", {"stop": True},
-                                                         request_id=f"stop-me-{i}"), range(len(streams))))
-        assert all(r.error is None for r in acks)
+            acks = []
+            for i, s in enumerate(streams):
+                assert s.next()[1] is None
+                acks.append(pool.submit(grpc_generate, served.grpc_url, "llm", {"stop": True},
+                                        request_id=f"stop-me-{i}"))
+            assert all(a.result().error is None for a in acks)
         for s in streams:
             rest = s.collect(timeout=60)
             assert rest.error is None and rest.finish_reason == "abort"
