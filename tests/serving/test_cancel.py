@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from triton_helpers import GrpcStream, grpc_generate, metric_sum, settled, wait_for
+from triton_helpers import GrpcStream, finished_requests, grpc_generate, metric_sum, settled, wait_for
 
 pytestmark = pytest.mark.serving
 
@@ -65,24 +65,22 @@ def test_http_disconnect_frees_kv_blocks(served):
     _assert_aborted_early(served, before)
 
 
-def _finished(served, reason: str) -> float:
-    return metric_sum(served.metrics_url, "splitfuse_requests_finished_total", reason=reason)
-
-
 def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(served):
     """Triton 2.51 does not forward an ensemble request's cancellation to its decoupled step:
     the generation runs to its end after the client cancels. A `stop` request with the
     same request id, sent to `llm` (any replica), aborts it."""
+    def ended() -> tuple[float, float]:
+        return finished_requests(served.metrics_url, "abort"), finished_requests(served.metrics_url, "length")
+
     # (Once the earlier tests' ends are published: metrics go out every 0.5 s.)
-    aborted, completed = settled(lambda: (_finished(served, "abort"), _finished(served, "length")))
+    aborted, completed = settled(ended)
     s = _start(served, "ensemble", "cancel-ensemble")
     s.close(cancel=True)
     # However fast the engine: a forwarded cancellation would end it as an abort, within
     # milliseconds; it ends at max_tokens.
-    assert wait_for(lambda: _finished(served, "abort") + _finished(served, "length") > aborted + completed,
-                    timeout=60)
-    assert _finished(served, "abort") == aborted, "Triton now forwards ensemble cancellation: update the docs and this test"
-    assert _finished(served, "length") == completed + 1
+    assert wait_for(lambda: sum(ended()) > aborted + completed, timeout=60)
+    assert ended() == (aborted, completed + 1), \
+        "Triton now forwards ensemble cancellation: update the docs and this test"
     # The stop goes as soon as the stream runs: one round trip, against thousands of tokens.
     s = _start(served, "ensemble", "stop-ensemble")
     try:

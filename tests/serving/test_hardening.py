@@ -16,7 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_helpers import GrpcStream, InferenceServerException, grpc_generate, metric_sum, metrics, settled, wait_for
+from triton_helpers import (
+    GrpcStream,
+    InferenceServerException,
+    finished_requests,
+    grpc_generate,
+    metric_sum,
+    metrics,
+    settled,
+    wait_for,
+)
 
 pytestmark = pytest.mark.serving
 
@@ -48,10 +57,6 @@ def server(tiny_llama, tmp_path_factory):
     assert code == 0 and not srv.killed, f"tritonserver exit code {code}; log: {srv.log_file}"
 
 
-def _finished(server, reason: str) -> float:
-    return metric_sum(server.metrics_url, "splitfuse_requests_finished_total", reason=reason)
-
-
 def _used(server) -> float:
     return metric_sum(server.metrics_url, "splitfuse_kv_cache_blocks", state="used")
 
@@ -64,7 +69,7 @@ def _generate(server, prompt: str, request_id: str = "", **extra):
 def test_one_request_failing_in_add_abort_sampling_or_its_response_fails_alone(server):
     alone = {p: _generate(server, p) for p in PROMPTS}
     assert all(r.error is None and len(r.output_ids) == 16 for r in alone.values())
-    errors_before = _finished(server, "error")
+    errors_before = finished_requests(server.metrics_url, "error")
 
     def aborted_with_fault():
         # The stop's stream is open before the generation starts: opening one takes long enough
@@ -92,7 +97,7 @@ def test_one_request_failing_in_add_abort_sampling_or_its_response_fails_alone(s
         assert "abort failed" in (abort.result(timeout=60).error or "")
         responded = respond.result(timeout=60)  # its first delta went out, then its error
         assert "could not build the response" in (responded.error or "") and len(responded.output_ids) == 1
-    assert wait_for(lambda: _finished(server, "error") - errors_before == 3)
+    assert wait_for(lambda: finished_requests(server.metrics_url, "error") - errors_before == 3)
     assert wait_for(lambda: _used(server) == 0), "a failed request kept its KV blocks"
     client = grpcclient.InferenceServerClient(server.grpc_url)
     assert client.is_model_ready("llm") and client.is_server_ready()
@@ -108,7 +113,7 @@ def test_new_metrics_on_the_metrics_port(server):
     names = ("splitfuse_preemptions_total", "splitfuse_e2e_request_latency_seconds_count",
              "splitfuse_request_prompt_tokens_sum", "splitfuse_request_generation_tokens_sum")
     before = settled(lambda: {n: metric_sum(server.metrics_url, n) for n in names}, quiet_s=0.7)
-    length_before = _finished(server, "length")
+    length_before = finished_requests(server.metrics_url, "length")
     prompt_ids = [1, 5, 9, 13, 17, 21, 25, 29]
     # Slowed (fault-slow) so that all four are in the engine together: the tiny model alone makes
     # 120 tokens in about the time it takes the next client to connect.
@@ -121,7 +126,7 @@ def test_new_metrics_on_the_metrics_port(server):
     assert wait_for(lambda: after("splitfuse_request_generation_tokens_sum") == 4 * 120), {n: after(n) for n in names}
     assert after("splitfuse_request_prompt_tokens_sum") == 4 * len(prompt_ids)
     assert after("splitfuse_e2e_request_latency_seconds_count") == 4
-    assert _finished(server, "length") - length_before == 4
+    assert finished_requests(server.metrics_url, "length") - length_before == 4
     assert after("splitfuse_preemptions_total") > 0
     reasons = {lab.get("reason") for n, lab, _ in metrics(server.metrics_url)
                if n == "splitfuse_requests_finished_total"}

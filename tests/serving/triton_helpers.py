@@ -210,6 +210,11 @@ def metric_sum(metrics_url: str, name: str, **labels: str) -> float:
                if n == name and all(lab.get(k) == want for k, want in labels.items()))
 
 
+def finished_requests(metrics_url: str, reason: str) -> float:
+    """Requests the llm model finished with `reason` (stop, length, abort, error), all replicas."""
+    return metric_sum(metrics_url, "splitfuse_requests_finished_total", reason=reason)
+
+
 def metric_by_instance(metrics_url: str, name: str, **labels: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for n, lab, v in metrics(metrics_url):
