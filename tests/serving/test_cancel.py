@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from triton_helpers import GrpcStream, finished_requests, grpc_generate, metric_sum, settled, wait_for
@@ -81,16 +80,21 @@ def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(served):
     assert wait_for(lambda: sum(ended()) > aborted + completed, timeout=60)
     assert ended() == (aborted, completed + 1), \
         "Triton now forwards ensemble cancellation: update the docs and this test"
-    # The stop goes as soon as the stream runs: one round trip, against thousands of tokens.
-    s = _start(served, "ensemble", "stop-ensemble")
-    try:
+    # A generation whose client cancelled, stopped at once on a stream opened beforehand (opening
+    # one takes long enough for the tiny model to make many of its tokens): one round trip,
+    # against thousands of tokens. It ends as an abort.
+    # (Not _start: it waits for a metrics publish, up to 0.5 s, while the generation runs on.)
+    assert wait_for(lambda: _used(served) == 0)
+    with GrpcStream(served.grpc_url) as stop:
+        s = GrpcStream(served.grpc_url)
+        s.send("ensemble", LONG, request_id="stop-ensemble")
+        assert s.next()[1] is None
         before = _generated(served)
-        r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id="stop-ensemble")
-        assert r.error is None and r.finish_reason == "abort"
-        rest = s.collect(timeout=60)
-        assert rest.error is None and rest.finish_reason == "abort"
-    finally:
-        s.close()
+        s.close(cancel=True)
+        stop.send("llm", {"stop": True}, request_id="stop-ensemble")
+        r = stop.collect(timeout=60)
+    assert r.error is None and r.finish_reason == "abort"
+    assert wait_for(lambda: ended() == (aborted + 1, completed + 1))
     _assert_aborted_early(served, before)
 
 
@@ -98,24 +102,23 @@ def test_stop_request_reaches_the_replica_that_holds_the_request(served):
     # Several streams, spread over both replicas; each stop lands on whichever replica
     # Triton picks, and each stream still ends with finish_reason "abort".
     streams = [GrpcStream(served.grpc_url) for _ in range(4)]
+    stops = [GrpcStream(served.grpc_url) for _ in streams]
     try:
-        # The four requests go at once, and each stream's stop as soon as its first token is
-        # back: one round trip, against the thousands of tokens a stream asks for (a stop sent
-        # after the last stream had started came too late for the first one on a fast CPU).
+        # The four requests go at once, and each stream's stop, on a stream opened beforehand, as
+        # soon as its first token is back: one round trip, against the thousands of tokens a
+        # stream asks for (a stop sent after the last stream had started, or over a new
+        # connection, could come too late on a fast CPU).
         for i, s in enumerate(streams):
             s.send("ensemble", LONG, request_id=f"stop-me-{i}")
-        with ThreadPoolExecutor(len(streams)) as pool:
-            acks = []
-            for i, s in enumerate(streams):
-                assert s.next()[1] is None
-                acks.append(pool.submit(grpc_generate, served.grpc_url, "llm", {"stop": True},
-                                        request_id=f"stop-me-{i}"))
-            assert all(a.result().error is None for a in acks)
+        for i, (s, stop) in enumerate(zip(streams, stops)):
+            assert s.next()[1] is None
+            stop.send("llm", {"stop": True}, request_id=f"stop-me-{i}")
+        assert all(stop.collect(timeout=60).error is None for stop in stops)
         for s in streams:
             rest = s.collect(timeout=60)
             assert rest.error is None and rest.finish_reason == "abort"
     finally:
-        for s in streams:
+        for s in streams + stops:
             s.close()
     assert wait_for(lambda: _used(served) == 0)
 
