@@ -7,6 +7,7 @@ import socket
 import time
 
 import pytest
+from conftest import ENGINE_PARAMS, INSTANCES, fault_server
 from triton_helpers import GrpcStream, finished_requests, grpc_generate, metric_sum, settled, wait_for
 
 pytestmark = pytest.mark.serving
@@ -98,29 +99,40 @@ def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(served):
     _assert_aborted_early(served, before)
 
 
-def test_stop_request_reaches_the_replica_that_holds_the_request(served):
+@pytest.fixture(scope="module")
+def slow_replicas(tiny_llama, tmp_path_factory):
+    """Two replicas whose generations can be slowed by request id (fault_model.py's fault-slow:
+    20 ms a step): the tiny model alone makes thousands of tokens a second, so a stop could
+    otherwise arrive after the generation it was meant for had ended."""
+    with fault_server(tiny_llama, ENGINE_PARAMS, tmp_path_factory.mktemp("slow"), instances=INSTANCES) as server:
+        yield server
+        server.stop()
+
+
+def test_stop_request_reaches_the_replica_that_holds_the_request(slow_replicas):
     # Several streams, spread over both replicas; each stop lands on whichever replica
-    # Triton picks, and each stream still ends with finish_reason "abort".
-    streams = [GrpcStream(served.grpc_url) for _ in range(4)]
-    stops = [GrpcStream(served.grpc_url) for _ in streams]
+    # Triton picks, and each stream still ends with finish_reason "abort". Slowed, the
+    # 3000 tokens would take a minute: only the stop can end them in time.
+    server = slow_replicas
+    streams = [GrpcStream(server.grpc_url) for _ in range(4)]
     try:
-        # The four requests go at once, and each stream's stop, on a stream opened beforehand, as
-        # soon as its first token is back: one round trip, against the thousands of tokens a
-        # stream asks for (a stop sent after the last stream had started, or over a new
-        # connection, could come too late on a fast CPU).
         for i, s in enumerate(streams):
-            s.send("ensemble", LONG, request_id=f"stop-me-{i}")
-        for i, (s, stop) in enumerate(zip(streams, stops)):
-            assert s.next()[1] is None
-            stop.send("llm", {"stop": True}, request_id=f"stop-me-{i}")
-        assert all(stop.collect(timeout=60).error is None for stop in stops)
+            s.send("ensemble", LONG, request_id=f"fault-slow-stop-me-{i}")
+        for s in streams:
+            assert s.next()[1] is None  # generating
+        for i in range(len(streams)):
+            r = grpc_generate(server.grpc_url, "llm", {"stop": True}, request_id=f"fault-slow-stop-me-{i}")
+            assert r.error is None and r.finish_reason == "abort"
         for s in streams:
             rest = s.collect(timeout=60)
             assert rest.error is None and rest.finish_reason == "abort"
     finally:
-        for s in streams + stops:
+        for s in streams:
             s.close()
-    assert wait_for(lambda: _used(served) == 0)
+    assert wait_for(lambda: _used(server) == 0)
+    # Each replica ended its share as aborts, none at max_tokens.
+    assert wait_for(lambda: finished_requests(server.metrics_url, "abort") == len(streams))
+    assert finished_requests(server.metrics_url, "length") == 0
 
 
 def test_stop_does_not_hit_a_later_request_with_the_same_id(served):

@@ -10,12 +10,12 @@ last test checks that the model and the server then report not ready.
 
 from __future__ import annotations
 
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tritonclient.grpc as grpcclient
+from conftest import fault_server
 from triton_helpers import (
     GrpcStream,
     InferenceServerException,
@@ -38,19 +38,7 @@ PROMPTS = ["hello world", "the quick brown fox", "a lazy dog sleeps"]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    from splitfuse.launcher import default_template_dir, find_tritonserver, serve
-
-    try:
-        find_tritonserver()
-    except FileNotFoundError as e:
-        pytest.skip(f"no tritonserver: {e}")
-    work = tmp_path_factory.mktemp("faults")
-    template = work / "template"
-    shutil.copytree(default_template_dir(), template, ignore=shutil.ignore_patterns("__pycache__"))
-    version = template / "llm" / "1"
-    (version / "model.py").rename(version / "llm_model.py")
-    shutil.copy(__file__.replace("test_hardening.py", "fault_model.py"), version / "model.py")
-    with serve(tiny_llama, PARAMS, workdir=work / "run", template_dir=template, exit_timeout_s=10) as srv:
+    with fault_server(tiny_llama, PARAMS, tmp_path_factory.mktemp("faults"), exit_timeout_s=10) as srv:
         yield srv
         code = srv.stop()
     # finalize() returned and Triton unloaded the model even after the engine broke.
