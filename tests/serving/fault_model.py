@@ -1,7 +1,8 @@
-"""The `llm` model with faults injected by request id, for test_hardening.py.
+"""The `llm` model with faults injected by request id, for the serving tests.
 
-test_hardening.py renders a repository whose llm/1/model.py is this file and puts the real
-model beside it as llm_model.py. A client request id starting with
+conftest.fault_server renders a repository whose llm/1/model.py is this file and puts the real
+model beside it as llm_model.py (for test_hardening.py, and test_cancel.py's two slowed replicas).
+A client request id starting with
     fault-add     makes adding the request to the engine raise,
     fault-abort   makes aborting it raise (stop it with a `stop` request),
     fault-sample  makes sampling any batch that holds it raise,
