@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
-from workload import draw_lengths  # noqa: E402
+from workload import add_workload_args, draw_lengths, ensure_model  # noqa: E402
 
 from splitfuse.config import EngineConfig  # noqa: E402
 from splitfuse.engine_loop import EngineLoop  # noqa: E402
@@ -105,20 +105,13 @@ def run(model_dir: str, params: dict[str, str], clients: int, num_requests: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=str(HERE / ".cache" / "bench-llama"))
+    add_workload_args(ap, num_requests=192, prompt_mean=512, gen_mean=64)
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--num-requests", type=int, default=192)
-    ap.add_argument("--prompt-mean", type=float, default=512)
-    ap.add_argument("--gen-mean", type=float, default=64)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                     help="an engine parameter (defaults here: token_budget=256, enable_prefix_caching=false)")
     ap.add_argument("--name", default="closed-loop")
     args = ap.parse_args()
-    if not Path(args.model_dir, "config.json").exists():
-        from splitfuse.demo_model import build_model
-
-        build_model(args.model_dir, arch="llama", size="bench")
+    ensure_model(args.model_dir, "bench")
     params = {"token_budget": "256", "enable_prefix_caching": "false"}
     for item in args.param:
         name, _, value = item.partition("=")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from workload import draw_lengths  # noqa: E402
+from workload import add_workload_args, draw_lengths  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
 from systems import PRECISIONS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, check_precision, precision_of  # noqa: E402
 from roofline import Roofline, flops_per_request, floor_seconds  # noqa: E402
@@ -105,11 +105,7 @@ def run_vllm(model_dir: str, reqs: list[dict], vllm_python: str, threads_bind: s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=str(HERE / ".cache" / "bench-llama"))
-    ap.add_argument("--num-requests", type=int, default=48)
-    ap.add_argument("--prompt-mean", type=float, default=600)
-    ap.add_argument("--gen-mean", type=float, default=60)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap, num_requests=48, prompt_mean=600, gen_mean=60)
     ap.add_argument("--systems", default="ours,vllm_2c",
                     help="comma list of ours, vllm (its own binding), vllm_2c, each optionally :bf16, or for ours "
                          "another precision of systems.PRECISIONS (:int8, :int8-bf16, ...)")

@@ -169,6 +169,19 @@ def model_info(model_dir: str) -> dict:
     }
 
 
+BENCH_MODEL_DIR = Path(__file__).resolve().parent / ".cache" / "bench-llama"
+
+
+def add_workload_args(ap: Any, num_requests: int, prompt_mean: float, gen_mean: float) -> None:
+    """The offline benchmarks' workload options (an argparse parser): the checkpoint, how many
+    requests, their length means and the seed they are drawn from."""
+    ap.add_argument("--model-dir", default=str(BENCH_MODEL_DIR))
+    ap.add_argument("--num-requests", type=int, default=num_requests)
+    ap.add_argument("--prompt-mean", type=float, default=prompt_mean)
+    ap.add_argument("--gen-mean", type=float, default=gen_mean)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def ensure_model(model_dir: str, size: str) -> None:
     if not (Path(model_dir) / "config.json").is_file():
         print(f"[workload] building the {size} checkpoint in {model_dir}")
