@@ -2,10 +2,10 @@
 
     .venv/bin/python perf/engine_closed_loop.py --clients 32 --num-requests 192 --param dtype=bfloat16
 
-N clients run the FastGen workload (`workload.draw_lengths`: prompts ~N(512, 30%), generations
-~N(64, 30%), random token ids, greedy, ignore_eos) against an `EngineLoop` in this process. A
-client's next request is submitted from the callback that receives its previous one's final
-output, so no client thread takes CPU from the engine (run_all.py's in-process `engine` systems
+N clients run the FastGen workload (`workload.random_id_requests`: prompts ~N(512, 30%),
+generations ~N(64, 30%), random token ids; greedy, ignore_eos) against an `EngineLoop` in this
+process. A client's next request is submitted from the callback that receives its previous one's
+final output, so no client thread takes CPU from the engine (run_all.py's in-process `engine` systems
 time every token on client threads; a served run adds tritonserver, the stub's delivery and a
 client process). Reported: requests per second from the first submit to the last final output, and
 the engine's steps split into decode-only ones and ones with prompt tokens. Written to
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
-from workload import add_workload_args, draw_lengths, ensure_model  # noqa: E402
+from workload import add_workload_args, ensure_model, random_id_requests  # noqa: E402
 
 from splitfuse.config import EngineConfig  # noqa: E402
 from splitfuse.engine_loop import EngineLoop  # noqa: E402
@@ -39,12 +38,8 @@ def run(model_dir: str, params: dict[str, str], clients: int, num_requests: int,
     config = EngineConfig.from_strings({"model": model_dir, **params})
     steps: list = []
     loop = EngineLoop(config, on_step=steps.append)
-    engine = loop.start()
-    vocab = engine.vocab_size  # the ids prompts may hold
-    rng = random.Random(seed)
-    prompts = draw_lengths(num_requests, prompt_mean, 0.3, 8, 1800, rng)
-    gens = draw_lengths(num_requests, gen_mean, 0.3, 2, 200, rng)
-    requests = [([rng.randrange(4, vocab) for _ in range(p)], g) for p, g in zip(prompts, gens)]
+    loop.start()
+    requests = random_id_requests(model_dir, num_requests, prompt_mean, gen_mean, seed)
 
     lock = threading.Lock()
     state = {"next": 0, "finished": 0, "last_end": 0.0}
@@ -56,8 +51,9 @@ def run(model_dir: str, params: dict[str, str], clients: int, num_requests: int,
             if i >= len(requests):
                 return
             state["next"] = i + 1
-        prompt, gen = requests[i]
-        loop.submit(f"r{i}", prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True), on_output)
+        r = requests[i]
+        loop.submit(f"r{i}", r["prompt"], SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True),
+                    on_output)
 
     def on_output(out) -> None:
         if not out.finished:

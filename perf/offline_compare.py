@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -34,22 +33,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from workload import add_workload_args, draw_lengths  # noqa: E402
+from workload import add_workload_args, random_id_requests  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
 from systems import PRECISIONS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, check_precision, precision_of  # noqa: E402
 from roofline import Roofline, flops_per_request, floor_seconds  # noqa: E402
 
 RESULTS = HERE / "results" / "offline"
-
-
-def make_requests(model_dir: str, n: int, prompt_mean: float, gen_mean: float, seed: int) -> list[dict]:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    vocab = int(cfg["vocab_size"])
-    rng = random.Random(seed)
-    prompts = draw_lengths(n, prompt_mean, 0.3, 8, 1800, rng)
-    gens = draw_lengths(n, gen_mean, 0.3, 2, 200, rng)
-    # Ids above the few special tokens; random, so no two prompts share a prefix.
-    return [{"prompt": [rng.randrange(4, vocab) for _ in range(p)], "max_tokens": g} for p, g in zip(prompts, gens)]
 
 
 def single_stream(reqs: list[dict]) -> list[dict]:
@@ -118,7 +107,7 @@ def main() -> None:
         from splitfuse.demo_model import build_model
 
         build_model(args.model_dir, arch="llama", size="bench")
-    reqs = make_requests(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)
+    reqs = random_id_requests(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)
     # vLLM's runs have prefix caching off (vllm_offline.py); so do ours unless --param says otherwise
     # (the single-stream runs repeat a prompt of the batch).
     params = {"enable_prefix_caching": "false", **dict(p.split("=", 1) for p in args.param)}

@@ -169,6 +169,17 @@ def model_info(model_dir: str) -> dict:
     }
 
 
+def random_id_requests(model_dir: str, n: int, prompt_mean: float, gen_mean: float, seed: int) -> list[dict]:
+    """The offline benchmarks' requests: {"prompt": token ids, "max_tokens": n} with lengths drawn
+    like the served workload's, and random ids above the few special tokens, so that no two
+    prompts share a prefix (no text, no tokenizer)."""
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    rng = random.Random(seed)
+    prompts = draw_lengths(n, prompt_mean, VARIANCE, 8, 1800, rng)
+    gens = draw_lengths(n, gen_mean, VARIANCE, 2, 200, rng)
+    return [{"prompt": [rng.randrange(4, vocab) for _ in range(p)], "max_tokens": g} for p, g in zip(prompts, gens)]
+
+
 BENCH_MODEL_DIR = Path(__file__).resolve().parent / ".cache" / "bench-llama"
 
 

@@ -267,16 +267,12 @@ def test_tiny_sweep_against_in_process_engine(tiny_llama):
 
 
 def test_engine_closed_loop_runs_every_request_to_its_length(tiny_llama):
-    import random
-
     from engine_closed_loop import run
-    from workload import draw_lengths
 
     result = run(tiny_llama, {"token_budget": "64", "enable_prefix_caching": "false"}, clients=3, num_requests=7,
                  prompt_mean=40, gen_mean=6, seed=1, timeout_s=120)
-    rng = random.Random(1)
-    prompts, gens = draw_lengths(7, 40, 0.3, 8, 1800, rng), draw_lengths(7, 6, 0.3, 2, 200, rng)
-    assert result["prompt_tokens_computed"] == sum(prompts)
-    assert result["tokens_generated"] == sum(gens)
+    requests = workload.random_id_requests(tiny_llama, 7, 40, 6, seed=1)
+    assert result["prompt_tokens_computed"] == sum(len(r["prompt"]) for r in requests)
+    assert result["tokens_generated"] == sum(r["max_tokens"] for r in requests)
     steps = result["decode_only_steps"]["steps"] + result["steps_with_prompt_tokens"]["steps"]
     assert steps > 0 and result["requests_per_s"] > 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -89,9 +91,6 @@ def fault_server(model_dir: str, params: dict[str, str], workdir, instances: int
     """A server whose llm model is fault_model.py (faults and slow steps injected by request id,
     see its docstring), the real model beside it; yields the server, still running."""
     _need_tritonserver()
-    import shutil
-    from pathlib import Path
-
     from splitfuse.launcher import default_template_dir, serve
 
     template = Path(workdir) / "template"
