@@ -82,6 +82,10 @@ def render_model_repository(
     def edit_llm(cfg) -> None:
         for key, value in params.items():
             cfg.parameters[key].string_value = str(value)
+        if instances > 1 and cfg.parameters["num_threads"].string_value in ("", "0"):
+            # Replicas share the machine: each engine's OpenMP team gets its share of the cores
+            # (N replicas of one thread per core would oversubscribe every core N times).
+            cfg.parameters["num_threads"].string_value = str(replica_threads(instances))
         values = {k: v.string_value for k, v in cfg.parameters.items()}
         _check_filled(LLM_MODEL, values)
         EngineConfig.from_strings(values)  # raises ValueError naming the bad field
@@ -100,6 +104,12 @@ def render_model_repository(
     if (out / PREPROCESSING_MODEL / "config.pbtxt").is_file():
         edit(PREPROCESSING_MODEL, edit_pre)
     return out
+
+
+def replica_threads(instances: int) -> int:
+    """`num_threads` of each of `instances` engine replicas when none is given: the cores this
+    process may use, shared evenly."""
+    return max(1, len(os.sched_getaffinity(0)) // instances)
 
 
 def _check_filled(model: str, values: Mapping[str, str]) -> None:

@@ -55,6 +55,19 @@ def test_render_fills_model_params_and_instances(tiny_llama, tmp_path):
     assert (repo / "ensemble" / "1").is_dir() and (repo / "llm" / "1" / "model.py").is_file()
 
 
+def test_render_shares_the_cores_among_replicas(tiny_llama, tmp_path):
+    """Without a num_threads, N replicas get the cores / N each (at least one); one that is given stays."""
+    def threads(**kw) -> str:
+        repo = render_model_repository(tmp_path / str(len(list(tmp_path.iterdir()))), tiny_llama, **kw)
+        return _config(repo, "llm").parameters["num_threads"].string_value
+
+    cores = len(os.sched_getaffinity(0))
+    assert threads(instances=2) == str(max(1, cores // 2))
+    assert threads(instances=4 * cores) == "1"
+    assert threads(params={"num_threads": "3"}, instances=2) == "3"
+    assert threads() == "0"
+
+
 def test_render_rejects_bad_parameters(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="unknown engine parameter"):
         render_model_repository(tmp_path / "a", tiny_llama, {"token_budgte": "64"})
