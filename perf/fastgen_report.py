@@ -10,8 +10,8 @@ from pathlib import Path
 from fastgen_metrics import EMA_SPAN, SLA_GEN_RATES, SLA_PROMPT_TOKENS_PER_S, RequestRecord, percentile, summarize, \
     token_gen_times, ttft
 from fastgen_plots import make_plots
-from systems import (BUDGETED, ENGINE_SYSTEM, TRITON_POLICIES, VLLM_DTYPES, base_of, float_twin, label_of, order_key,
-                     precision_of)
+from systems import (BUDGETED, ENGINE_SYSTEM, REPLICATED, TRITON_SYSTEMS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, float_twin,
+                     label_of, order_key, precision_of)
 
 # Supplementary first-token SLA: prompt_tokens / 128 s. The blog's 512 tokens/s is a small share
 # of a GPU's prefill rate; our engine prefills ~1000 tokens/s on 2 CPU cores, so under the blog's
@@ -67,7 +67,9 @@ def _fmt(v, nd=3) -> str:
 
 def _server_desc(server: dict) -> str:
     if server.get("kind") == "triton":
-        return (f"python -m splitfuse.server (model {server.get('model')}) "
+        instances = server.get("instances", 1)
+        return (f"python -m splitfuse.server (model {server.get('model')})"
+                + (f" --instances {instances}" if instances > 1 else "") + " "
                 + " ".join(f"--param {k}={v}" for k, v in server.get("params", {}).items()))
     if server.get("kind") == "openai":
         env = " ".join(f"{k}={v}" for k, v in server.get("env", {}).items())
@@ -180,6 +182,54 @@ def headline(rows: list[dict], token_clients: int, prefix: str = "") -> dict:
     return best
 
 
+def _target_rows(best: dict, rows: list[dict], meta: dict, sf_name: str, token_clients: int) -> list[str]:
+    """The target table's rows for one of our systems (`sf_name`) against the peers, and against
+    the same engine in-process (our low-precision systems have rows of their own)."""
+    out: list[str] = []
+    # vLLM: the CPU fast-path issue's targets (1.5x its effective and raw throughput, single-stream
+    # inter-token latency p50 no worse); prefill_first: the FastGen blog's.
+    targets = {"prefill_first": (1.5, 0.5), "orca": (None, None), **{b: (None, None) for b in REPLICATED},
+               "splitfuse": (None, None), **{v: (1.5, 1.0) for v in VLLM_SYSTEMS}}
+    for other in sorted(best, key=order_key):
+        if other == sf_name:
+            continue
+        if base_of(other) == ENGINE_SYSTEM:  # the same engine without the server: what serving costs
+            if precision_of(other) == precision_of(sf_name):
+                out.extend(_serving_cost_rows(rows, sf_name, other, token_clients))
+            continue
+        if base_of(other) in TRITON_SYSTEMS and precision_of(other):
+            continue
+        me = _same_precision(sf_name, other)
+        if me not in best:
+            continue
+        sf = best[me]
+        thr_target, lat_target = targets[base_of(other)]
+        for r in SLA_GEN_RATES:
+            ratio = _ratio(sf[f"{r:g}"][0], best[other][f"{r:g}"][0])
+            tgt = f">= {thr_target:g}x" if thr_target else "(info)"
+            met = "-" if thr_target is None or ratio is None else ("yes" if ratio >= thr_target else "no")
+            out.append(f"| {me} / {other}: max effective throughput @{r:g} tok/s | "
+                       f"{_fmt(ratio, 2)}x | {tgt} | {met} |")
+        if base_of(other) in VLLM_SYSTEMS:
+            ratio = _ratio(sf["max_throughput"], best[other]["max_throughput"])
+            met = "-" if ratio is None else ("yes" if ratio >= thr_target else "no")
+            out.append(f"| {me} / {other}: max raw throughput | {_fmt(ratio, 2)}x | >= {thr_target:g}x | {met} |")
+            floor = _floor_rps(meta, other)
+            if floor is not None:
+                out.append(f"| floor / {other}: max raw throughput (the most any engine computing in "
+                           f"{VLLM_DTYPES[precision_of(other)]} could show here; see Roofline) | "
+                           f"{_fmt(_ratio(floor, best[other]['max_throughput']), 2)}x | (bound) | - |")
+            ratio = _ratio(sf["p50_token_1client_s"], best[other]["p50_token_1client_s"])
+            met = "-" if ratio is None else ("yes" if ratio <= 1.0 else "no")
+            out.append(f"| {me} / {other}: P50 token latency @1 client | {_fmt(ratio, 2)}x | <= 1x | {met} |")
+        ratio = _ratio(sf["p95_token_s"], best[other]["p95_token_s"])
+        tgt = f"<= {lat_target:g}x" if lat_target else "(info)"
+        met = "-" if lat_target is None or ratio is None else ("yes" if ratio <= lat_target else "no")
+        out.append(f"| {me} / {other}: P95 token latency @{token_clients} clients | {_fmt(ratio, 2)}x | "
+                   f"{tgt} | {met} |")
+    return out
+
+
 def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], token_clients: int,
                   relaxed_prompt_tps: float | None = None, headline_system: str | None = None) -> Path:
     mach, model, wl = meta["machine"], meta["model"], meta["workload"]
@@ -238,61 +288,25 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
         lines.append(f"| {label_of(s)} | {_fmt(b['max_throughput'])} | " + " | ".join(cells) +
                      f" | {_fmt(p95 * 1e3 if p95 is not None else None, 0)} ms |")
     lines.append("")
-    sf_name = headline_system if headline_system in best else next(
-        (x for x in sorted(best, key=order_key) if base_of(x) == "splitfuse"), None)
-    if sf_name is not None:
+    wanted = [h.strip() for h in (headline_system or "").split(",") if h.strip() in best]
+    fallback = next((x for x in sorted(best, key=order_key) if base_of(x) == "splitfuse"), None)
+    headliners = wanted or ([fallback] if fallback is not None else [])
+    if headliners:
         lines.append("### Against the targets\n")
         lines.append("| comparison | measured | target | met |")
         lines.append("|---|---|---|---|")
-        # vLLM: the CPU fast-path issue's targets (1.5x its effective and raw throughput, single-stream
-        # inter-token latency p50 no worse); prefill_first: the FastGen blog's.
-        targets = {"prefill_first": (1.5, 0.5), "vllm": (1.5, 1.0), "vllm_2c": (1.5, 1.0), "orca": (None, None),
-                   "splitfuse": (None, None)}
-        for other in sorted(best, key=order_key):
-            if other == sf_name:
-                continue
-            if base_of(other) == ENGINE_SYSTEM:  # the same engine without the server: what serving costs
-                if precision_of(other) == precision_of(sf_name):
-                    lines.extend(_serving_cost_rows(rows, sf_name, other, token_clients))
-                continue
-            if base_of(other) in TRITON_POLICIES and precision_of(other):
-                lines.extend(_precision_rows(best, other))
-                continue
-            me = _same_precision(sf_name, other)
-            if me not in best:
-                continue
-            sf = best[me]
-            thr_target, lat_target = targets[base_of(other)]
-            for r in SLA_GEN_RATES:
-                ratio = _ratio(sf[f"{r:g}"][0], best[other][f"{r:g}"][0])
-                tgt = f">= {thr_target:g}x" if thr_target else "(info)"
-                met = "-" if thr_target is None or ratio is None else ("yes" if ratio >= thr_target else "no")
-                lines.append(f"| {me} / {other}: max effective throughput @{r:g} tok/s | "
-                             f"{_fmt(ratio, 2)}x | {tgt} | {met} |")
-            if base_of(other) in ("vllm", "vllm_2c"):
-                ratio = _ratio(sf["max_throughput"], best[other]["max_throughput"])
-                met = "-" if ratio is None else ("yes" if ratio >= thr_target else "no")
-                lines.append(f"| {me} / {other}: max raw throughput | {_fmt(ratio, 2)}x | >= {thr_target:g}x | {met} |")
-                floor = _floor_rps(meta, other)
-                if floor is not None:
-                    lines.append(f"| floor / {other}: max raw throughput (the most any engine computing in "
-                                 f"{VLLM_DTYPES[precision_of(other)]} could show here; see Roofline) | "
-                                 f"{_fmt(_ratio(floor, best[other]['max_throughput']), 2)}x | (bound) | - |")
-                ratio = _ratio(sf["p50_token_1client_s"], best[other]["p50_token_1client_s"])
-                met = "-" if ratio is None else ("yes" if ratio <= 1.0 else "no")
-                lines.append(f"| {me} / {other}: P50 token latency @1 client | {_fmt(ratio, 2)}x | <= 1x | {met} |")
-            ratio = _ratio(sf["p95_token_s"], best[other]["p95_token_s"])
-            tgt = f"<= {lat_target:g}x" if lat_target else "(info)"
-            met = "-" if lat_target is None or ratio is None else ("yes" if ratio <= lat_target else "no")
-            lines.append(f"| {me} / {other}: P95 token latency @{token_clients} clients | {_fmt(ratio, 2)}x | "
-                         f"{tgt} | {met} |")
+        for low in sorted(best, key=order_key):  # each against its float32 twin
+            if base_of(low) in TRITON_SYSTEMS and precision_of(low):
+                lines.extend(_precision_rows(best, low))
+        for sf_name in headliners:
+            lines.extend(_target_rows(best, rows, meta, sf_name, token_clients))
         lines.append("")
     lines.extend(_roofline_lines(best, meta))
     if relaxed_prompt_tps:
         rbest = headline(rows, token_clients, prefix="relaxed_")
         lines.append(f"### Supplementary: first-token SLA relaxed to prompt_tokens / {relaxed_prompt_tps:g} s\n")
         ours = [c["prefill_tps"] for s_, c in single_request_costs(meta.get("_records_by_system", {})).items()
-                if base_of(s_) in TRITON_POLICIES]
+                if base_of(s_) in TRITON_SYSTEMS]
         sla = SLA_PROMPT_TOKENS_PER_S
         rate = (f"a lone request sees {min(ours):.0f}-{max(ours):.0f} prompt tokens/s from our engine (table "
                 f"below), only {min(ours) / sla:.1f}-{max(ours) / sla:.1f}x the blog's {sla:g} tokens/s deadline "
@@ -310,7 +324,7 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
             lines.append("")
             for other in sorted(rbest, key=order_key):
                 me = _same_precision(sf_r, other)
-                if other == me or me not in rbest or (base_of(other) in TRITON_POLICIES and precision_of(other)):
+                if other == me or me not in rbest or (base_of(other) in TRITON_SYSTEMS and precision_of(other)):
                     continue
                 ratios = [_fmt(_ratio(rbest[me][f"{r:g}"][0], rbest[other][f"{r:g}"][0]), 2) + "x"
                           for r in SLA_GEN_RATES]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from closed_loop import sweep
 from drivers import EngineDriver, OpenAIDriver, TritonDriver, TritonHttpDriver
-from systems import ENGINE_SYSTEM, PRECISIONS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, budget_of, file_stem, precision_of
+from systems import (PRECISIONS, VLLM_DTYPES, VLLM_SERVER_ARGS, VLLM_SYSTEMS, base_of, budget_of, file_stem, policy_of,
+                     precision_of, replicas_of)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,11 +32,13 @@ def _free_port() -> int:
 
 # ------------------------------------------------------------------------------------ systems
 def engine_params(system: str, args) -> dict[str, str]:
-    """Our engine's parameters for a system: its policy, token budget and precision, then --param.
-    Prefix caching is off, as in vLLM's runs (`--no-enable-prefix-caching`), unless --param turns it on."""
-    policy = "splitfuse" if base_of(system) == ENGINE_SYSTEM else base_of(system)
-    params = {"scheduler_policy": policy, "token_budget": str(budget_of(system) or args.token_budget),
+    """Our engine's parameters for a system: its policy, token budget and precision (and for a
+    replicated system each replica's share of the cores), then --param. Prefix caching is off, as
+    in vLLM's runs (`--no-enable-prefix-caching`), unless --param turns it on."""
+    params = {"scheduler_policy": policy_of(system), "token_budget": str(budget_of(system) or args.token_budget),
               "enable_prefix_caching": "false", **PRECISIONS[precision_of(system)]}
+    if replicas_of(system) > 1:
+        params["num_threads"] = str(max(1, (os.cpu_count() or 1) // replicas_of(system)))
     for item in args.param:
         k, _, v = item.partition("=")
         params[k] = v
@@ -78,7 +81,8 @@ def run_triton(system: str, args, specs, clients) -> dict:
         log(f"{system}: starting tritonserver ({params})")
         t0 = time.time()
         try:
-            with serve(args.model_dir, params, workdir=workdir, ready_timeout_s=600) as srv:
+            with serve(args.model_dir, params, instances=replicas_of(system), workdir=workdir,
+                       ready_timeout_s=600) as srv:
                 log(f"{system}: ready in {time.time() - t0:.0f}s at {srv.http_url} (HTTP), {srv.grpc_url} (gRPC)")
                 driver = triton_driver(srv, args)
                 warmup = args.warmup
@@ -115,7 +119,7 @@ def run_triton(system: str, args, specs, clients) -> dict:
     return {"points": points, "wall_s": time.time() - t_sweep, "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "server_exits": crashes,
             "server": {"kind": "triton", "model": args.triton_model, "protocol": args.triton_protocol,
-                       "params": params}}
+                       "instances": replicas_of(system), "params": params}}
 
 
 def triton_driver(srv, args):
@@ -156,7 +160,8 @@ def run_vllm(system: str, args, specs, clients) -> dict:
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(args.model_dir).resolve()),
            "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", VLLM_DTYPES[precision_of(system)], "--max-model-len", str(args.max_model_len),
-           "--no-enable-prefix-caching", "--disable-log-stats", *args.vllm_arg]
+           "--no-enable-prefix-caching", "--disable-log-stats", *VLLM_SERVER_ARGS.get(base_of(system), []),
+           *args.vllm_arg]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_gib))
     env.pop("VIRTUAL_ENV", None)

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from workload import add_workload_args, random_id_requests  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
-from systems import PRECISIONS, VLLM_DTYPES, VLLM_SYSTEMS, base_of, check_precision, precision_of  # noqa: E402
+from systems import PRECISIONS, VLLM_DTYPES, VLLM_SERVER_ARGS, VLLM_SYSTEMS, base_of, check_precision, precision_of  # noqa: E402
 from roofline import Roofline, flops_per_request, floor_seconds  # noqa: E402
 
 RESULTS = HERE / "results" / "offline"
@@ -123,8 +123,8 @@ def main() -> None:
     for system in args.systems.split(","):
         print(f"[offline] {system} ...", flush=True)
         base, precision = base_of(system), precision_of(system)
-        if base not in ("ours", *VLLM_SYSTEMS):
-            raise SystemExit(f"unknown system {system!r}")
+        if base not in ("ours", *VLLM_SYSTEMS) or base in VLLM_SERVER_ARGS:
+            raise SystemExit(f"unknown system {system!r} (served-only systems: {', '.join(VLLM_SERVER_ARGS)})")
         try:
             check_precision(system, vllm=base in VLLM_SYSTEMS)
         except ValueError as e:

@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", default=str(HERE / ".cache" / "run"))
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--headline-system", default=None,
-                    help="our system the targets table compares (default: the first splitfuse system)")
+                    help="our system(s) the targets table compares, comma-separated "
+                         "(default: the first splitfuse system)")
     ap.add_argument("--relaxed-prompt-tps", type=float, default=RELAXED_PROMPT_TPS,
                     help="supplementary first-token SLA (tokens/s); 0 to leave it out")
     ap.add_argument("--note", action="append", default=[], help="line added to the summary's run notes")

@@ -204,6 +204,47 @@ def test_report_compares_each_precision_with_its_own(tmp_path):
         assert across not in text
 
 
+def test_replicated_systems_serve_with_instances_on_a_share_of_the_cores():
+    """splitfuse_r2: our server with two llm replicas, each engine on half the cores; vllm_dp2:
+    vLLM with two data-parallel engines, one core each (served only)."""
+    import argparse
+    import os
+
+    import fastgen_servers
+    import systems
+
+    s = "splitfuse_r2@256:bf16"
+    assert (systems.base_of(s), systems.budget_of(s), systems.precision_of(s)) == ("splitfuse_r2", 256, "bf16")
+    assert (systems.policy_of(s), systems.replicas_of(s)) == ("splitfuse", 2)
+    assert (systems.policy_of("engine@256"), systems.replicas_of("engine@256")) == ("splitfuse", 1)
+    assert (systems.policy_of("prefill_first"), systems.replicas_of("splitfuse@256")) == ("prefill_first", 1)
+    args = argparse.Namespace(token_budget=512, param=[])
+    params = fastgen_servers.engine_params(s, args)
+    assert params["scheduler_policy"] == "splitfuse" and params["token_budget"] == "256"
+    assert params["num_threads"] == str(max(1, (os.cpu_count() or 1) // 2)) and params["dtype"] == "bfloat16"
+    assert "num_threads" not in fastgen_servers.engine_params("splitfuse@256", args)
+    assert systems.float_twin(s) == "splitfuse_r2@256" and systems.file_stem(s) == "splitfuse_r2_b256_bf16"
+    assert systems.label_of(s) == "SplitFuse (ours), 2 replicas, budget 256, bf16"
+    assert systems.VLLM_SERVER_ARGS["vllm_dp2"] == ["--data-parallel-size", "2"]
+    assert systems.VLLM_SYSTEMS["vllm_dp2"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    systems.check_precision("vllm_dp2:bf16", vllm=True)
+    assert systems.order_key("splitfuse@256:bf16") < systems.order_key(s) < systems.order_key("vllm_dp2:bf16")
+
+
+def test_report_compares_every_headline_system_with_the_peers(tmp_path):
+    """--headline-system takes several of our systems: each gets its rows against every peer, and
+    the float32 twins' precision rows appear once."""
+    _synthetic_raw(tmp_path, names=("splitfuse", "splitfuse:bf16", "splitfuse_r2:bf16", "vllm_2c:bf16",
+                                    "vllm_dp2:bf16"))
+    text = fastgen_report.report(tmp_path, token_clients=2,
+                                 headline_system="splitfuse:bf16,splitfuse_r2:bf16").read_text()
+    # Gaps 50 .. 250 ms for the five systems, in that order.
+    assert "| splitfuse:bf16 / vllm_dp2:bf16: P95 token latency @2 clients | 0.40x | <= 1x | yes |" in text
+    assert "| splitfuse_r2:bf16 / vllm_2c:bf16: P95 token latency @2 clients | 0.75x | <= 1x | yes |" in text
+    assert "| splitfuse_r2:bf16 / vllm_dp2:bf16: max raw throughput | " in text
+    assert text.count("| splitfuse:bf16 / splitfuse: max raw throughput | ") == 1
+
+
 def _check_sweep_point(p: dict) -> None:
     """Every request of a point (per_client=2, min_requests=2) completed with exactly its drawn
     lengths, as the server counted them, its tokens timed between its start and end."""
