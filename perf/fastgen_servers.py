@@ -130,6 +130,33 @@ def triton_driver(srv, args):
     return TritonHttpDriver(srv.http_url, args.triton_model)
 
 
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text() if d.name.isdigit() else ""
+        except OSError:
+            continue
+        if stat and int(stat[stat.rindex(")") + 2:].split()[3]) == sid:
+            pids.append(int(d.name))
+    return pids
+
+
+def _end_session(sid: int, timeout_s: float = 30.0) -> None:
+    """Wait for every process of the server's session to exit (vLLM's data-parallel engine
+    processes outlive its API server for a while, and would take CPU from the next system),
+    killing what is left after `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while _session_pids(sid) and time.time() < deadline:
+        time.sleep(0.5)
+    for pid in _session_pids(sid):
+        log(f"stopping leftover process {pid} of session {sid}")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _reap_leftovers(workdir: Path) -> None:
     """Stop processes left running from `workdir` (Python-backend stubs outlive a tritonserver
     that crashed). Matched by the work directory's path in their command line, ended by pid."""
@@ -201,6 +228,7 @@ def run_vllm(system: str, args, specs, clients) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        _end_session(proc.pid)
     res["server"] = {"kind": "openai", "cmd": cmd[1:], "env": {k: env[k] for k in env if k.startswith("VLLM_")}}
     return res
 

@@ -231,6 +231,30 @@ def test_replicated_systems_serve_with_instances_on_a_share_of_the_cores():
     assert systems.order_key("splitfuse@256:bf16") < systems.order_key(s) < systems.order_key("vllm_dp2:bf16")
 
 
+def test_a_stopped_server_leaves_no_process_of_its_session_behind():
+    """vLLM's data-parallel engines outlive its API server for a while: the next system must not
+    start while they still run, and what is left after the timeout is killed."""
+    import subprocess
+
+    import fastgen_servers
+
+    lead = subprocess.Popen(["bash", "-c", "sleep 1.5 & exit 0"], start_new_session=True)
+    lead.wait()
+    assert fastgen_servers._session_pids(lead.pid)  # the child outlives its parent
+    t0 = time.time()
+    fastgen_servers._end_session(lead.pid, timeout_s=20)
+    assert not fastgen_servers._session_pids(lead.pid) and time.time() - t0 < 10
+    lead = subprocess.Popen(["bash", "-c", "sleep 60 >/dev/null & echo $!; exit 0"], start_new_session=True,
+                            stdout=subprocess.PIPE, text=True)
+    child = int(lead.communicate()[0])
+    fastgen_servers._end_session(lead.pid, timeout_s=0.5)
+    deadline = time.time() + 10
+    while time.time() < deadline and Path(f"/proc/{child}").exists() and \
+            Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] == "Z"
+
+
 def test_report_compares_every_headline_system_with_the_peers(tmp_path):
     """--headline-system takes several of our systems: each gets its rows against every peer, and
     the float32 twins' precision rows appear once."""
