@@ -98,7 +98,7 @@ def test_backend_dir_links_the_stub_for_this_python(tmp_path):
 
 
 @pytest.mark.serving
-def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
+def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
     """`python -m splitfuse.launcher` (what `make serve` runs): ready line, the OpenAI front
     answering beside Triton, then Ctrl-C with a generation in flight: the generation is aborted
     with a final response, new requests are refused while draining, and the launcher exits 0
@@ -107,11 +107,14 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
         find_tritonserver()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+    # A context long enough that the generation below cannot end before the drain does, however
+    # fast the CPU (4,000 tokens took under 2 s on a Zen 5 and the test raced).
+    tiny_llama = tiny_model_factory("llama", max_position_embeddings=32768)
     ports = [free_port() for _ in range(4)]
     cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", tiny_llama, "--host", "127.0.0.1",
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
            "--openai-port", str(ports[3]),
-           "--param", "device=cpu", "--param", "num_kv_blocks=256", "--param", "num_threads=1",
+           "--param", "device=cpu", "--param", "num_kv_blocks=2048", "--param", "num_threads=1",
            "--drain-timeout", "0.5", "--model-repository-out", str(tmp_path / "repo")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -137,8 +140,8 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
         grpc_url = f"127.0.0.1:{ports[1]}"
         s = GrpcStream(grpc_url)
         # Far longer than the tiny model generates between the signal and the end of the 0.5 s
-        # drain (it makes ~1,400 tokens/s here; the OpenAI front stops first).
-        s.send("llm", {"text_input": "hello", "max_tokens": 4000, "temperature": 0.0, "ignore_eos": True,
+        # drain (it makes ~1,400-3,000 tokens/s on these CPUs; the OpenAI front stops first).
+        s.send("llm", {"text_input": "hello", "max_tokens": 30000, "temperature": 0.0, "ignore_eos": True,
                        "stream": True})
         for _ in range(3):
             assert s.next()[1] is None
