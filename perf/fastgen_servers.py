@@ -37,8 +37,10 @@ def engine_params(system: str, args) -> dict[str, str]:
     in vLLM's runs (`--no-enable-prefix-caching`), unless --param turns it on."""
     params = {"scheduler_policy": policy_of(system), "token_budget": str(budget_of(system) or args.token_budget),
               "enable_prefix_caching": "false", **PRECISIONS[precision_of(system)]}
-    if replicas_of(system) > 1:
-        params["num_threads"] = str(max(1, (os.cpu_count() or 1) // replicas_of(system)))
+    if replicas_of(system) > 1:  # what the launcher gives each replica; recorded with the run
+        from splitfuse.launcher.repository import replica_threads
+
+        params["num_threads"] = str(replica_threads(replicas_of(system)))
     for item in args.param:
         k, _, v = item.partition("=")
         params[k] = v

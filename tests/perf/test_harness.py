@@ -221,7 +221,7 @@ def test_replicated_systems_serve_with_instances_on_a_share_of_the_cores():
     args = argparse.Namespace(token_budget=512, param=[])
     params = fastgen_servers.engine_params(s, args)
     assert params["scheduler_policy"] == "splitfuse" and params["token_budget"] == "256"
-    assert params["num_threads"] == str(max(1, (os.cpu_count() or 1) // 2)) and params["dtype"] == "bfloat16"
+    assert params["num_threads"] == str(max(1, len(os.sched_getaffinity(0)) // 2)) and params["dtype"] == "bfloat16"
     assert "num_threads" not in fastgen_servers.engine_params("splitfuse@256", args)
     assert systems.float_twin(s) == "splitfuse_r2@256" and systems.file_stem(s) == "splitfuse_r2_b256_bf16"
     assert systems.label_of(s) == "SplitFuse (ours), 2 replicas, budget 256, bf16"
