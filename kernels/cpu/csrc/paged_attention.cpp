@@ -25,10 +25,12 @@
 // Tiles whose keys no row of a strip sees are skipped, and masks are only computed where the
 // causal diagonal, the window edge or the sequence end crosses the tile.
 //
-// Scheduling: one OpenMP loop (schedule dynamic) over all items of the batch, largest first,
+// Scheduling: the threads take the batch's items from a shared counter (dynamic), largest first,
 // prompt-chunk items (compute-bound) interleaved with decode items (memory-bound). The first strip
 // of a block prefetches the next block's K/V tiles into L2 (software prefetch; tiles of different
-// cache blocks are in different pages, where the hardware prefetchers stop).
+// cache blocks are in different pages, where the hardware prefetchers stop); in an item's last
+// block, the thread's next item (claimed then) is the next block. Measured on a 2-core Zen 5, 16
+// and 32 decodes x ~600 keys of a bf16 model: 44 -> 51 GB/s of K/V read (1 thread: 28 -> 31).
 // Split-KV: when the items are too few or too uneven for the threads (one long decode with
 // few KV heads), the key range of the large items is cut into partitions; each writes its
 // unnormalised (O, m, l) to a workspace, and a second parallel loop merges them.
@@ -612,8 +614,21 @@ static inline void prefetch_tile(const Ctx& c, const int32_t* btr, int h, int n0
 // ---------------------------------------------------------------------------------------------
 // One work item.
 
-// Returns false when the thread's scratch could not be allocated (nothing written).
-static bool run_item(const Ctx& c, const Item& it, float* ws) {
+// The batch's work items in the order the threads take them, from a shared counter. A thread
+// claims its next item when it reaches the last softmax block of the current one, so that the
+// last block's strips prefetch the next item's first tiles: the K/V stream runs on across items
+// instead of waiting on DRAM at each item's start (a decode item is only ~10 blocks long).
+struct Queue {
+    const Item* items;
+    const int32_t* order;
+    size_t n;
+    size_t* counter;
+    size_t claim() const { return __atomic_fetch_add(counter, size_t(1), __ATOMIC_RELAXED); }
+};
+
+// Returns false when the thread's scratch could not be allocated (nothing written). Claims the
+// thread's next item from q into *next (n: none left) unless *next already holds one.
+static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, size_t* next) {
     const int G = c.G, D = c.D, bs = c.bs, Hkv = c.Hkv;
     const int qs = c.qsl[it.b];
     const int q_len = c.qsl[it.b + 1] - qs;
@@ -698,6 +713,12 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
     for (int kb = it.kt0; kb < it.kt1; kb += NT) {
         const int nt = std::min(NT, it.kt1 - kb);
         bool any_pf = false;
+        // The last block: claim the next item, whose first tiles its strips prefetch (in place only).
+        const Item* nx = nullptr;
+        if (kb + NT >= it.kt1) {
+            if (*next == SIZE_MAX) *next = q.claim();
+            if (*next < q.n && inplace) nx = &q.items[q.order[*next]];
+        }
         for (int t = 0; t < nt; ++t) {
             Tile& tile = tiles[t];
             const int n0 = (kb + t) * TN;
@@ -721,9 +742,18 @@ static bool run_item(const Ctx& c, const Item& it, float* ws) {
                 // covers the next row-major 16 x D K tile exactly.)
                 tile.pf_k = tile.kt;
                 tile.pf_v = tile.v;
-                if (kb + t + NT < it.kt1) {
-                    const int n2 = n0 + NT * TN;
-                    const int64_t base2 = (int64_t(btr[n2 / bs]) * Hkv + it.h) * tile_elems;
+                const int32_t* btr2 = btr;
+                int n2 = n0 + NT * TN, h2 = it.h;
+                if (kb + t + NT >= it.kt1) {  // past this item: the next item's tile at the same distance
+                    const int t2 = nx ? nx->kt0 + (kb + t + NT - it.kt1) : 0;
+                    n2 = nx && t2 < nx->kt1 ? t2 * TN : -1;
+                    if (nx) {
+                        btr2 = c.bt + int64_t(nx->b) * c.bt_st;
+                        h2 = nx->h;
+                    }
+                }
+                if (n2 >= 0) {
+                    const int64_t base2 = (int64_t(btr2[n2 / bs]) * Hkv + h2) * tile_elems;
                     tile.pf_k = k_at(base2 + (c.k_layout == 1 ? n2 % bs : int64_t(n2 % bs) * D));
                     tile.pf_v = v_at(base2 + int64_t(n2 % bs) * D);
                     any_pf = true;
@@ -1109,11 +1139,16 @@ int sf_attn_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, floa
     const int32_t* const ord = order.data();
     const Group* const grp = groups.data();
     int failed = 0;
+    size_t counter = 0;
+    const Queue queue{W, ord, n, &counter};
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-#pragma omp for schedule(dynamic, 1)
-        for (size_t i = 0; i < n; ++i)
-            if (!run_item(c, W[ord[i]], ws)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        for (size_t i = queue.claim(); i < n;) {
+            size_t next = SIZE_MAX;
+            if (!run_item(c, W[ord[i]], ws, queue, &next)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+            i = next == SIZE_MAX ? queue.claim() : next;
+        }
+#pragma omp barrier
         if (ngroups > 0 && !__atomic_load_n(&failed, __ATOMIC_RELAXED)) {
 #pragma omp for schedule(dynamic, 1)
             for (int gi = 0; gi < ngroups; ++gi) merge_group(c, grp[gi], ws);
