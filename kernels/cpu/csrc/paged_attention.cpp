@@ -742,18 +742,17 @@ static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, si
                 // covers the next row-major 16 x D K tile exactly.)
                 tile.pf_k = tile.kt;
                 tile.pf_v = tile.v;
-                const int32_t* btr2 = btr;
-                int n2 = n0 + NT * TN, h2 = it.h;
-                if (kb + t + NT >= it.kt1) {  // past this item: the next item's tile at the same distance
-                    const int t2 = nx ? nx->kt0 + (kb + t + NT - it.kt1) : 0;
-                    n2 = nx && t2 < nx->kt1 ? t2 * TN : -1;
-                    if (nx) {
-                        btr2 = c.bt + int64_t(nx->b) * c.bt_st;
-                        h2 = nx->h;
-                    }
+                // NT tiles on: in this item, or past its end the next item's tile at that distance.
+                const Item* owner = &it;
+                int t2 = kb + t + NT;
+                if (t2 >= it.kt1) {
+                    owner = nx;
+                    t2 = nx ? nx->kt0 + (t2 - it.kt1) : 0;
                 }
-                if (n2 >= 0) {
-                    const int64_t base2 = (int64_t(btr2[n2 / bs]) * Hkv + h2) * tile_elems;
+                if (owner != nullptr && t2 < owner->kt1) {
+                    const int n2 = t2 * TN;
+                    const int32_t* btr2 = c.bt + int64_t(owner->b) * c.bt_st;
+                    const int64_t base2 = (int64_t(btr2[n2 / bs]) * Hkv + owner->h) * tile_elems;
                     tile.pf_k = k_at(base2 + (c.k_layout == 1 ? n2 % bs : int64_t(n2 % bs) * D));
                     tile.pf_v = v_at(base2 + int64_t(n2 % bs) * D);
                     any_pf = true;
