@@ -28,9 +28,10 @@
 // Scheduling: the threads take the batch's items from a shared counter (dynamic), largest first,
 // prompt-chunk items (compute-bound) interleaved with decode items (memory-bound). The first strip
 // of a block prefetches the next block's K/V tiles into L2 (software prefetch; tiles of different
-// cache blocks are in different pages, where the hardware prefetchers stop); in an item's last
-// block, the thread's next item (claimed then) is the next block. Measured on a 2-core Zen 5, 16
-// and 32 decodes x ~600 keys of a bf16 model: 44 -> 51 GB/s of K/V read (1 thread: 28 -> 31).
+// cache blocks are in different pages, where the hardware prefetchers stop); where those targets
+// pass an item's end, they are the first tiles of the thread's next item (claimed then). Measured
+// on a 2-core Zen 5, 16 and 32 decodes x ~600 keys of a bf16 model: 0.222 -> 0.19-0.20 ms and
+// 0.454 -> 0.35-0.40 ms (1 thread: 0.374 -> 0.30-0.31 ms and 0.716 -> 0.57-0.62 ms).
 // Split-KV: when the items are too few or too uneven for the threads (one long decode with
 // few KV heads), the key range of the large items is cut into partitions; each writes its
 // unnormalised (O, m, l) to a workspace, and a second parallel loop merges them.
@@ -615,9 +616,9 @@ static inline void prefetch_tile(const Ctx& c, const int32_t* btr, int h, int n0
 // One work item.
 
 // The batch's work items in the order the threads take them, from a shared counter. A thread
-// claims its next item when it reaches the last softmax block of the current one, so that the
-// last block's strips prefetch the next item's first tiles: the K/V stream runs on across items
-// instead of waiting on DRAM at each item's start (a decode item is only ~10 blocks long).
+// claims its next item at the first softmax block whose prefetch targets pass the current item's
+// end, so that those strips prefetch the next item's first tiles: the K/V stream runs on across
+// items instead of waiting on DRAM at each item's start (a decode item is only ~10 blocks long).
 struct Queue {
     const Item* items;
     const int32_t* order;
@@ -713,9 +714,10 @@ static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, si
     for (int kb = it.kt0; kb < it.kt1; kb += NT) {
         const int nt = std::min(NT, it.kt1 - kb);
         bool any_pf = false;
-        // The last block: claim the next item, whose first tiles its strips prefetch (in place only).
+        // A block whose prefetch targets (NT tiles on) pass the item's end: the last, and the one
+        // before it when the last is partial. Claim the next item, whose first tiles they become.
         const Item* nx = nullptr;
-        if (kb + NT >= it.kt1) {
+        if (kb + nt - 1 + NT >= it.kt1) {
             if (*next == SIZE_MAX) *next = q.claim();
             if (*next < q.n && inplace) nx = &q.items[q.order[*next]];
         }
