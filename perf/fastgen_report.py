@@ -182,6 +182,38 @@ def headline(rows: list[dict], token_clients: int, prefix: str = "") -> dict:
     return best
 
 
+# A system whose throughput still rose by more than this share between the sweep's two highest
+# client counts had not saturated: its max raw throughput is a lower bound of its capacity.
+SATURATION_RISE = 0.05
+
+
+def unsaturated(rows: list[dict]) -> dict[str, tuple[int, int, float]]:
+    """System -> (second-highest clients, highest clients, relative rise of throughput between
+    them), for the systems whose throughput still rose by more than SATURATION_RISE at the top of
+    the sweep."""
+    out = {}
+    for s in {r["system"] for r in rows}:
+        pts = sorted((r for r in rows if r["system"] == s and r.get("completed")), key=lambda r: r["clients"])
+        if len(pts) < 2:
+            continue
+        prev, last = pts[-2], pts[-1]
+        rise = _ratio(last["throughput_rps"], prev["throughput_rps"])
+        if rise is not None and rise - 1.0 > SATURATION_RISE:
+            out[s] = (prev["clients"], last["clients"], rise - 1.0)
+    return out
+
+
+def _saturation_lines(rows: list[dict]) -> list[str]:
+    rising = unsaturated(rows)
+    if not rising:
+        return ["Every system's throughput rose by at most "
+                f"{SATURATION_RISE * 100:g}% between the sweep's two highest client counts (saturated).\n"]
+    items = "; ".join(f"{label_of(s)} +{rise * 100:.0f}% from {a} to {b} clients"
+                      for s, (a, b, rise) in sorted(rising.items(), key=lambda kv: order_key(kv[0])))
+    return [f"**Not saturated at the top of the sweep** ({items}): these systems' max raw throughput is a lower "
+            "bound, and ratios against them are upper bounds. Extend `--clients` to compare capacities.\n"]
+
+
 def _target_rows(best: dict, rows: list[dict], meta: dict, sf_name: str, token_clients: int) -> list[str]:
     """The target table's rows for one of our systems (`sf_name`) against the peers, and against
     the same engine in-process (our low-precision systems have rows of their own)."""
@@ -288,6 +320,7 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
         lines.append(f"| {label_of(s)} | {_fmt(b['max_throughput'])} | " + " | ".join(cells) +
                      f" | {_fmt(p95 * 1e3 if p95 is not None else None, 0)} ms |")
     lines.append("")
+    lines.extend(_saturation_lines(rows))
     wanted = [h.strip() for h in (headline_system or "").split(",") if h.strip() in best]
     fallback = next((x for x in sorted(best, key=order_key) if base_of(x) == "splitfuse"), None)
     headliners = wanted or ([fallback] if fallback is not None else [])

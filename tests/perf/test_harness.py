@@ -152,6 +152,24 @@ def test_report_writes_plots_csv_and_summary(tmp_path):
     assert "| splitfuse / vllm: max effective throughput @6 tok/s | " in text
 
 
+def test_report_flags_systems_still_rising_at_the_top_of_the_sweep():
+    """A peer whose throughput still rises at the highest client count has not shown its capacity:
+    the summary says so, as a ratio against it is then an upper bound."""
+    def pt(system, clients, rps):
+        return {"system": system, "clients": clients, "completed": 10, "throughput_rps": rps}
+
+    rows = [pt("splitfuse", 16, 15.8), pt("splitfuse", 32, 15.9),  # +0.6%: saturated
+            pt("vllm", 8, 7.0), pt("vllm", 16, 9.9), pt("vllm", 32, 11.9)]  # +20%: still rising
+    rising = fastgen_report.unsaturated(rows)
+    assert set(rising) == {"vllm"}
+    lo, hi, rise = rising["vllm"]
+    assert (lo, hi) == (16, 32) and abs(rise - (11.9 / 9.9 - 1)) < 1e-9
+    text = "".join(fastgen_report._saturation_lines(rows))
+    assert "Not saturated" in text and "+20% from 16 to 32 clients" in text
+    assert "saturated" in "".join(fastgen_report._saturation_lines(rows[:2]))
+    assert "Not saturated" not in "".join(fastgen_report._saturation_lines(rows[:2]))
+
+
 def test_report_compares_served_with_in_process_engine(tmp_path):
     """The `engine` system (no server) is not a peer: the report gives the served system's share of
     its throughput at each client count, with the >= 0.9x target at the token-latency count."""
