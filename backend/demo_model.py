@@ -26,6 +26,8 @@ ARCH_DEFAULTS: dict[str, dict] = {
 
 # Model shapes. "tiny" keeps tests fast; "bench" is the ~30M-parameter CPU benchmark
 # model (hidden 512, 8 layers) on which prefill is compute-bound and decode memory-bound.
+# "medium" (~140M parameters, ~5.6x bench's compute per token) shows how the serving path's
+# fixed cost per streamed token weighs once the model is less of a toy.
 SIZES: dict[str, dict] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
@@ -33,6 +35,8 @@ SIZES: dict[str, dict] = {
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
     "bench": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=4, vocab_size=8192),
+    "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                   num_attention_heads=16, num_key_value_heads=8, vocab_size=8192),
 }
 
 _WORDS = (
