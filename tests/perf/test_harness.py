@@ -365,3 +365,21 @@ def test_engine_closed_loop_runs_every_request_to_its_length(tiny_llama):
     assert result["tokens_generated"] == sum(r["max_tokens"] for r in requests)
     steps = result["decode_only_steps"]["steps"] + result["steps_with_prompt_tokens"]["steps"]
     assert steps > 0 and result["requests_per_s"] > 0
+
+
+def test_cpu_split_takes_each_llm_stubs_busiest_thread_as_its_engine():
+    import served_cpu_split
+
+    before = {("llm stub", 10, 10): 1.0, ("llm stub", 10, 11): 5.0, ("llm stub", 10, 12): 0.5,
+              ("llm stub", 20, 21): 2.0, ("llm stub", 20, 22): 0.0,
+              ("tritonserver", 1, 1): 3.0, ("client", 2, 2): 0.0}
+    after = {("llm stub", 10, 10): 1.5, ("llm stub", 10, 11): 13.0, ("llm stub", 10, 12): 1.0,
+             ("llm stub", 20, 21): 2.5, ("llm stub", 20, 22): 7.5,
+             ("tritonserver", 1, 1): 4.5, ("client", 2, 2): 0.5,
+             ("preprocessing stub", 3, 3): 0.2}  # a thread that appeared meanwhile counts from 0
+    cores = served_cpu_split.split(before, after, seconds=10.0)
+    assert cores["engine threads"] == pytest.approx((8.0 + 7.5) / 10)
+    assert cores["llm stubs, other threads"] == pytest.approx((0.5 + 0.5 + 0.5) / 10)
+    assert cores["tritonserver"] == pytest.approx(0.15)
+    assert cores["client"] == pytest.approx(0.05)
+    assert cores["preprocessing stub"] == pytest.approx(0.02)
