@@ -64,7 +64,7 @@ def run_point(
     return sorted(records, key=lambda r: r.start)
 
 
-def _proc_tree(roots: Iterable[int]) -> set[int]:
+def proc_tree(roots: Iterable[int]) -> set[int]:
     """`roots` and all their descendants (from /proc)."""
     parent: dict[int, int] = {}
     for d in Path("/proc").iterdir():
@@ -85,6 +85,17 @@ def _proc_tree(roots: Iterable[int]) -> set[int]:
     return tree
 
 
+def cpu_seconds(stat_file: str) -> float | None:
+    """utime + stime, in seconds, from a /proc/<pid>/stat or /proc/<pid>/task/<tid>/stat file;
+    None when it is gone or unreadable."""
+    try:
+        stat = Path(stat_file).read_text()
+        f = stat[stat.rindex(")") + 2:].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cpu_snapshot(roots: Iterable[int]) -> tuple[float, float, float] | None:
     """(wall time, CPU seconds used by the whole machine, CPU seconds of the `roots` trees).
 
@@ -96,14 +107,7 @@ def cpu_snapshot(roots: Iterable[int]) -> tuple[float, float, float] | None:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
         vals = [int(x) for x in fields]
         busy = (sum(vals) - vals[3] - (vals[4] if len(vals) > 4 else 0)) / hz  # minus idle, iowait
-        ours = 0.0
-        for pid in _proc_tree(roots):
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                f = stat[stat.rindex(")") + 2:].split()
-                ours += (int(f[11]) + int(f[12])) / hz  # utime + stime
-            except (OSError, ValueError, IndexError):
-                continue
+        ours = sum(cpu_seconds(f"/proc/{pid}/stat") or 0.0 for pid in proc_tree(roots))
         return time.monotonic(), busy, ours
     except (OSError, ValueError):
         return None

@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from closed_loop import _proc_tree, sweep  # noqa: E402
+from closed_loop import cpu_seconds, proc_tree, sweep  # noqa: E402
 from drivers import TritonHttpDriver  # noqa: E402
 from machine import machine_info  # noqa: E402
 from workload import VARIANCE, ensure_model, make_workload  # noqa: E402
@@ -59,10 +59,9 @@ def _role(pid: int, server_pid: int, own_pid: int) -> str | None:
 def thread_cpu(server_pid: int) -> dict[tuple[str, int, int], float]:
     """CPU seconds of every thread of the server's process tree and of this process, keyed by
     (role, pid, tid)."""
-    hz = os.sysconf("SC_CLK_TCK")
     own = os.getpid()
     out: dict[tuple[str, int, int], float] = {}
-    for pid in _proc_tree([server_pid]) | {own}:
+    for pid in proc_tree([server_pid]) | {own}:
         role = _role(pid, server_pid, own)
         if role is None:
             continue
@@ -71,12 +70,9 @@ def thread_cpu(server_pid: int) -> dict[tuple[str, int, int], float]:
         except OSError:
             continue
         for tid in tids:
-            try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-                f = stat[stat.rindex(")") + 2:].split()
-                out[(role, pid, tid)] = (int(f[11]) + int(f[12])) / hz
-            except (OSError, ValueError, IndexError):
-                continue
+            cpu = cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+            if cpu is not None:
+                out[(role, pid, tid)] = cpu
     return out
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from conftest import ENGINE_PARAMS, INSTANCES, fault_server
-from triton_helpers import GrpcStream, finished_requests, grpc_generate, metric_sum, settled, wait_for
+from triton_helpers import GrpcStream, abort_and_length_ends, finished_requests, grpc_generate, metric_sum, settled, wait_for
 
 pytestmark = pytest.mark.serving
 
@@ -70,7 +70,7 @@ def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(served):
     the generation runs to its end after the client cancels. A `stop` request with the
     same request id, sent to `llm` (any replica), aborts it."""
     def ended() -> tuple[float, float]:
-        return finished_requests(served.metrics_url, "abort"), finished_requests(served.metrics_url, "length")
+        return abort_and_length_ends(served.metrics_url)
 
     # (Once the earlier tests' ends are published: metrics go out every 0.5 s.)
     aborted, completed = settled(ended)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from triton_helpers import finished_requests, metric_sum, settled, wait_for
+from triton_helpers import abort_and_length_ends, metric_sum, settled, wait_for
 
 openai = pytest.importorskip("openai", reason="the openai SDK is in the dev extra")
 pytest.importorskip("fastapi", reason="fastapi/uvicorn are in the serve extra")
@@ -94,8 +94,7 @@ def _used_blocks(served) -> float:
 
 
 def _ended(served) -> tuple[float, float]:
-    """Requests the llm model has aborted, and run to their max_tokens."""
-    return finished_requests(served.metrics_url, "abort"), finished_requests(served.metrics_url, "length")
+    return abort_and_length_ends(served.metrics_url)
 
 
 # ---- happy paths ----------------------------------------------------------------------------

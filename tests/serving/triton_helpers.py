@@ -215,6 +215,11 @@ def finished_requests(metrics_url: str, reason: str) -> float:
     return metric_sum(metrics_url, "splitfuse_requests_finished_total", reason=reason)
 
 
+def abort_and_length_ends(metrics_url: str) -> tuple[float, float]:
+    """Requests the llm model has aborted, and run to their max_tokens (all replicas)."""
+    return finished_requests(metrics_url, "abort"), finished_requests(metrics_url, "length")
+
+
 def metric_by_instance(metrics_url: str, name: str, **labels: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for n, lab, v in metrics(metrics_url):
