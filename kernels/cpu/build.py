@@ -8,8 +8,12 @@ CPU's flags: a changed source, compiler or machine gets a new build, an unchange
 once. `make install` builds it ahead (`python -m splitfuse.kernels.cpu.build`); otherwise the
 first `library()` call does.
 
-SPLITFUSE_CPU_KERNEL_CFLAGS adds compiler flags (part of the cache key): `-mno-avx512f` builds
-the AVX2 code path on an AVX-512 machine, which the tests use to cover both.
+SPLITFUSE_CPU_ISA=avx2 builds for `-march=x86-64-v3` (AVX2 and FMA, no AVX-512, no AVX-VNNI)
+instead of the machine's own instruction set: an AVX-512 machine then runs the code path an
+AVX2-only CPU (e.g. Zen 3) gets, which the test suite uses to cover both. What a loaded library
+was built for is `library_isa()`, read from the library itself; the engine's choices that depend
+on our kernels ask it, not /proc/cpuinfo. SPLITFUSE_CPU_KERNEL_CFLAGS adds further compiler flags.
+Both are part of the cache key.
 
 No compiler, or a failed build, is not an error: `library()` returns None with a log line and
 the engine runs its plain torch path.
@@ -39,7 +43,7 @@ import torch  # noqa: F401  (loads torch's libgomp before the library binds to o
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno",
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno",
          "-Wall", "-Wno-unknown-pragmas"]
 _lock = threading.Lock()
 _cached: tuple[ctypes.CDLL | None, str] | None = None
@@ -89,9 +93,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitfuse" / "cpu_kernels"
 
 
+# SPLITFUSE_CPU_ISA -> the target flag. x86-64-v3 is the AVX2 + FMA level every AVX2 CPU we run on
+# (Zen 2/3, Haswell and later) has.
+ISA_TARGETS = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
+
+
+def requested_isa() -> str:
+    """SPLITFUSE_CPU_ISA (native when unset); a value it does not know is an error."""
+    name = os.environ.get("SPLITFUSE_CPU_ISA", "") or "native"
+    if name not in ISA_TARGETS:
+        raise RuntimeError(f"SPLITFUSE_CPU_ISA={name!r}: expected one of {', '.join(ISA_TARGETS)}")
+    return name
+
+
 def flags() -> list[str]:
-    """The compiler flags: FLAGS, then any from SPLITFUSE_CPU_KERNEL_CFLAGS."""
-    return FLAGS + os.environ.get("SPLITFUSE_CPU_KERNEL_CFLAGS", "").split()
+    """The compiler flags: FLAGS, the target of SPLITFUSE_CPU_ISA, then any from
+    SPLITFUSE_CPU_KERNEL_CFLAGS."""
+    return FLAGS + [ISA_TARGETS[requested_isa()]] + os.environ.get("SPLITFUSE_CPU_KERNEL_CFLAGS", "").split()
 
 
 def _build_key(cxx: str) -> str:
@@ -191,8 +209,27 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         reason = str(e).splitlines()[0]
         log.warning("splitfuse: C++ CPU kernels unavailable, using the torch path: %s", reason)
         return None, reason
-    log.info("splitfuse: C++ CPU kernels loaded (%s, %s)", isa(), path.name)
+    lib.sf_build_isa.argtypes, lib.sf_build_isa.restype = [], ctypes.c_int
+    log.info("splitfuse: C++ CPU kernels loaded (built for %s on a %s CPU, %s)", _isa_name(lib.sf_build_isa()),
+             isa(), path.name)
     return lib, ""
+
+
+# csrc/isa.cpp: sf_build_isa's bits.
+_ISA_BITS = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "avx512_vnni": 8}
+
+
+def _isa_name(bits: int) -> str:
+    if bits & _ISA_BITS["avx512"]:
+        return "avx512" + ("+bf16" if bits & _ISA_BITS["avx512_bf16"] else "")
+    return "avx2" if bits & _ISA_BITS["avx2"] else "generic"
+
+
+def library_isa() -> str | None:
+    """The instruction set the loaded kernel library was compiled for (`isa()`'s names), or None
+    without a library. It equals isa() unless SPLITFUSE_CPU_ISA narrowed the build."""
+    lib = library()
+    return None if lib is None else _isa_name(lib.sf_build_isa())
 
 
 if __name__ == "__main__":

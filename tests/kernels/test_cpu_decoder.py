@@ -2,7 +2,11 @@
 one by one in Python: the same kernels with the same arguments, so every step's logits and the
 KV caches must be bit-identical, for float32 and bfloat16, GQA, q/k/v biases (Qwen2), a sliding
 window (Mistral), block sizes 4 and 16, prompt chunks with decodes in one step, and steps whose
-last layer keeps only the sampling rows (run in Python after the C++ call)."""
+last layer keeps only the sampling rows (run in Python after the C++ call).
+
+The engine takes the one call only where every projection runs the C++ linear kernel, which
+`linear_backend=auto` picks on some CPUs only (`layers.linear.resolve_linear_backend`: AVX-512
+builds); these tests ask for that kernel, so they cover the one call on AVX2 CPUs too."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import pytest
 import torch
 from splitfuse import LLM, SamplingParams
 from splitfuse.kernels.cpu import decoder as cpu_decoder
+from splitfuse.layers.linear import resolve_linear_backend
 
 pytestmark = pytest.mark.skipif(not cpu_decoder.available(), reason="C++ CPU kernels not built")
 
@@ -21,8 +26,12 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 70))] for _ in range(n)]
 
 
+# The C++ linear kernel runs on every CPU the library builds for; `auto` takes it on some only.
+CPU_LINEAR = {"linear_backend": "cpu"}
+
+
 def _run(path: str, fused: bool, **kw) -> tuple[LLM, list[torch.Tensor], list[list[int]]]:
-    llm = LLM(path, fused_decoder=fused, token_budget=48, num_kv_blocks=128, **kw)
+    llm = LLM(path, fused_decoder=fused, token_budget=48, num_kv_blocks=128, **CPU_LINEAR, **kw)
     runner = llm.engine.runner
     logits: list[torch.Tensor] = []
     execute = runner.execute
@@ -73,7 +82,7 @@ def test_one_call_matches_the_python_layers_bit_for_bit(tiny_model_factory, arch
 ])
 def test_models_it_cannot_run_keep_the_python_layers(tiny_model_factory, arch, kw, why, caplog):
     caplog.set_level("INFO", logger="splitfuse.model_runner")
-    llm = LLM(tiny_model_factory(arch), num_kv_blocks=64, **kw)
+    llm = LLM(tiny_model_factory(arch), num_kv_blocks=64, **{**CPU_LINEAR, **kw})
     assert llm.engine.runner.model.decoder_stack is None
     assert any(why in r.getMessage() and "decoder layers in Python" in r.getMessage() for r in caplog.records)
     outs = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -81,7 +90,7 @@ def test_models_it_cannot_run_keep_the_python_layers(tiny_model_factory, arch, k
 
 
 def test_stack_rejects_inputs_it_does_not_take(tiny_model_factory):
-    llm = LLM(tiny_model_factory("llama"), num_kv_blocks=64)
+    llm = LLM(tiny_model_factory("llama"), num_kv_blocks=64, **CPU_LINEAR)
     stack = llm.engine.runner.model.decoder_stack
     assert stack is not None
     x = torch.zeros(3, stack.hidden)
@@ -97,3 +106,12 @@ def test_stack_rejects_inputs_it_does_not_take(tiny_model_factory):
         stack.run(x, 1, pos.int(), cos, sin, *meta)
     with pytest.raises(ValueError, match="outside the rotary tables"):
         stack.run(x, 1, torch.full((3,), 8, dtype=torch.int64), cos, sin, *meta)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_takes_the_one_call_where_it_picks_the_cpu_linear_kernel(tiny_model_factory, dtype):
+    # The engine and this test ask the same function which linear kernel this CPU gets.
+    chosen = resolve_linear_backend("auto", torch.device("cpu"), getattr(torch, dtype))
+    llm = LLM(tiny_model_factory("llama"), num_kv_blocks=64, dtype=dtype)
+    assert llm.engine.runner.linear_backend == chosen
+    assert (llm.engine.runner.model.decoder_stack is not None) == (chosen == "cpu"), llm.engine.runner.decoder_layers

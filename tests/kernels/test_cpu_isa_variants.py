@@ -1,9 +1,10 @@
-"""The C++ CPU kernels' narrower code paths on this machine.
+"""The AVX2 code paths on an AVX-512 machine.
 
-The kernels are compiled with -march=native, so a test run covers only the widest instruction
-set of the machine it runs on. On an AVX-512 machine this test rebuilds the library without
-AVX-512 (`SPLITFUSE_CPU_KERNEL_CFLAGS=-mno-avx512f`: the AVX2 build other machines get) and runs
-the attention, elementwise and linear kernel tests against it in a subprocess."""
+The kernels are compiled for the machine's own instruction set, so a test run covers only the
+widest paths of the machine it runs on. On an AVX-512 machine this test runs the kernel,
+decoder and linear-choice tests again in a subprocess that sees what an AVX2-only CPU (Zen 3)
+sees: the library built with `SPLITFUSE_CPU_ISA=avx2` (-march=x86-64-v3), oneDNN capped at AVX2
+(`ONEDNN_MAX_CPU_ISA`) and torch's own kernels too (`ATEN_CPU_CAPABILITY`)."""
 
 from __future__ import annotations
 
@@ -17,21 +18,35 @@ import pytest
 from splitfuse.kernels.cpu import build
 
 ROOT = Path(__file__).resolve().parents[2]
+AVX2_ENV = {"SPLITFUSE_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+TESTS = ["tests/kernels/test_cpu_paged_attention.py", "tests/kernels/test_cpu_elementwise.py",
+         "tests/kernels/test_cpu_linear.py", "tests/kernels/test_cpu_decoder.py", "tests/unit/test_linear.py",
+         "tests/unit/test_int8_linear.py"]
 
 
 @pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler")
 def test_avx2_build_passes_the_kernel_tests():
     if "avx512f" not in build.cpu_flags():
         pytest.skip("this CPU has no AVX-512: the normal test run already covers its widest path")
-    env = dict(os.environ, SPLITFUSE_CPU_KERNEL_CFLAGS="-mno-avx512f")
+    env = dict(os.environ, **AVX2_ENV)
     widths = subprocess.run(
-        [sys.executable, "-c", "from splitfuse.kernels.cpu import elementwise, linear, paged_attention as p; "
-                               "print(p.vector_width(), elementwise.vector_width(), linear.block_width())"],
+        [sys.executable, "-c", "from splitfuse.kernels.cpu import build, elementwise, linear, paged_attention as p; "
+                               "import torch; print(build.library_isa(), p.vector_width(), elementwise.vector_width(), "
+                               "linear.block_width(), linear.native_bf16(), linear.has_int8(), "
+                               "torch.backends.cpu.get_cpu_capability())"],
         env=env, capture_output=True, text=True, timeout=600)
     assert widths.returncode == 0, widths.stderr[-2000:]
-    assert widths.stdout.split() == ["8", "8", "32"], widths.stdout
-    tests = [str(ROOT / "tests/kernels" / f)
-             for f in ("test_cpu_paged_attention.py", "test_cpu_elementwise.py", "test_cpu_linear.py")]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+    assert widths.stdout.split() == ["avx2", "8", "8", "32", "False", "False", "AVX2"], widths.stdout
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_an_unknown_isa_request_leaves_the_torch_path_with_the_reason():
+    env = dict(os.environ, SPLITFUSE_CPU_ISA="avx9")
+    probe = subprocess.run(
+        [sys.executable, "-c", "from splitfuse.kernels.cpu import build; "
+                               "print(build.library() is None, build.unavailable_reason())"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.startswith("True SPLITFUSE_CPU_ISA='avx9': expected one of native, avx2"), probe.stdout

@@ -48,12 +48,20 @@ def engine_kwargs(model_dir: str, params: dict[str, str]) -> dict:
 
 def offline_greedy(model_dir: str, params: dict[str, str], prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The offline engine's greedy tokens (ignore_eos) under a server's engine parameters."""
+    return offline_engine_greedy(model_dir, params, prompts, max_tokens)[0]
+
+
+def offline_engine_greedy(model_dir: str, params: dict[str, str], prompts: list[list[int]],
+                          max_tokens: int) -> tuple[list[list[int]], str]:
+    """offline_greedy's tokens, and how that engine ran its decoder layers on this machine
+    (`ModelRunner.decoder_layers`, which the served model's ready line also reports)."""
     from splitfuse.llm import LLM
     from splitfuse.sequence import SamplingParams
 
     with LLM(model_dir, **engine_kwargs(model_dir, params)) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    return [o.token_ids for o in outs]
+        decoder_layers = llm.engine.runner.decoder_layers
+    return [o.token_ids for o in outs], decoder_layers
 
 
 def served_greedy(grpc_url: str, prompt: list[int], max_tokens: int):

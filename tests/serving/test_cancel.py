@@ -8,7 +8,7 @@ import time
 
 import pytest
 from conftest import ENGINE_PARAMS, INSTANCES, fault_server
-from triton_helpers import GrpcStream, abort_and_length_ends, finished_requests, grpc_generate, metric_sum, settled, wait_for
+from triton_helpers import GrpcStream, finished_requests, grpc_generate, metric_sum, wait_for
 
 pytestmark = pytest.mark.serving
 
@@ -65,40 +65,6 @@ def test_http_disconnect_frees_kv_blocks(served):
     _assert_aborted_early(served, before)
 
 
-def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(served):
-    """Triton 2.51 does not forward an ensemble request's cancellation to its decoupled step:
-    the generation runs to its end after the client cancels. A `stop` request with the
-    same request id, sent to `llm` (any replica), aborts it."""
-    def ended() -> tuple[float, float]:
-        return abort_and_length_ends(served.metrics_url)
-
-    # (Once the earlier tests' ends are published: metrics go out every 0.5 s.)
-    aborted, completed = settled(ended)
-    s = _start(served, "ensemble", "cancel-ensemble")
-    s.close(cancel=True)
-    # However fast the engine: a forwarded cancellation would end it as an abort, within
-    # milliseconds; it ends at max_tokens.
-    assert wait_for(lambda: sum(ended()) > aborted + completed, timeout=60)
-    assert ended() == (aborted, completed + 1), \
-        "Triton now forwards ensemble cancellation: update the docs and this test"
-    # A generation whose client cancelled, stopped at once on a stream opened beforehand (opening
-    # one takes long enough for the tiny model to make many of its tokens): one round trip,
-    # against thousands of tokens. It ends as an abort.
-    # (Not _start: it waits for a metrics publish, up to 0.5 s, while the generation runs on.)
-    assert wait_for(lambda: _used(served) == 0)
-    with GrpcStream(served.grpc_url) as stop:
-        s = GrpcStream(served.grpc_url)
-        s.send("ensemble", LONG, request_id="stop-ensemble")
-        assert s.next()[1] is None
-        before = _generated(served)
-        s.close(cancel=True)
-        stop.send("llm", {"stop": True}, request_id="stop-ensemble")
-        r = stop.collect(timeout=60)
-    assert r.error is None and r.finish_reason == "abort"
-    assert wait_for(lambda: ended() == (aborted + 1, completed + 1))
-    _assert_aborted_early(served, before)
-
-
 @pytest.fixture(scope="module")
 def slow_replicas(tiny_llama, tmp_path_factory):
     """Two replicas whose generations can be slowed by request id (fault_model.py's fault-slow:
@@ -141,3 +107,53 @@ def test_stop_does_not_hit_a_later_request_with_the_same_id(served):
     time.sleep(0.2)
     r = grpc_generate(served.grpc_url, "ensemble", {**LONG, "max_tokens": 20}, request_id="reused-id")
     assert r.error is None and r.finish_reason == "length"
+
+
+def _running(server) -> float:
+    return metric_sum(server.metrics_url, "splitfuse_requests", state="running")
+
+
+def _holds(condition, seconds: float) -> bool:
+    """condition() true at every look for `seconds` (looks every 0.1 s)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not condition():
+            return False
+        time.sleep(0.1)
+    return condition()
+
+
+# A cancellation made to `llm` ends its generation within this long; one made to `ensemble`
+# is checked to leave its generation running for as long.
+CANCEL_WINDOW_S = 3.0
+
+
+def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(slow_replicas):
+    """Triton 2.51 does not forward an ensemble request's cancellation to its decoupled step:
+    the generation runs on after the client cancels. A `stop` request with the same request id,
+    sent to `llm` (any replica), aborts it. The generations are slowed (20 ms a step: 3,000
+    tokens would take a minute), so neither can end by itself during the test, and what is
+    checked is the one running request, not counters other tests' requests also move."""
+    server = slow_replicas
+    assert wait_for(lambda: _running(server) == 0 and _used(server) == 0, timeout=60), "an earlier request still runs"
+    # The control: cancelled on a stream to `llm` itself, a generation ends at once.
+    direct = GrpcStream(server.grpc_url)
+    direct.send("llm", LONG, request_id="fault-slow-cancel-direct")
+    assert direct.next()[1] is None
+    assert wait_for(lambda: _running(server) == 1)
+    direct.close(cancel=True)
+    assert wait_for(lambda: _running(server) == 0 and _used(server) == 0, timeout=CANCEL_WINDOW_S)
+
+    s = GrpcStream(server.grpc_url)
+    s.send("ensemble", LONG, request_id="fault-slow-cancel-ensemble")
+    assert s.next()[1] is None
+    assert wait_for(lambda: _running(server) == 1)
+    s.close(cancel=True)
+    generated = _generated(server)
+    assert _holds(lambda: _running(server) == 1, CANCEL_WINDOW_S), \
+        "Triton now forwards ensemble cancellation: update the README and this test"
+    assert _generated(server) > generated  # still generating for the client that left
+    r = grpc_generate(server.grpc_url, "llm", {"stop": True}, request_id="fault-slow-cancel-ensemble")
+    assert r.error is None and r.finish_reason == "abort"
+    assert wait_for(lambda: _running(server) == 0 and _used(server) == 0, timeout=CANCEL_WINDOW_S), \
+        "the stop request did not end the generation"
