@@ -8,6 +8,7 @@ thread for servers, `LLM` (llm.py) drives it inline for offline use.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -22,6 +23,7 @@ from splitfuse.block_manager import BlockManager, blocks_needed
 from splitfuse.config import EngineConfig
 from splitfuse.detokenizer import IncrementalDetokenizer
 from splitfuse.model_runner import ModelRunner
+from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 from splitfuse.ragged_batch import RaggedBatch
 from splitfuse.sampler import Sampler
 from splitfuse.scheduler import ScheduledChunk, Scheduler
@@ -66,8 +68,20 @@ class EngineStats:
     num_waiting: int
 
 
+def with_checkpoint_dirs(config: EngineConfig) -> EngineConfig:
+    """`config` with each GGUF file it names (model, tokenizer, draft model) replaced by its
+    converted checkpoint directory (converted once, models/gguf_checkpoint.py)."""
+    model = prepare_checkpoint(config.model)
+    tokenizer = model if config.tokenizer == config.model else prepare_checkpoint(config.tokenizer)
+    draft = config.speculative_model and prepare_checkpoint(config.speculative_model)
+    if (model, tokenizer, draft) == (config.model, config.tokenizer, config.speculative_model):
+        return config
+    return dataclasses.replace(config, model=model, tokenizer=tokenizer, speculative_model=draft)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config = with_checkpoint_dirs(config)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.runner = ModelRunner(config)

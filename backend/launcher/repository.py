@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from splitfuse.config import EngineConfig
+from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 
 # Template repository: the source tree's `model_repository/` unless overridden (an installed,
 # non-editable package does not carry it; the Dockerfile sets the variable).
@@ -59,14 +60,14 @@ def render_model_repository(
         raise FileNotFoundError(f"no model repository template at {template} (set {TEMPLATE_ENV})")
     if instances < 1 or preprocessing_instances < 1:
         raise ValueError("instance counts must be >= 1")
-    model_path = Path(model).resolve()
+    model_path = Path(prepare_checkpoint(model)).resolve()
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
     params = dict(params or {})
     EngineConfig.check_names(params)
     params["model"] = str(model_path)
     if params.get("tokenizer"):
-        params["tokenizer"] = str(Path(params["tokenizer"]).resolve())
+        params["tokenizer"] = str(Path(prepare_checkpoint(params["tokenizer"])).resolve())
 
     out = Path(out_dir)
     if out.exists():

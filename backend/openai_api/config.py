@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+
 
 @dataclass
 class ApiConfig:
@@ -26,7 +28,7 @@ class ApiConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        self.model_dir = os.fspath(self.model_dir)
+        self.model_dir = prepare_checkpoint(self.model_dir)  # a GGUF file: its converted directory
         if not self.served_model_name:
             self.served_model_name = Path(self.model_dir).resolve().name
         if not 0 < self.port < 65536:
