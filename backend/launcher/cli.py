@@ -20,10 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from splitfuse.launcher.default_model import RANDOM_WARNING, is_random_demo
 from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import TritonServer
-from splitfuse.launcher.repository import TEMPLATE_ENV, parse_params, render_model_repository
+from splitfuse.control import read_limits
+from splitfuse.launcher.repository import LLM_MODEL, TEMPLATE_ENV, parse_params, render_model_repository
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
+from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m splitfuse.launcher", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face checkpoint directory, or a .gguf file (converted once into the GGUF cache)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -72,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     repo_dir = Path(args.model_repository_out) if args.model_repository_out else work / "model_repository"
     try:
         install = find_tritonserver(args.triton_root)
+        model = prepare_checkpoint(args.model)
+        if is_random_demo(model):
+            print(f"splitfuse.launcher: WARNING: {RANDOM_WARNING}", file=sys.stderr, flush=True)
         repo = render_model_repository(
-            repo_dir, args.model, params, instances=args.instances,
+            repo_dir, model, params, instances=args.instances,
             preprocessing_instances=args.preprocessing_instances, template_dir=args.model_repository_template,
         )
         if args.render_only:
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         front = None
         if args.openai_port:
-            front = OpenAIFront(args.model, f"127.0.0.1:{args.grpc_port}", args.host, args.openai_port, params)
+            front = OpenAIFront(model, f"127.0.0.1:{args.grpc_port}", args.host, args.openai_port, params)
         return _run_foreground(server, args.ready_timeout, front)
     except (ValueError, OSError) as e:  # bad parameters, missing files, ports in use
         print(f"error: {e}", file=sys.stderr)
@@ -125,7 +132,7 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
                 break
             time.sleep(0.25)
         if not signals and front is not None:
-            front.start()
+            front.start(read_limits(server.control_dir, LLM_MODEL).get("max_model_len"))
             if not front.wait_ready():
                 print(f"splitfuse.launcher: the OpenAI front did not come up on {front.url}", file=sys.stderr)
                 signals.append(signal.SIGTERM)

@@ -8,14 +8,12 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from openai_helpers import start_api, stop_api
 from triton_helpers import abort_and_length_ends, metric_sum, settled, wait_for
 
 openai = pytest.importorskip("openai", reason="the openai SDK is in the dev extra")
@@ -27,55 +25,6 @@ PROMPT = "the quick brown fox jumps over"
 MESSAGES = [{"role": "system", "content": "you are terse"}, {"role": "user", "content": "hello world"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Api:
-    base_url: str
-    model: str
-    process: subprocess.Popen
-    log_file: Path
-
-    def client(self, **kw) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
-
-
-def _start_api(served, tmp_path: Path, name: str, *extra: str) -> Api:
-    port = _free_port()
-    log_file = tmp_path / f"{name}.log"
-    cmd = [sys.executable, "-m", "splitfuse.openai_api", "--model", served.model_dir,
-           "--triton-grpc-url", served.grpc_url, "--port", str(port), "--log-level", "warning", *extra]
-    with open(log_file, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the OpenAI API did not start: {log_file.read_text()[-2000:]}")
-        time.sleep(0.3)
-    return Api(base, Path(served.model_dir).resolve().name, proc, log_file)
-
-
-def _stop(api: Api) -> None:
-    api.process.terminate()
-    try:
-        api.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        api.process.kill()
-        api.process.wait()
-
-
 # The engine's limit for prompt + generation, as the launcher passes it: chat requests without
 # max_tokens fill it. The test server's KV pool (4096 tokens, minus its watermark) could not hold
 # one sequence of the checkpoint's full 4096 positions.
@@ -84,9 +33,9 @@ MAX_MODEL_LEN = 2048
 
 @pytest.fixture(scope="module")
 def api(served, tmp_path_factory):
-    a = _start_api(served, tmp_path_factory.mktemp("openai"), "api", "--max-model-len", str(MAX_MODEL_LEN))
+    a = start_api(served.model_dir, served.grpc_url, tmp_path_factory.mktemp("openai"), "api", "--max-model-len", str(MAX_MODEL_LEN))
     yield a
-    _stop(a)
+    stop_api(a)
 
 
 def _used_blocks(served) -> float:
@@ -322,7 +271,7 @@ def test_chat_without_a_template_is_a_clear_400(served, tmp_path):
     cfg.pop("chat_template", None)
     cfg_path.write_text(json.dumps(cfg))
     assert not (tok_dir / "chat_template.jinja").exists()
-    bare = _start_api(served, tmp_path, "bare", "--tokenizer", str(tok_dir))
+    bare = start_api(served.model_dir, served.grpc_url, tmp_path, "bare", "--tokenizer", str(tok_dir))
     try:
         client = bare.client()
         with pytest.raises(openai.BadRequestError) as e:
@@ -330,7 +279,7 @@ def test_chat_without_a_template_is_a_clear_400(served, tmp_path):
         assert e.value.body["code"] == "no_chat_template" and "chat template" in e.value.body["message"]
         assert client.completions.create(model=bare.model, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
     finally:
-        _stop(bare)
+        stop_api(bare)
 
 
 # ---- disconnects ----------------------------------------------------------------------------
