@@ -44,6 +44,16 @@ def chain_hash(parent: bytes, block_token_ids: Tokens[int]) -> bytes:
     return hashlib.sha256(parent + tokens).digest()
 
 
+def watermark_blocks(num_blocks: int, watermark: float) -> int:
+    """Blocks kept free when admitting new prompts, so running decodes can still grow."""
+    return int(watermark * num_blocks)
+
+
+def longest_sequence(num_blocks: int, block_size: int, watermark: float) -> int:
+    """Tokens of the longest sequence a pool can admit on its own (all but the watermark)."""
+    return (num_blocks - watermark_blocks(num_blocks, watermark)) * block_size
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_prefix_caching: bool = True) -> None:
@@ -52,8 +62,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # Blocks kept free when admitting new prompts, so running decodes can still grow.
-        self.watermark_blocks = int(watermark * num_blocks)
+        self.watermark_blocks = watermark_blocks(num_blocks, watermark)
         self._free: deque[int] = deque(range(num_blocks))  # free blocks without a hash
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._ref_counts = [0] * num_blocks

@@ -8,6 +8,7 @@ before Triton shuts down. Files under one directory carry both.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ from pathlib import Path
 # The launcher puts the board's directory in the stubs' environment under this name.
 ENV = "SPLITFUSE_CONTROL_DIR"
 DRAIN, ABORT, IDLE = "drain", "abort", "idle"
+LIMITS = "limits.json"
 # A stop request for an id that no instance holds is forgotten after this long.
 STOP_TTL_S = 10.0
 
@@ -39,6 +41,15 @@ def num_idle(base: Path) -> int:
     return len(os.listdir(idle)) if idle.is_dir() else 0
 
 
+def read_limits(base: Path, model_name: str) -> dict:
+    """What the model's instances published of their engine's limits (Control.publish_limits),
+    e.g. the max_model_len the KV cache allows; {} until one has."""
+    try:
+        return json.loads((base / model_name / LIMITS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 # ---- instance side ------------------------------------------------------------------------
 class Control:
     """Files shared by the instances of this model and by the launcher (splitfuse.server).
@@ -48,6 +59,8 @@ class Control:
         <dir>/drain               launcher: refuse new requests, the server is shutting down
         <dir>/abort               launcher: abort every generation in flight
         <dir>/idle/<instance>     this instance: draining, and nothing is in flight
+        <dir>/<model>/limits.json the engine's limits, for the launcher to pass on (the
+                                  instances share one config, so they write the same)
 
     The launcher exists because Triton 2.51 cannot unload a decoupled Python model that had
     a request in flight when shutdown began; it stops generations before sending SIGTERM.
@@ -83,6 +96,12 @@ class Control:
     def key(client_id: str) -> str:
         # A digest: request ids may be long or hold characters a file name cannot.
         return hashlib.sha256(client_id.encode("utf-8")).hexdigest()[:32]
+
+    def publish_limits(self, **limits: int) -> None:
+        path = self.stop_dir.parent / LIMITS
+        tmp = path.with_name(f".{LIMITS}.{os.getpid()}")
+        tmp.write_text(json.dumps(limits))
+        os.replace(tmp, path)
 
     def post_stop(self, client_id: str) -> None:
         self.stop_dir.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from splitfuse.block_manager import longest_sequence
 from splitfuse.config import EngineConfig
 from splitfuse.host_allocator import keep_freed_memory
 from splitfuse.kernels.cpu.paged_attention import huge_page_empty
@@ -84,6 +85,7 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
         self.num_kv_blocks = self._num_kv_blocks()
+        self.max_model_len = self._fit_max_model_len()
         self.leader = None
         if world_size > 1 and group is None:
             from splitfuse.parallel.leader import Leader
@@ -154,6 +156,32 @@ class ModelRunner:
         # More blocks than max_num_seqs full-length sequences can ever use would only waste memory.
         cap = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         return max(1, min(blocks, cap))
+
+    def _fit_max_model_len(self) -> int:
+        """max_model_len, lowered to what the KV pool can hold for one sequence when it came from
+        the checkpoint; an explicit max_model_len the pool cannot hold is refused with the
+        setting to raise. Logs the pool's capacity either way."""
+        config, bs = self.config, self.config.block_size
+        gib_per_block = self.kv_bytes_per_block() / (1 << 30)
+        fits = longest_sequence(self.num_kv_blocks, bs, config.kv_watermark)
+        wanted = self.max_model_len
+        if wanted > fits:
+            blocks = -(-wanted // bs)
+            while longest_sequence(blocks, bs, config.kv_watermark) < wanted:
+                blocks += 1
+            raise_what = (f"num_kv_blocks to {blocks}" if config.num_kv_blocks is not None
+                          else f"kv_cache_memory_gb to {blocks * gib_per_block:.3g}")
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len={wanted} does not fit the KV cache: its {self.num_kv_blocks} blocks "
+                                 f"of {bs} tokens hold one sequence of at most {fits} tokens. Raise {raise_what}, "
+                                 f"or lower max_model_len")
+            log.warning("splitfuse: max_model_len lowered from the checkpoint's %d to %d, the longest sequence the "
+                        "KV cache holds; raise %s to serve the full context", wanted, fits, raise_what)
+            wanted = fits
+        log.info("splitfuse: KV cache: %d blocks of %d tokens = %d tokens (%.3g GiB); %d sequences of "
+                 "max_model_len %d fit at once", self.num_kv_blocks, bs, self.num_kv_blocks * bs,
+                 self.num_kv_blocks * gib_per_block, self.num_kv_blocks // -(-wanted // bs), wanted)
+        return wanted
 
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch) -> torch.Tensor:

@@ -24,8 +24,7 @@ class OpenAIFront:
         # The engine settings the front must agree with (its tokenizer, the default max_tokens).
         if params.get("tokenizer"):
             self.command += ["--tokenizer", params["tokenizer"]]
-        if params.get("max_model_len"):
-            self.command += ["--max-model-len", params["max_model_len"]]
+        self.max_model_len = params.get("max_model_len")
         self.process: subprocess.Popen | None = None
 
     @property
@@ -33,8 +32,11 @@ class OpenAIFront:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"http://{host}:{self.port}"
 
-    def start(self) -> None:
-        self.process = subprocess.Popen(self.command)
+    def start(self, engine_max_model_len: int | None = None) -> None:
+        """`engine_max_model_len`: what the engine runs with (it lowers the checkpoint's to what
+        its KV cache holds), used unless max_model_len was set."""
+        limit = self.max_model_len or engine_max_model_len
+        self.process = subprocess.Popen(self.command + (["--max-model-len", str(limit)] if limit else []))
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -278,12 +278,13 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [R.model_card(config.served_model_name, server.created, config.model_dir)]}
+        return {"object": "list", "data": [R.model_card(config.served_model_name, server.created, config.model_dir,
+                                                          server.max_model_len)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict:
         server.check_model(name)
-        return R.model_card(name, server.created, config.model_dir)
+        return R.model_card(name, server.created, config.model_dir, server.max_model_len)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -88,5 +88,7 @@ def chat_usage_chunk(meta: Meta, use: dict) -> dict:
 # ---- /v1/models -----------------------------------------------------------------------------
 
 
-def model_card(name: str, created: int, root: str) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "splitfuse", "root": root}
+def model_card(name: str, created: int, root: str, max_model_len: int) -> dict:
+    """As vLLM's, with the longest prompt + generation the engine takes."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "splitfuse", "root": root,
+            "max_model_len": max_model_len}

@@ -17,6 +17,7 @@ from google.protobuf import text_format
 from triton_helpers import GrpcStream
 from tritonclient.grpc import model_config_pb2
 
+from splitfuse.block_manager import longest_sequence
 from splitfuse.config import EngineConfig
 from splitfuse.launcher import (
     build_backend_dir,
@@ -136,7 +137,11 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
         time.sleep(0.2)  # the ready message's remaining lines
         assert any(openai_url in line for line in lines), "".join(lines[-40:])
         with urllib.request.urlopen(f"{openai_url}/models", timeout=30) as r:
-            assert [m["id"] for m in json.load(r)["data"]] == [Path(tiny_llama).name]
+            cards = json.load(r)["data"]
+        assert [m["id"] for m in cards] == [Path(tiny_llama).name]
+        # The checkpoint's 32768 positions, lowered to what the 2048 blocks hold for one
+        # sequence: the engine's limit reaches the front, whose default max_tokens it bounds.
+        assert cards[0]["max_model_len"] == longest_sequence(2048, 16, EngineConfig(tiny_llama).kv_watermark) < 32768
         grpc_url = f"127.0.0.1:{ports[1]}"
         s = GrpcStream(grpc_url)
         # Far longer than the tiny model generates between the signal and the end of the 0.5 s

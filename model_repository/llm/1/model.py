@@ -98,6 +98,8 @@ class TritonPythonModel:
         self.live_lock = threading.Lock()
         self.ids = itertools.count()
         self.control = Control(self.model_name, self.instance)
+        # The launcher tells the OpenAI front (default max_tokens) what the KV cache allows.
+        self.control.publish_limits(max_model_len=self.engine.max_model_len)
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
