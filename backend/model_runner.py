@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 
 from splitfuse.block_manager import longest_sequence
 from splitfuse.config import EngineConfig
+from splitfuse.cpu_budget import available_cpus
 from splitfuse.host_allocator import keep_freed_memory
 from splitfuse.kernels.cpu.paged_attention import huge_page_empty
 from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
@@ -48,8 +48,8 @@ def threads_per_rank(config: EngineConfig) -> int:
     """CPU threads of one rank: `num_threads` (or the cores this process may use) divided among
     the tensor-parallel ranks of this machine."""
     if config.tensor_parallel_size == 1:
-        return config.num_threads or torch.get_num_threads()
-    total = config.num_threads or len(os.sched_getaffinity(0))
+        return config.num_threads or min(torch.get_num_threads(), available_cpus())
+    total = config.num_threads or available_cpus()
     return max(1, total // config.tensor_parallel_size)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from splitfuse.config import EngineConfig
+from splitfuse.cpu_budget import available_cpus
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 
 # Template repository: the source tree's `model_repository/` unless overridden (an installed,
@@ -108,9 +109,9 @@ def render_model_repository(
 
 
 def replica_threads(instances: int) -> int:
-    """`num_threads` of each of `instances` engine replicas when none is given: the cores this
-    process may use, shared evenly."""
-    return max(1, len(os.sched_getaffinity(0)) // instances)
+    """`num_threads` of each of `instances` engine replicas when none is given: the CPUs this
+    process may use (cpu_budget.available_cpus), shared evenly."""
+    return max(1, available_cpus() // instances)
 
 
 def _check_filled(model: str, values: Mapping[str, str]) -> None:
