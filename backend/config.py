@@ -40,7 +40,8 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt + generation; defaults to the model's max_position_embeddings."""
     dtype: str = "auto"
-    """float32 | bfloat16 | float16 | auto (checkpoint dtype on GPU, float32 on CPU)."""
+    """float32 | bfloat16 | float16 | auto (the checkpoint's dtype on GPUs; on CPUs bfloat16 for a
+    bfloat16 checkpoint where the CPU multiplies bf16 natively, AVX-512 BF16 or AMX, else float32)."""
     kv_cache_dtype: str = "auto"
     """auto | bfloat16: the KV cache's element type (auto: the model's dtype). bfloat16 under a
     float32 model halves the cache's memory (twice the blocks for `kv_cache_memory_gb`) and the

@@ -14,7 +14,7 @@ from splitfuse.host_allocator import keep_freed_memory
 from splitfuse.kernels.cpu.paged_attention import huge_page_empty
 from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
-from splitfuse.layers.linear import check_quantization, resolve_linear_backend
+from splitfuse.layers.linear import check_quantization, native_bf16_cpu, resolve_linear_backend
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
 from splitfuse.models.llama import ModelArgs
 from splitfuse.models.loader import load_model, read_hf_config
@@ -37,11 +37,22 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dtype:
+    """`dtype=auto`: the checkpoint's dtype on GPUs; on CPUs a bfloat16 checkpoint stays bfloat16
+    where this CPU multiplies bf16 natively (layers.linear.native_bf16_cpu), everything else runs
+    float32 (bf16 widened to fp32 in software is slower than fp32 itself on AVX2-only CPUs).
+    The choice and its reason are logged."""
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return _DTYPES.get(str(args.checkpoint_dtype), torch.bfloat16)
+    checkpoint = str(args.checkpoint_dtype).removeprefix("torch.")
+    if device.type != "cpu":
+        return _DTYPES.get(checkpoint, torch.bfloat16)
+    native, why = native_bf16_cpu()
+    if checkpoint == "bfloat16" and native:
+        log.info("splitfuse: dtype=auto -> bfloat16: a bfloat16 checkpoint on a CPU with %s", why)
+        return torch.bfloat16
+    reason = f"a {checkpoint} checkpoint" if checkpoint != "bfloat16" else f"this CPU has {why}"
+    log.info("splitfuse: dtype=auto -> float32: %s (set dtype=bfloat16 to choose otherwise)", reason)
+    return torch.float32
 
 
 def threads_per_rank(config: EngineConfig) -> int:

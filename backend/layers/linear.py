@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitfuse.kernels.cpu import linear as cpu_linear
-from splitfuse.kernels.cpu.build import cpu_flags
+from splitfuse.kernels.cpu.build import cpu_flags, library_isa
 from splitfuse.layers.int8_linear import CpuInt8Linear, Int8Linear, cpu_int8_supported, int8_supported
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,21 @@ def cpu_linear_preferred(device: torch.device, dtype: torch.dtype) -> tuple[bool
         if "amx_bf16" in cpu_flags():
             return False, "AMX: oneDNN's tile kernels are faster for bf16"
     return True, ""
+
+
+def native_bf16_cpu() -> tuple[bool, str]:
+    """Whether this CPU multiplies bf16 natively in the kernels the engine runs here, and what
+    decides it: our C++ kernels' build (AVX-512 BF16 dot products), or AMX (oneDNN's tiles);
+    without our kernels, the CPU's flags for oneDNN."""
+    if "amx_bf16" in cpu_flags():
+        return True, "AMX bf16 tiles"
+    if cpu_linear.available():
+        if cpu_linear.native_bf16():
+            return True, "AVX-512 BF16 dot products in the C++ kernels"
+        return False, f"no bf16 dot products in the C++ kernels (built for {library_isa()})"
+    if "avx512_bf16" in cpu_flags():
+        return True, "AVX-512 BF16 (oneDNN)"
+    return False, "no AVX-512 BF16 or AMX"
 
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
