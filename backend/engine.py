@@ -28,8 +28,8 @@ from splitfuse.ragged_batch import RaggedBatch
 from splitfuse.sampler import Sampler
 from splitfuse.scheduler import ScheduledChunk, Scheduler
 from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
-from splitfuse.spec_ngram import NgramProposer
-from splitfuse.speculation import SpeculativeDecoder, sampling_rows
+from splitfuse.spec_decode.ngram import NgramProposer
+from splitfuse.spec_decode.decoder import SpeculativeDecoder, sampling_rows
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +394,7 @@ def _speculative_decoder(config: EngineConfig, max_model_len: int, vocab_size: i
     if config.speculative_method == "ngram":
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
     else:
-        from splitfuse.spec_draft import DraftModelProposer
+        from splitfuse.spec_decode.draft import DraftModelProposer
 
         proposer = DraftModelProposer(config, vocab_size)
     return SpeculativeDecoder(config, proposer, max_model_len)

@@ -68,7 +68,7 @@ def _fmt(v, nd=3) -> str:
 def _server_desc(server: dict) -> str:
     if server.get("kind") == "triton":
         instances = server.get("instances", 1)
-        return (f"python -m splitfuse.server (model {server.get('model')})"
+        return (f"python -m splitfuse.launcher (model {server.get('model')})"
                 + (f" --instances {instances}" if instances > 1 else "") + " "
                 + " ".join(f"--param {k}={v}" for k, v in server.get("params", {}).items()))
     if server.get("kind") == "openai":

@@ -69,7 +69,7 @@ def run_engine(system: str, args, specs, clients) -> dict:
 def run_triton(system: str, args, specs, clients) -> dict:
     """One server per system; if tritonserver dies during a point, it is restarted and that point
     is measured again (up to --max-restarts times per system; the summary reports restarts)."""
-    from splitfuse.server import serve
+    from splitfuse.launcher import serve
 
     params = engine_params(system, args)
     workdir = (Path(args.workdir) / file_stem(system)).resolve()

@@ -161,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         meta["server"] = f"running server at {args.grpc_url}"
         meta["runs"] = sweep(args.grpc_url, model_dir, args, out)
     else:
-        from splitfuse.server import serve
+        from splitfuse.launcher import serve
 
         params = dict(p.split("=", 1) for p in args.param)
-        meta["server"] = "python -m splitfuse.server " + " ".join(f"--param {k}={v}" for k, v in params.items())
+        meta["server"] = "python -m splitfuse.launcher " + " ".join(f"--param {k}={v}" for k, v in params.items())
         with serve(model_dir, params, workdir=HERE / ".cache" / "genai-perf-server") as srv:
             meta["runs"] = sweep(srv.grpc_url, model_dir, args, out)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -27,7 +27,7 @@
 #                            (normal lengths, stddev 30% of the mean; defaults 256 / 64 / 64 / 0)
 #   --model-dir DIR          checkpoint whose tokenizer sizes the prompts (default: bench model)
 #   --out DIR                results folder (default perf/results/perf_analyzer)
-#   --server-args "..."      extra args for `python -m splitfuse.server` (run only),
+#   --server-args "..."      extra args for `python -m splitfuse.launcher` (run only),
 #                            e.g. "--param scheduler_policy=prefill_first"
 # Outputs per model and level: CSV (-f), the per-request profile export (JSON with every
 # response timestamp) and perf_analyzer's stdout; plus ${OUT}/summary.csv (one row per model x
@@ -189,9 +189,9 @@ print(" ".join(str(x.getsockname()[1]) for x in s))')"
   read -r HTTP GRPC METRICS <<<"$ports"
   local slog="$OUT/server.log"
   mkdir -p "$OUT"
-  log "starting splitfuse.server (grpc $GRPC) $SERVER_ARGS"
+  log "starting splitfuse.launcher (grpc $GRPC) $SERVER_ARGS"
   # shellcheck disable=SC2086
-  "$PY" -m splitfuse.server --model "$MODEL_DIR" --http-port "$HTTP" --grpc-port "$GRPC" \
+  "$PY" -m splitfuse.launcher --model "$MODEL_DIR" --http-port "$HTTP" --grpc-port "$GRPC" \
     --metrics-port "$METRICS" $SERVER_ARGS >"$slog" 2>&1 &
   local spid=$!
   trap 'kill -TERM '"$spid"' 2>/dev/null; wait '"$spid"' 2>/dev/null || true' EXIT

@@ -17,7 +17,7 @@ on, off, ...) to spread the machine's drift over both.
     .venv/bin/python perf/prefix_cache_bench.py --quick    # a few minutes: smaller everything
     .venv/bin/python perf/prefix_cache_bench.py --report-only
 
-Systems: `ours_cache_on` / `ours_cache_off`: our Triton server (`splitfuse.server.serve`,
+Systems: `ours_cache_on` / `ours_cache_off`: our Triton server (`splitfuse.launcher.serve`,
 `ensemble` model, gRPC streaming, `enable_prefix_caching` true/false, everything else default
 but `token_budget`); `vllm_cache_on`: vLLM-CPU's OpenAI server (perf/.venv-vllm) with
 `--enable-prefix-caching`, streaming /v1/completions, with its own CPU binding; `vllm_2c_cache_on`:
@@ -304,7 +304,7 @@ class Ours:
                        "max_model_len": str(args.max_model_len), **dict(p.split("=", 1) for p in args.param)}
 
     def __enter__(self):
-        from splitfuse.server import serve
+        from splitfuse.launcher import serve
 
         self._cm = serve(self.args.model_dir, self.params, workdir=Path(self.args.workdir) / "ours",
                          ready_timeout_s=600)

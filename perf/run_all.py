@@ -2,7 +2,7 @@
 """Side-by-side FastGen-style comparison on this machine, with plots and a markdown summary.
 
 For each system in turn (one server at a time, so they never share the CPU):
-  * splitfuse / prefill_first / orca [@TOKEN_BUDGET]: our Triton server (`splitfuse.server.serve`)
+  * splitfuse / prefill_first / orca [@TOKEN_BUDGET]: our Triton server (`splitfuse.launcher.serve`)
     with that `scheduler_policy` (and token budget; everything else identical), driven through
     the `ensemble` model over Triton's HTTP generate_stream (server-sent events, read by the same
     client code as vLLM's stream; `--triton-protocol grpc`: tritonclient gRPC streaming);

@@ -311,7 +311,7 @@ def _check_sweep_point(p: dict) -> None:
 # ---------------------------------------------------------------------------------- Triton
 @pytest.mark.serving
 def test_tiny_sweep_against_real_triton_server(tiny_llama, tmp_path):
-    from splitfuse.server import find_tritonserver, serve
+    from splitfuse.launcher import find_tritonserver, serve
 
     try:
         find_tritonserver()

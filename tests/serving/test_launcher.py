@@ -173,15 +173,3 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
     out = "".join(lines)
     assert "successfully unloaded 'llm'" in out and "tritonserver exited with code 0" in out
     assert all(port_is_free(p, "127.0.0.1") for p in ports)
-
-
-def test_former_name_still_launches():
-    """`python -m splitfuse.server` and `from splitfuse.server import serve` (the launcher's old
-    name, used by existing commands and perf/) reach the same code."""
-    import splitfuse.launcher
-    import splitfuse.server
-
-    assert splitfuse.server.serve is splitfuse.launcher.serve and splitfuse.server.main is splitfuse.launcher.main
-    out = subprocess.run([sys.executable, "-m", "splitfuse.server", "--help"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and "--drain-timeout" in out.stdout

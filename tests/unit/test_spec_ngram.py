@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitfuse.sequence import SamplingParams, Sequence
-from splitfuse.spec_ngram import NgramIndex, NgramProposer
+from splitfuse.spec_decode.ngram import NgramIndex, NgramProposer
 
 
 def brute_force(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:

@@ -255,7 +255,7 @@ def test_draft_passes_run_a_token_for_every_proposal(tiny_llama, vocab, monkeypa
     """A shadow whose every token is computed (its proposals were all right) runs its last
     token again: a draft chunk of no tokens has no row of its own to take the next token
     from (it took its neighbour's)."""
-    from splitfuse import spec_draft
+    from splitfuse.spec_decode import draft as spec_draft
 
     built = []
 

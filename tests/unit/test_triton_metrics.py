@@ -5,7 +5,7 @@ import pytest
 
 from splitfuse.engine import StepStats
 from splitfuse.sequence import RequestOutput
-from splitfuse.triton_metrics import MetricsRecorder
+from splitfuse.triton.metrics import MetricsRecorder
 
 
 def step(prompt: int, generated: int, preempted: int) -> StepStats:

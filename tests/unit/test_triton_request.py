@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from splitfuse import control
-from splitfuse.control import Control
-from splitfuse.triton_request import InputError, parse_request
+from splitfuse.triton import control
+from splitfuse.triton.control import Control
+from splitfuse.triton.request import InputError, parse_request
 
 
 def t(value, dtype):

@@ -3,8 +3,8 @@
 import numpy as np
 
 from splitfuse.sequence import RequestOutput
-from splitfuse.triton_request import parse_request
-from splitfuse.triton_response import response_arrays, stop_ack_arrays
+from splitfuse.triton.request import parse_request
+from splitfuse.triton.response import response_arrays, stop_ack_arrays
 
 
 def t(value, dtype):

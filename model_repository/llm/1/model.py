@@ -21,12 +21,12 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from splitfuse.config import EngineConfig
-from splitfuse.control import Control
+from splitfuse.triton.control import Control
 from splitfuse.engine_loop import EngineLoop
 from splitfuse.sequence import RequestOutput
-from splitfuse.triton_metrics import MetricsRecorder, TritonMetrics
-from splitfuse.triton_request import InputError, Parsed, parse_request
-from splitfuse.triton_response import response_arrays, stop_ack_arrays
+from splitfuse.triton.metrics import MetricsRecorder, TritonMetrics
+from splitfuse.triton.request import InputError, Parsed, parse_request
+from splitfuse.triton.response import response_arrays, stop_ack_arrays
 
 log = logging.getLogger("splitfuse.triton.llm")
 

@@ -1,4 +1,4 @@
-"""The file board shared by the `llm` model's instances and the launcher (splitfuse.server).
+"""The file board shared by the `llm` model's instances and the launcher (splitfuse.launcher).
 
 Each `llm` instance is its own stub process, so a stop request may land on an instance other
 than the one running the generation, and the launcher must tell every instance to drain
@@ -52,7 +52,7 @@ def read_limits(base: Path, model_name: str) -> dict:
 
 # ---- instance side ------------------------------------------------------------------------
 class Control:
-    """Files shared by the instances of this model and by the launcher (splitfuse.server).
+    """Files shared by the instances of this model and by the launcher (splitfuse.launcher).
 
         <dir>/<model>/stop/<key>  explicit stops: a stop request lands on any instance, but the
                                   generation may live in another (each instance is a process)

@@ -1,6 +1,6 @@
 """One Triton response of the `llm` model as named numpy arrays (TensorRT-LLM output names).
 
-Pure numpy, like request parsing (triton_request.py), so it is tested without a server; the
+Pure numpy, like request parsing (request.py), so it is tested without a server; the
 model's model.py wraps each array in a `pb_utils.Tensor`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from splitfuse.sequence import RequestOutput
-from splitfuse.triton_request import Parsed
+from splitfuse.triton.request import Parsed
 
 
 def _text(value: str) -> np.ndarray:
