@@ -19,7 +19,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from splitfuse.block_manager import BlockManager, blocks_needed
+from splitfuse.block_manager import BlockManager
 from splitfuse.config import EngineConfig
 from splitfuse.detokenizer import IncrementalDetokenizer
 from splitfuse.model_runner import ModelRunner
@@ -129,14 +129,9 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the model's context (max_model_len={self.max_model_len})"
             )
-        # A request must fit the KV pool on its own, or preemption could never make room.
-        need = blocks_needed(total, self.config.block_size)
-        room = self.blocks.num_blocks - self.blocks.watermark_blocks
-        if need > room:
-            raise ValueError(
-                f"prompt + max_tokens needs {need} KV blocks but the cache holds {room}; "
-                "lower max_tokens or raise num_kv_blocks / kv_cache_memory_gb"
-            )
+        # (max_model_len is at most what the KV pool holds for one sequence, ModelRunner's
+        # _fit_max_model_len: a request that passes fits the pool on its own, so preemption can
+        # always make room for it.)
         return token_ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:

