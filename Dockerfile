@@ -35,5 +35,7 @@ ENV SPLITFUSE_MODEL_REPOSITORY=/opt/splitfuse/model_repository \
 RUN python3 -m splitfuse.demo_model /opt/splitfuse/models/demo --arch llama --size tiny
 
 EXPOSE 8000 8001 8002
-ENTRYPOINT ["python3", "-m", "splitfuse.launcher", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]
+# In a container the ports must be reachable through the container's own interface; the
+# launcher's default elsewhere is loopback only.
+ENTRYPOINT ["python3", "-m", "splitfuse.launcher", "--host", "0.0.0.0", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]
 CMD ["--model", "/opt/splitfuse/models/demo"]

@@ -9,6 +9,8 @@ PY := $(VENV)/bin/python
 MODELS_DIR ?= models
 DEMO_MODEL ?= models/demo
 MODEL ?=
+# Where the endpoints listen: loopback unless told otherwise (HOST=0.0.0.0 exposes them).
+HOST ?= 127.0.0.1
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
@@ -45,7 +47,7 @@ demo-model: $(DEMO_MODEL)/config.json
 
 serve: install kernels
 	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(PY) -m splitfuse.launcher.default_model $(MODELS_DIR)) && \
-	$(PY) -m splitfuse.launcher --model "$$model" \
+	$(PY) -m splitfuse.launcher --model "$$model" --host $(HOST) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 

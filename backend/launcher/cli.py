@@ -39,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--host", default="0.0.0.0", help="address the three endpoints bind to")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address Triton's three endpoints and the OpenAI front bind to (default: loopback only; "
+                        "0.0.0.0 exposes them on every interface)")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="engine parameter (any EngineConfig field), repeatable")
     p.add_argument("--instances", type=int, default=1, help="llm instance_group count (engine replicas)")

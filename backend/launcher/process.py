@@ -62,7 +62,7 @@ class TritonServer:
     http_port: int
     grpc_port: int
     metrics_port: int
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     install: TritonInstall | None = None
     log_file: Path | None = None
     """Server output goes here; None inherits the caller's stdout/stderr."""

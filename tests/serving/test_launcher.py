@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -98,6 +100,28 @@ def test_backend_dir_links_the_stub_for_this_python(tmp_path):
     build_backend_dir(tmp_path / "backends", install)  # idempotent
 
 
+def _listen_addresses(port: int) -> set[str]:
+    """The local addresses with a socket listening on `port` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(addr)
+            if v6:
+                ip = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+                found.add(str(ip.ipv4_mapped or ip))  # a v6 socket bound to ::ffff:127.0.0.1
+            else:
+                found.add(socket.inet_ntoa(raw[::-1]))
+    return found
+
+
 @pytest.mark.serving
 def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
     """`python -m splitfuse.launcher` (what `make serve` runs): ready line, the OpenAI front
@@ -112,7 +136,7 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
     # fast the CPU (4,000 tokens took under 2 s on a Zen 5 and the test raced).
     tiny_llama = tiny_model_factory("llama", max_position_embeddings=32768)
     ports = [free_port() for _ in range(4)]
-    cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", tiny_llama, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", tiny_llama,  # no --host: the default
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
            "--openai-port", str(ports[3]),
            "--param", "device=cpu", "--param", "num_kv_blocks=2048", "--param", "num_threads=1",
@@ -136,6 +160,8 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
         openai_url = f"http://127.0.0.1:{ports[3]}/v1"
         time.sleep(0.2)  # the ready message's remaining lines
         assert any(openai_url in line for line in lines), "".join(lines[-40:])
+        # By default every listener (Triton's three, the OpenAI front) is on loopback only.
+        assert {port: _listen_addresses(port) for port in ports} == {port: {"127.0.0.1"} for port in ports}
         with urllib.request.urlopen(f"{openai_url}/models", timeout=30) as r:
             cards = json.load(r)["data"]
         assert [m["id"] for m in cards] == [Path(tiny_llama).name]
