@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from splitfuse.openai_api import ApiConfig, run
+from splitfuse.openai_api.config import API_KEY_ENV, key_from
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,10 +20,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the engine's max_model_len (default: the checkpoint's max_position_embeddings)")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--api-key-file", default=None,
+                    help=f"file whose first line is the API key clients must send as a Bearer token (default: "
+                         f"${API_KEY_ENV}; neither: no key is asked)")
     a = ap.parse_args(argv)
+    try:
+        api_key = key_from(a.api_key_file)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     run(ApiConfig(model_dir=a.model, triton_grpc_url=a.triton_grpc_url, host=a.host, port=a.port,
                   served_model_name=a.served_model_name, tokenizer=a.tokenizer, max_model_len=a.max_model_len,
-                  log_level=a.log_level))
+                  log_level=a.log_level, api_key=api_key))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -275,6 +276,19 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _error_response(exc)
+
+    if config.api_key is not None:
+        expected = f"Bearer {config.api_key}".encode()
+
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next):
+            # Every /v1 route; /health stays open for probes.
+            if request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return _error_response(ApiError(401, "a valid API key is required: send the header "
+                                                         "'Authorization: Bearer <key>'", code="invalid_api_key"))
+            return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
@@ -26,6 +26,9 @@ class ApiConfig:
     """The engine's max_model_len, for chat requests without max_tokens; defaults to the
     checkpoint's max_position_embeddings, as the engine's does."""
     log_level: str = "info"
+    api_key: str | None = field(default=None, repr=False)
+    """Clients must send `Authorization: Bearer <api_key>` on every /v1 route (None: no check).
+    Read from $SPLITFUSE_API_KEY or a file (`key_from`), never taken from a command line."""
 
     def __post_init__(self) -> None:
         self.model_dir = prepare_checkpoint(self.model_dir)  # a GGUF file: its converted directory
@@ -43,3 +46,23 @@ class ApiConfig:
             return self.max_model_len
         cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
         return int(cfg.get("max_position_embeddings", 2048))
+
+
+API_KEY_ENV = "SPLITFUSE_API_KEY"
+
+
+def key_from(path: str | None) -> str | None:
+    """The API key: the first line of `path` when given, else $SPLITFUSE_API_KEY, else None. An
+    empty key is an error (it would let every client in while looking protected)."""
+    if path:
+        lines = Path(path).read_text().splitlines()
+        key, source = (lines[0].strip() if lines else ""), path
+    else:
+        key = os.environ.get(API_KEY_ENV)
+        source = f"${API_KEY_ENV}"
+        if key is None:
+            return None
+        key = key.strip()
+    if not key:
+        raise ValueError(f"the API key from {source} is empty")
+    return key

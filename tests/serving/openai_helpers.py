@@ -3,6 +3,7 @@ test's tritonserver, and the `openai` SDK client for it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -22,20 +23,23 @@ class Api:
     process: subprocess.Popen
     log_file: Path
 
-    def client(self, **kw):
+    def client(self, api_key: str = "unused", **kw):
         import openai
 
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
 
 
-def start_api(model_dir: str, grpc_url: str, tmp_path: Path, name: str, *extra: str) -> Api:
-    """The front for the tritonserver at `grpc_url` serving `model_dir`, ready; its log in tmp_path."""
+def start_api(model_dir: str, grpc_url: str, tmp_path: Path, name: str, *extra: str,
+              env: dict[str, str] | None = None) -> Api:
+    """The front for the tritonserver at `grpc_url` serving `model_dir`, ready; its log in tmp_path.
+    `env`: variables added to this process's environment for it."""
     port = free_port()
     log_file = tmp_path / f"{name}.log"
     cmd = [sys.executable, "-m", "splitfuse.openai_api", "--model", model_dir,
            "--triton-grpc-url", grpc_url, "--port", str(port), "--log-level", "warning", *extra]
     with open(log_file, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:

@@ -8,7 +8,10 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -338,3 +341,43 @@ def test_launcher_entry_point_is_importable():
     assert cfg.served_model_name == Path(os.getcwd()).name
     with pytest.raises(ValueError, match="port"):
         ApiConfig(model_dir=".", port=0)
+
+
+def _status(url: str, headers: dict[str, str] | None = None, body: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers={"Content-Type": "application/json", **(headers or {})},
+                                 data=None if body is None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_an_api_key_guards_every_v1_route_but_health(served, tmp_path):
+    key = "sk-test-" + os.urandom(8).hex()
+    keyed = start_api(served.model_dir, served.grpc_url, tmp_path, "keyed", "--max-model-len", str(MAX_MODEL_LEN),
+                      env={"SPLITFUSE_API_KEY": key})
+    try:
+        chat = {"model": keyed.model, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            for path, body in (("/v1/models", None), ("/v1/chat/completions", chat),
+                               ("/v1/chat/completions", {**chat, "stream": True})):
+                status, answer = _status(keyed.base_url + path, headers, body)
+                assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, headers, answer)
+        assert _status(keyed.base_url + "/health")[0] == 200
+        client = keyed.client(api_key=key)
+        assert [m.id for m in client.models.list().data] == [keyed.model]
+        whole = client.chat.completions.create(**chat)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
+                           if c.choices)
+        assert whole.choices[0].message.content == streamed
+        with pytest.raises(openai.AuthenticationError):
+            keyed.client(api_key="wrong").chat.completions.create(**chat)
+    finally:
+        stop_api(keyed)
+    # An empty key would look protected and let everyone in: the front refuses to start.
+    empty = tmp_path / "empty-key"
+    empty.write_text("\n")
+    run = subprocess.run([sys.executable, "-m", "splitfuse.openai_api", "--model", served.model_dir,
+                          "--api-key-file", str(empty)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "is empty" in run.stderr, run.stderr[-2000:]
