@@ -54,6 +54,15 @@ def longest_sequence(num_blocks: int, block_size: int, watermark: float) -> int:
     return (num_blocks - watermark_blocks(num_blocks, watermark)) * block_size
 
 
+def pool_blocks_for(num_blocks: int, watermark: float) -> int:
+    """The fewest blocks a pool needs for `num_blocks` of them to be admittable beside its
+    watermark."""
+    total = num_blocks
+    while total - watermark_blocks(total, watermark) < num_blocks:
+        total += 1
+    return total
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_prefix_caching: bool = True) -> None:

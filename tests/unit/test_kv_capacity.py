@@ -32,3 +32,12 @@ def test_an_explicit_max_model_len_the_pool_cannot_hold_is_refused(tiny_llama, k
     assert longest_sequence(125, 16, 0.01) < 2000 <= longest_sequence(126, 16, 0.01)  # 126: the least that holds it
     with pytest.raises(ValueError, match=f"max_model_len=2000 does not fit the KV cache.*Raise {needed}"):
         LLM(tiny_llama, max_model_len=2000, **kw)
+
+
+def test_a_pool_capped_by_max_num_seqs_still_holds_the_full_context(tiny_llama):
+    # One sequence allowed: the pool is sized for one full-length sequence plus the watermark,
+    # so the checkpoint's context is kept.
+    with LLM(tiny_llama, max_num_seqs=1, kv_cache_memory_gb=1.0) as llm:
+        assert llm.engine.max_model_len == 4096
+        blocks = llm.engine.runner.num_kv_blocks
+        assert longest_sequence(blocks, 16, 0.01) >= 4096 > longest_sequence(blocks - 1, 16, 0.01)
