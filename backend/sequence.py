@@ -8,11 +8,23 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 
+# Temperatures below this sample as greedy: dividing logits by a smaller one overflows them to
+# infinity (and would pick token 0, not the most likely one).
+MIN_TEMPERATURE = 1e-5
+# Bounds that keep one request's cost reasonable for the others (every stop string is matched
+# against each new token's text).
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 1024
+MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's range for the presence and frequency penalties, on every path.
+MAX_PENALTY = 2.0
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 means greedy (so does anything below MIN_TEMPERATURE)."""
     top_k: int = 0
     """0 disables top-k."""
     top_p: float = 1.0
@@ -35,6 +47,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -56,18 +70,28 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check_float("presence_penalty", self.presence_penalty)
-        _check_float("frequency_penalty", self.frequency_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=None)
+            _check_int("seed", self.seed, minimum=-(2**63))
+            if self.seed >= 2**64:
+                raise ValueError(f"seed must be < 2**64, got {self.seed}")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain an empty string")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                             f"characters, got {len(self.stop)} (longest {max(map(len, self.stop))})")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
 
 
 def _check_int(name: str, value: object, minimum: int | None) -> None:

@@ -261,6 +261,8 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
             return json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
 
     async def run(job: Job, request: Request):
         try:

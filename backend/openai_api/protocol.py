@@ -26,6 +26,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# The `llm` model's integer inputs are INT32: a larger value must be refused here, not wrapped.
+INT32_MAX = 2**31 - 1
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -37,7 +41,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = 1
@@ -49,8 +53,8 @@ class _Sampling(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM's names), passed to the engine as they are.
-    top_k: int | None = Field(default=None, ge=0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool | None = None
     # Accepted, no effect.
@@ -93,7 +97,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
@@ -153,7 +157,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None

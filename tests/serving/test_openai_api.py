@@ -212,6 +212,11 @@ def test_logprobs(api):
     (dict(best_of=2), ["best_of"]),
     (dict(extra_body={"unknown_knob": 1}), ["unknown_knob"]),
     (dict(stream_options={"include_usage": True}), ["stream_options"]),
+    # Integers the engine's INT32 inputs cannot hold are refused, not wrapped (2**32 + 8 -> 8).
+    (dict(max_tokens=2**32 + 8), ["max_tokens"]),
+    (dict(extra_body={"top_k": 2**63}), ["top_k"]),
+    (dict(extra_body={"min_tokens": 2**40}), ["min_tokens"]),
+    (dict(seed=2**64), ["seed"]),
 ])
 def test_completion_bad_parameters_are_400(api, kwargs, words):
     client = api.client()
@@ -254,13 +259,14 @@ def test_unknown_model_is_404_and_a_good_request_still_works(api):
     assert ok.usage.completion_tokens == 3
 
 
-def test_malformed_json_is_400(api):
-    req = urllib.request.Request(api.base_url + "/v1/completions", data=b"{not json",
-                                 headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=30)
-    assert e.value.code == 400
-    assert "JSON" in json.loads(e.value.read())["error"]["message"]
+@pytest.mark.parametrize("body", [b"{not json", b"[" * 100_000 + b"]" * 100_000,
+                                  b'{"model": "m", "prompt": ' + b"[" * 5_000 + b"]" * 5_000 + b"}"])
+def test_malformed_or_too_deep_json_is_400(api, body):
+    status, answer = _status(api.base_url + "/v1/completions", body=None, raw=body)
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+    # The front goes on answering.
+    ok = api.client().completions.create(model=api.model, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
 
 
 def test_chat_without_a_template_is_a_clear_400(served, tmp_path):
@@ -343,9 +349,10 @@ def test_launcher_entry_point_is_importable():
         ApiConfig(model_dir=".", port=0)
 
 
-def _status(url: str, headers: dict[str, str] | None = None, body: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, headers={"Content-Type": "application/json", **(headers or {})},
-                                 data=None if body is None else json.dumps(body).encode())
+def _status(url: str, headers: dict[str, str] | None = None, body: dict | None = None,
+            raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, headers={"Content-Type": "application/json", **(headers or {})}, data=data)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
