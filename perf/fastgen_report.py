@@ -282,10 +282,16 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
     same = (" (every one of our systems ran this code)" if ours == {mach.get("source_digest")}
             else " (our systems did not all run the same code: see the run notes)" if ours else "")
     lines.append(f"- **Git commit**: `{mach['git_commit']}`; code measured: `{mach.get('source_digest', '?')}`{same}")
-    lines.append(f"- **Model**: `{model['path']}`: random-weight {model['arch']} ({model['params_m']}M params, "
-                 f"hidden {model['hidden']}, {model['layers']} layers, {model['heads']} heads / {model['kv_heads']} KV "
-                 f"heads, vocab {model['vocab']}, {model['dtype']}), built by "
-                 f"`python -m splitfuse.demo_model DIR --size {model.get('built_by', {}).get('size', '?')}`.")
+    shape = (f"{model['arch']} ({model['params_m']}M params, hidden {model['hidden']}, {model['layers']} layers, "
+             f"{model['heads']} heads / {model['kv_heads']} KV heads, vocab {model['vocab']}, {model['dtype']})")
+    if model.get("built_by"):
+        origin = (f"random-weight {shape}, built by `python -m splitfuse.demo_model DIR --size "
+                  f"{model['built_by'].get('size', '?')}`")
+    elif model.get("converted_from"):
+        origin = f"trained {shape}, converted from `{model['converted_from']}` by `splitfuse.models.gguf_checkpoint`"
+    else:
+        origin = f"checkpoint: {shape}"
+    lines.append(f"- **Model**: `{model['path']}`: {origin}.")
     lines.append(f"- **Workload**: prompt tokens ~ Normal({wl['prompt_mean']:g}, sd {wl['variance'] * 100:g}% of mean), "
                  f"generated tokens ~ Normal({wl['gen_mean']:g}, sd {wl['variance'] * 100:g}%), exactly that many "
                  f"generated (ignore_eos / min_tokens), greedy; {wl['num_requests']} requests drawn with seed "

@@ -150,10 +150,13 @@ def model_info(model_dir: str) -> dict:
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hd = cfg.get("head_dim") or h // heads
     per_layer = h * hd * (heads + 2 * kv) + heads * hd * h + 3 * h * inter + 2 * h
-    params = layers * per_layer + 2 * vocab * h + h  # embeddings + untied lm_head + final norm
-    demo = {}
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    params = layers * per_layer + (1 if tied else 2) * vocab * h + h  # embeddings (+ lm_head) + final norm
+    demo = gguf = {}
     if (Path(model_dir) / "splitfuse_demo.json").is_file():
         demo = json.loads((Path(model_dir) / "splitfuse_demo.json").read_text())
+    if (Path(model_dir) / "splitfuse_gguf.json").is_file():  # converted by splitfuse.models.gguf_checkpoint
+        gguf = json.loads((Path(model_dir) / "splitfuse_gguf.json").read_text())
     return {
         "path": str(model_dir),
         "arch": cfg.get("model_type"),
@@ -166,6 +169,7 @@ def model_info(model_dir: str) -> dict:
         "vocab": vocab,
         "dtype": cfg.get("dtype", cfg.get("torch_dtype")),
         "built_by": demo,
+        "converted_from": gguf.get("source"),
     }
 
 
