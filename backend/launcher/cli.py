@@ -23,10 +23,10 @@ from pathlib import Path
 from splitfuse.launcher.default_model import RANDOM_WARNING, is_random_demo
 from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import TritonServer
-from splitfuse.triton.control import read_limits
 from splitfuse.launcher.repository import LLM_MODEL, TEMPLATE_ENV, parse_params, render_model_repository
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+from splitfuse.triton.control import read_limits
 
 
 def _parser() -> argparse.ArgumentParser:
