@@ -24,6 +24,7 @@ from splitfuse.config import EngineConfig
 from splitfuse.detokenizer import IncrementalDetokenizer
 from splitfuse.model_runner import ModelRunner
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+from splitfuse.prompt_limit import PromptLimit
 from splitfuse.ragged_batch import RaggedBatch
 from splitfuse.sampler import Sampler
 from splitfuse.scheduler import ScheduledChunk, Scheduler
@@ -86,6 +87,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
+        self.prompt_limit = PromptLimit(self.tokenizer, self.max_model_len)
         self.vocab_size = self.runner.args.vocab_size
         self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, config.kv_watermark,
                                    enable_prefix_caching=config.enable_prefix_caching)
@@ -111,6 +113,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            self.prompt_limit.check(prompt)
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)

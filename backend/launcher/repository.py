@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -95,6 +96,10 @@ def render_model_repository(
 
     def edit_pre(cfg) -> None:
         cfg.parameters["tokenizer"].string_value = params.get("tokenizer") or str(model_path)
+        # An upper bound of the engine's max_model_len (which the KV pool may lower further).
+        context = params.get("max_model_len") or json.loads((model_path / "config.json").read_text()).get(
+            "max_position_embeddings", "")
+        cfg.parameters["max_input_tokens"].string_value = str(context)
         _check_filled(PREPROCESSING_MODEL, {k: v.string_value for k, v in cfg.parameters.items()})
         _set_instances(cfg, preprocessing_instances)
 

@@ -85,8 +85,8 @@ class OpenAIServer:
         from transformers import AutoTokenizer
 
         self.config = config
-        self.prompts = Prompts(tokenizer or AutoTokenizer.from_pretrained(config.tokenizer_dir))
         self.max_model_len = config.resolved_max_model_len()
+        self.prompts = Prompts(tokenizer or AutoTokenizer.from_pretrained(config.tokenizer_dir), self.max_model_len)
         self.created = int(time.time())
         self.triton: TritonLLM | None = None
 

@@ -11,11 +11,20 @@ from __future__ import annotations
 from typing import Any
 
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from splitfuse.prompt_limit import PromptLimit
 
 
 class Prompts:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self.limit = PromptLimit(tokenizer, max_model_len)
+
+    def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        try:
+            self.limit.check(text, param)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=param) from None
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     @property
     def has_chat_template(self) -> bool:
@@ -25,7 +34,7 @@ class Prompts:
         """(prompt ids, prompt text for `echo`)."""
         prompt = req.prompt
         if isinstance(prompt, str):
-            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"], prompt
+            return self._tokenize(prompt, "prompt", add_special_tokens=True), prompt
         vocab = len(self.tokenizer)
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -36,6 +45,12 @@ class Prompts:
         if not self.has_chat_template:
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions with a plain "
                                 "prompt", param="messages", code="no_chat_template")
+        # Each message alone, before the template runs over them all.
+        for m in req.messages:
+            try:
+                self.limit.check(m.text(), "a message")
+            except ValueError as e:
+                raise ApiError(400, str(e), param="messages") from None
         messages = []
         for m in req.messages:
             extra = {k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}
@@ -44,7 +59,7 @@ class Prompts:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # the template's own checks (e.g. roles must alternate)
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._tokenize(text, "messages", add_special_tokens=False)
 
     def token_strings(self, ids: list[int]) -> list[str]:
         """Each token decoded on its own (a piece of a multi-byte character shows as U+FFFD)."""

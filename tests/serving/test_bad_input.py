@@ -66,3 +66,63 @@ def test_http_errors_and_models_stay_ready(served):
     assert client.is_server_live() and client.is_server_ready()
     for model in ("ensemble", "preprocessing", "llm"):
         assert client.is_model_ready(model), model
+
+
+@pytest.fixture(scope="module")
+def strict_template_server(tiny_llama, tmp_path_factory):
+    """A server whose tokenizer's chat template raises on a message saying "boom" (as templates
+    that check role order do), to see one request's failure inside a preprocessing batch."""
+    import json
+    import shutil
+
+    from conftest import ENGINE_PARAMS, one_instance_server
+
+    model = tmp_path_factory.mktemp("strict") / "model"
+    shutil.copytree(tiny_llama, model)
+    cfg_file = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = ("{% for m in messages %}{% if m['content'] == 'boom' %}"
+                            "{{ raise_exception('the template refuses boom') }}{% endif %}"
+                            "<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    cfg_file.write_text(json.dumps(cfg))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    with one_instance_server(str(model), {**ENGINE_PARAMS, "num_threads": "2"},
+                             tmp_path_factory.mktemp("triton-strict")) as (_, server):
+        yield server, str(model)
+
+
+def test_one_bad_request_fails_alone_in_a_preprocessing_batch(strict_template_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from splitfuse.prompt_limit import PromptLimit
+
+    server, model = strict_template_server
+    too_long = "x" * (PromptLimit(AutoTokenizer.from_pretrained(model), 4096).max_chars + 1)
+
+    def chat(content: str) -> dict:
+        return {**GOOD, "text_input": f'[{{"role": "user", "content": "{content}"}}]', "apply_chat_template": True}
+
+    requests = [chat("hello"), chat("boom"), {**GOOD, "text_input": too_long}, chat("world"), GOOD, chat("boom"),
+                GOOD]
+    # Sent at once, so the preprocessing model's dynamic batcher groups them.
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda v: grpc_generate(server.grpc_url, "ensemble", v), requests))
+    for values, r in zip(requests, results):
+        if "boom" in values["text_input"]:
+            assert r.error is not None and "the chat template rejected the messages" in r.error, r.error
+        elif values["text_input"] is too_long:
+            assert r.error is not None and "it was not tokenized" in r.error, r.error
+        else:
+            assert r.error is None and len(r.output_ids) == GOOD["max_tokens"], r.error
+    # The engine refuses such a text itself too, before tokenizing it.
+    r = grpc_generate(server.grpc_url, "llm", {**GOOD, "text_input": too_long})
+    assert r.error is not None and "it was not tokenized" in r.error, r.error
+
+
+def test_stop_words_are_bounded(served):
+    r = grpc_generate(served.grpc_url, "llm", {**GOOD, "stop_words": [f"w{i}" for i in range(100)]})
+    assert r.error is not None and "stop takes at most 64" in r.error, r.error
+    ok = grpc_generate(served.grpc_url, "llm", {**GOOD, "stop_words": ["w1", "w2"]})
+    assert ok.error is None

@@ -120,8 +120,16 @@ def test_prompts_with_the_demo_tokenizer(tiny_llama):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    prompts = Prompts(tok)
+    prompts = Prompts(tok, max_model_len=64)
     ids, text = prompts.completion(parse(CompletionRequest, {**GOOD, "prompt": "hello world"}))
+    # A text no 64 tokens could hold is refused before tokenizing, naming the parameter.
+    huge = "x" * (prompts.limit.max_chars + 1)
+    with pytest.raises(ApiError, match="it was not tokenized") as e:
+        prompts.completion(parse(CompletionRequest, {**GOOD, "prompt": huge}))
+    assert e.value.param == "prompt"
+    with pytest.raises(ApiError, match="a message has") as e:
+        prompts.chat(parse(ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": huge}]}))
+    assert e.value.param == "messages"
     assert ids == tok("hello world").input_ids and ids[0] == tok.bos_token_id and text == "hello world"
     with pytest.raises(ApiError, match="outside the vocabulary"):
         prompts.completion(parse(CompletionRequest, {**GOOD, "prompt": [1, 10**6]}))

@@ -38,3 +38,19 @@ def test_the_bounds_themselves_are_accepted():
     SamplingParams(presence_penalty=2.0, frequency_penalty=-2.0, stop=["z" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS,
                    seed=2**64 - 1)
     SamplingParams(seed=-(2**63))
+
+
+def test_a_text_the_context_cannot_hold_is_refused_before_tokenizing(tiny_llama, monkeypatch):
+    with LLM(tiny_llama, num_kv_blocks=64) as llm:
+        limit = llm.engine.prompt_limit
+        assert limit.context_tokens == llm.engine.max_model_len
+        calls = []
+        encode = llm.engine.tokenizer.encode
+        monkeypatch.setattr(llm.engine.tokenizer, "encode", lambda text, **kw: calls.append(len(text)) or encode(text, **kw))
+        with pytest.raises(ValueError, match="it was not tokenized"):
+            llm.generate(["x" * (limit.max_chars + 1)], SamplingParams(max_tokens=2))
+        assert calls == []
+        # At the bound the text is tokenized (and then judged by its token count).
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate(["x" * limit.max_chars], SamplingParams(max_tokens=2))
+        assert calls == [limit.max_chars]

@@ -12,6 +12,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
+from splitfuse.prompt_limit import PromptLimit
+
 
 class InputError(ValueError):
     pass
@@ -29,6 +31,11 @@ def _texts(request) -> list[str]:
             raise InputError("text_input is empty")
         out.append(text)
     return out
+
+
+def _error(message: str):
+    return pb_utils.InferenceResponse(
+        output_tensors=[], error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
 
 
 def _flag(request, name: str) -> bool:
@@ -60,11 +67,14 @@ class TritonPythonModel:
         self.tokenizer = AutoTokenizer.from_pretrained(params["tokenizer"])
         self.add_special_tokens = params.get("add_special_tokens", "true").strip().lower() in ("1", "true", "yes")
         self.pad_id = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0
+        context = params.get("max_input_tokens", "").strip()
+        self.limit = PromptLimit(self.tokenizer, int(context)) if context else None
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
         # (request index, row texts, already templated) for the requests that parse.
         work: list[tuple[int, list[str], bool]] = []
+        # Each request fails alone: a bad one gets its error, the rest of the batch goes on.
         for i, request in enumerate(requests):
             try:
                 texts = _texts(request)
@@ -72,27 +82,42 @@ class TritonPythonModel:
                 if chat:
                     if self.tokenizer.chat_template is None:
                         raise InputError("apply_chat_template: this tokenizer has no chat template")
-                    texts = [self.tokenizer.apply_chat_template(_messages(t), add_generation_prompt=True,
-                                                                tokenize=False) for t in texts]
+                    texts = [self._render(_messages(t)) for t in texts]
+                if self.limit is not None:
+                    for t in texts:
+                        self.limit.check(t, "text_input")
                 work.append((i, texts, chat))
-            except InputError as e:
-                error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
-                responses[i] = pb_utils.InferenceResponse(output_tensors=[], error=error)
+            except ValueError as e:  # InputError, and the limit's
+                responses[i] = _error(str(e))
 
         # One tokenizer call per kind of text (plain / chat-templated, which carries its own
-        # special tokens) across every request in the batch.
+        # special tokens) across every request in the batch; if it fails, each request alone.
         for chat in (False, True):
             group = [(i, texts) for i, texts, c in work if c == chat]
             if not group:
                 continue
-            flat = [t for _, texts in group for t in texts]
-            encoded = self.tokenizer(flat, add_special_tokens=self.add_special_tokens and not chat)["input_ids"]
+            special = self.add_special_tokens and not chat
+            try:
+                encoded = self.tokenizer([t for _, texts in group for t in texts], add_special_tokens=special)
+            except Exception:
+                for i, texts in group:
+                    try:
+                        responses[i] = self._response(self.tokenizer(texts, add_special_tokens=special)["input_ids"])
+                    except Exception as e:
+                        responses[i] = _error(f"text_input could not be tokenized: {type(e).__name__}: {e}")
+                continue
             pos = 0
             for i, texts in group:
-                rows = encoded[pos:pos + len(texts)]
+                rows = encoded["input_ids"][pos:pos + len(texts)]
                 pos += len(texts)
                 responses[i] = self._response(rows)
         return responses
+
+    def _render(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template's own checks (e.g. roles must alternate)
+            raise InputError(f"the chat template rejected the messages: {e}") from None
 
     def _response(self, rows: list[list[int]]):
         width = max(len(r) for r in rows)
