@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +51,20 @@ def read_limits(base: Path, model_name: str) -> dict:
         return {}
 
 
+def private_dir(path: Path) -> Path:
+    """`path` created (or found) as a directory of this user's only (mode 0700, not a link);
+    RuntimeError when someone else's is in the way."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"the control folder {path} exists but is not a private directory of this user; "
+                           f"remove it, or set {ENV} to a directory of your own")
+    return path
+
+
 # ---- instance side ------------------------------------------------------------------------
 class Control:
     """Files shared by the instances of this model and by the launcher (splitfuse.launcher).
@@ -69,7 +84,9 @@ class Control:
     def __init__(self, model_name: str, instance: str) -> None:
         env = os.environ.get(ENV)
         # Without the launcher: a directory scoped to this server (the stubs' parent process).
-        self.base = Path(env) if env else Path(tempfile.gettempdir()) / f"splitfuse-{os.getppid()}"
+        # Its name is predictable, so it must be ours alone: another local user who created it
+        # first could otherwise read and post stops for our requests.
+        self.base = Path(env) if env else private_dir(Path(tempfile.gettempdir()) / f"splitfuse-{os.getppid()}")
         self.owned = not env
         self.stop_dir = self.base / model_name / "stop"
         self.stop_dir.mkdir(parents=True, exist_ok=True)

@@ -76,3 +76,17 @@ def test_control_board_round_trip(tmp_path, monkeypatch):
     assert b.aborting()
     a.post_stop("request-1")
     assert [key for key, _ in b.read_stops()] == [Control.key("request-1")]
+
+
+def test_the_fallback_control_folder_is_private(tmp_path):
+    mine = control.private_dir(tmp_path / "board")
+    assert (mine.stat().st_mode & 0o777) == 0o700 and control.private_dir(mine) == mine
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    loose.chmod(0o777)
+    with pytest.raises(RuntimeError, match="not a private directory"):
+        control.private_dir(loose)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(RuntimeError, match="not a private directory"):
+        control.private_dir(link)
