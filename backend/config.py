@@ -105,6 +105,14 @@ class EngineConfig:
     """Temperature of server requests that send no `temperature` input: 0 = greedy, as
     TensorRT-LLM's ensemble is when no sampling inputs are sent. (`SamplingParams` built in
     Python carry their own temperature.)"""
+    max_waiting_requests: int = 512
+    """Requests a server replica holds that are not running (queued for their first step, or
+    preempted); past it a new request is refused at once ("server busy": Triton UNAVAILABLE,
+    the OpenAI front's 429) instead of queueing without bound. 0 = no bound."""
+    max_queue_time_s: float = 0.0
+    """A served request not started within this many seconds of its arrival ends with a
+    "server busy" error (UNAVAILABLE / 429), so clients retry elsewhere instead of waiting
+    behind a backlog. 0 = no deadline."""
     stream_interval: int = 1
     """A streaming request's new tokens go to its caller every this many tokens (its first token
     and its end at once). Each Triton response is a round trip to the server process (~1 ms on 2
@@ -141,6 +149,10 @@ class EngineConfig:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         _check_positive("stream_interval", self.stream_interval)
+        if not (isinstance(self.max_waiting_requests, int) and self.max_waiting_requests >= 0):
+            raise ValueError(f"max_waiting_requests must be an integer >= 0, got {self.max_waiting_requests!r}")
+        if not (isinstance(self.max_queue_time_s, (int, float)) and 0.0 <= self.max_queue_time_s < float("inf")):
+            raise ValueError(f"max_queue_time_s must be a finite number >= 0, got {self.max_queue_time_s!r}")
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_choice("tensor_parallel_launch", self.tensor_parallel_launch, TENSOR_PARALLEL_LAUNCHES)
         if not (isinstance(self.tensor_parallel_timeout_s, (int, float)) and 0 < self.tensor_parallel_timeout_s < 1e6):

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from splitfuse.block_manager import BlockManager
 from splitfuse.config import EngineConfig
 from splitfuse.detokenizer import IncrementalDetokenizer
+from splitfuse.errors import SERVER_BUSY
 from splitfuse.model_runner import ModelRunner
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 from splitfuse.prompt_limit import PromptLimit
@@ -143,12 +144,16 @@ class LLMEngine:
         token_ids = self.prepare_prompt(prompt, params)
         self.add_prepared(request_id, token_ids, params)
 
-    def add_prepared(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def add_prepared(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                     arrival_time: float | None = None) -> None:
         """Add a request whose prompt `prepare_prompt` already validated. All or nothing: when
-        it raises, the engine keeps no trace of the request."""
+        it raises, the engine keeps no trace of the request. `arrival_time` (time.monotonic())
+        is when a server took it, if earlier than now."""
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, next(self._arrivals))
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         detokenizer = IncrementalDetokenizer(self.tokenizer, params)
         self._seqs[request_id] = seq
         self._detokenizers[request_id] = detokenizer
@@ -174,6 +179,19 @@ class LLMEngine:
             return None
         return self._fail(seq, error)
 
+    def expire_waiting(self, max_wait_s: float, now: float) -> list[RequestOutput]:
+        """End, with a "server busy" error, the requests that waited longer than `max_wait_s`
+        without being started (not those preempted after they started)."""
+        expired = [seq for seq in self.scheduler.waiting
+                   if seq.num_cached_tokens is None and now - seq.arrival_time > max_wait_s]
+        return [self._fail(seq, f"{SERVER_BUSY}: not started within max_queue_time_s={max_wait_s:g} s; "
+                                "retry later") for seq in expired]
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: queued for their first step, or preempted."""
+        return len(self.scheduler.waiting)
+
     def shutdown(self) -> None:
         """Release what outlives the object (the other tensor-parallel ranks' processes)."""
         self.runner.shutdown()
@@ -187,7 +205,7 @@ class LLMEngine:
             kv_blocks_free=self.blocks.num_free_blocks,
             kv_blocks_total=self.blocks.num_blocks,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.num_waiting,
         )
 
     # ---- the step -------------------------------------------------------------------------

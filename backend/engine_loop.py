@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from splitfuse.config import EngineConfig
 from splitfuse.engine import EngineStats, LLMEngine, StepStats
-from splitfuse.errors import FatalEngineError
+from splitfuse.errors import SERVER_BUSY, FatalEngineError, ServerBusyError
 from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class EngineLoop:
         self._inbox: deque[tuple] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
+        self._queued_adds = 0  # "add" commands in the inbox (under _lock)
+        self._engine_waiting = 0  # the engine's num_waiting after its last step (engine thread)
         self._failure: str | None = None
         self._delivery_pool: ThreadPoolExecutor | None = None
         self._held: dict[str, RequestOutput] = {}  # stream_interval: undelivered outputs (engine thread)
@@ -117,16 +120,33 @@ class EngineLoop:
         """Validate (raising ValueError in the caller's thread) and enqueue a request.
         Raises EngineFailedError once the engine is broken, RuntimeError while shutting down."""
         self._raise_if_failed()
+        arrival = time.monotonic()
+        self._check_room()  # before tokenizing: a refusal must cost the busy server nothing
         token_ids = self.engine.prepare_prompt(prompt, params)
         with self._lock:
             self._raise_if_failed()
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
+            self._check_room()
             if request_id in self._callbacks:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._callbacks[request_id] = on_output
-            self._inbox.append(("add", request_id, token_ids, params))
+            self._inbox.append(("add", request_id, token_ids, params, arrival))
+            self._queued_adds += 1
             self._lock.notify()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests taken but not running: submitted and not yet added, or waiting in the
+        engine (as of its last step)."""
+        return self._queued_adds + self._engine_waiting
+
+    def _check_room(self) -> None:
+        limit = self.config.max_waiting_requests
+        waiting = self.num_waiting
+        if limit and waiting >= limit:
+            raise ServerBusyError(f"{SERVER_BUSY}: {waiting} requests are waiting (max_waiting_requests={limit}); "
+                                  "retry later")
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -185,6 +205,10 @@ class EngineLoop:
                 self._hand_out()  # an abort's output must follow the request's earlier ones
             for command in commands:
                 self._apply(command)
+            self._expire_waiting()
+            with self._lock:
+                self._queued_adds -= sum(command[0] == "add" for command in commands)
+                self._engine_waiting = self.engine.num_waiting
             if stopping:
                 with self._lock:
                     left = list(self._callbacks)
@@ -206,6 +230,7 @@ class EngineLoop:
                 continue
             self._hand_out()  # a step that ran no forward pass
             self._step_outputs = outputs
+            self._engine_waiting = self.engine.num_waiting
             if not self.engine.has_unfinished_requests():
                 self._hand_out()
             if self.on_step is not None and self.engine.last_step is not None:
@@ -224,7 +249,7 @@ class EngineLoop:
         kind, request_id = command[0], command[1]
         try:
             if kind == "add":
-                self.engine.add_prepared(request_id, command[2], command[3])
+                self.engine.add_prepared(request_id, command[2], command[3], arrival_time=command[4])
                 return
             out = self.engine.abort_request(request_id)
         except Exception as e:
@@ -236,6 +261,12 @@ class EngineLoop:
         else:
             with self._lock:
                 self._callbacks.pop(request_id, None)
+
+    def _expire_waiting(self) -> None:
+        """max_queue_time_s: requests still not started past their deadline end "server busy"."""
+        if self.config.max_queue_time_s > 0 and self.engine.num_waiting:
+            for out in self.engine.expire_waiting(self.config.max_queue_time_s, time.monotonic()):
+                self._deliver(out)
 
     def _fail_in_flight(self, error: str) -> None:
         with self._lock:
@@ -259,6 +290,7 @@ class EngineLoop:
             self._failure = reason
             callbacks, self._callbacks = self._callbacks, {}
             self._inbox.clear()
+            self._queued_adds = 0
         error = f"the engine failed and serves no more requests: {reason}"
         for request_id, callback in callbacks.items():
             self._post(callback, _error_output(request_id, error))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -144,6 +145,8 @@ class Sequence:
     """Prompt tokens whose KV came from the prefix cache when first scheduled (None before)."""
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     """Chained hashes of the leading full blocks of `token_ids` (memo of the BlockManager)."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    """time.monotonic() when the request arrived (a server stamps it when it takes the request)."""
     draft_token_ids: list[int] = field(default_factory=list)
     """Tokens proposed to follow `token_ids` (speculative decoding), verified by the next step
     that decodes this sequence; empty when nothing is proposed."""

@@ -57,12 +57,12 @@ class TritonPythonModel(_real.TritonPythonModel):
         engine = self.engine
         add, abort, sample = engine.add_prepared, engine.abort_request, engine.sampler
 
-        def add_prepared(request_id, token_ids, params):
+        def add_prepared(request_id, token_ids, params, **kwargs):
             if _marked(request_id, "add"):
                 raise InjectedFault(f"injected add fault for {request_id}")
             if _marked(request_id, "break"):
                 engine.blocks.free = _broken_free
-            return add(request_id, token_ids, params)
+            return add(request_id, token_ids, params, **kwargs)
 
         def abort_request(request_id):
             if _marked(request_id, "abort"):

@@ -164,10 +164,10 @@ def test_loop_survives_failing_add_abort_and_sampling(loop, expected):
     engine = loop.engine
     real_add, real_abort = engine.add_prepared, engine.abort_request
 
-    def add(request_id, token_ids, params):
+    def add(request_id, token_ids, params, **kwargs):
         if request_id == "bad-add":
             raise Injected("injected add failure")
-        real_add(request_id, token_ids, params)
+        real_add(request_id, token_ids, params, **kwargs)
 
     def abort(request_id):
         if request_id == "bad-abort":

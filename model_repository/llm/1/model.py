@@ -23,6 +23,7 @@ import triton_python_backend_utils as pb_utils
 from splitfuse.config import EngineConfig
 from splitfuse.triton.control import Control
 from splitfuse.engine_loop import EngineLoop
+from splitfuse.errors import SERVER_BUSY, ServerBusyError
 from splitfuse.sequence import RequestOutput
 from splitfuse.triton.metrics import MetricsRecorder, TritonMetrics
 from splitfuse.triton.request import InputError, Parsed, parse_request
@@ -118,6 +119,9 @@ class TritonPythonModel:
                 self._start(request, sender)
             except ValueError as e:  # InputError, SamplingParams, the engine's own validation
                 self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            except ServerBusyError as e:  # max_waiting_requests: refused at once, nothing queued
+                self.recorder.refused("queue_full")
+                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
             except RuntimeError as e:  # the engine is shutting down, or failed for good (EngineFailedError)
                 self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
             except Exception as e:  # never let one request take down the others
@@ -195,7 +199,7 @@ class TritonPythonModel:
                 with live.lock:
                     try:
                         if out.error is not None:  # failed inside the engine
-                            self._send_error(live.sender, out.error, self._error_code())
+                            self._send_error(live.sender, out.error, self._error_code(out.error))
                         elif live.error is not None:
                             self._send_error(live.sender, live.error, pb_utils.TritonError.INTERNAL)
                         else:
@@ -214,8 +218,12 @@ class TritonPythonModel:
                 with self.live_lock:
                     self.live.pop(live.engine_id, None)
 
-    def _error_code(self) -> int:
-        # The engine broke for good: like a server that went away. Else this request alone failed.
+    def _error_code(self, error: str) -> int:
+        # Busy (max_queue_time_s), or the engine broke for good: like a server that is away, retry
+        # elsewhere. Else this request alone failed.
+        if error.startswith(SERVER_BUSY):
+            self.recorder.refused("queue_time")
+            return pb_utils.TritonError.UNAVAILABLE
         return pb_utils.TritonError.UNAVAILABLE if self.loop.failure is not None else pb_utils.TritonError.INTERNAL
 
     def _send(self, live: Live, out: RequestOutput) -> str | None:

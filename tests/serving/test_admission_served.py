@@ -1,0 +1,80 @@
+"""Admission control on a real server: a flood past `max_waiting_requests` is refused at once
+(gRPC UNAVAILABLE "server busy"; the OpenAI front's 429 with Retry-After), counted in
+`splitfuse_requests_refused_total`; every accepted request finishes, none hangs, and once the
+flood passes the server is ready with an empty KV pool and queue.
+
+Two slowed blockers (fault_model's `fault-slow` ids: 20 ms a step) fill both running slots, so
+each request of the flood waits: exactly `max_waiting_requests` of them are taken, the rest refused.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import tritonclient.grpc as grpcclient
+from conftest import fault_server
+from triton_helpers import GrpcStream, grpc_generate, metric_sum, wait_for
+
+pytestmark = pytest.mark.serving
+
+MAX_WAITING = 3
+PARAMS = {"device": "cpu", "dtype": "float32", "num_kv_blocks": "512", "block_size": "16", "token_budget": "64",
+          "num_threads": "1", "max_num_seqs": "2", "max_waiting_requests": str(MAX_WAITING)}
+FLOOD = 12
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    with fault_server(tiny_llama, PARAMS, tmp_path_factory.mktemp("admission")) as srv:
+        yield srv
+
+
+def _refused(server, reason: str = "queue_full") -> float:
+    return metric_sum(server.metrics_url, "splitfuse_requests_refused_total", reason=reason)
+
+
+class Blockers:
+    """Two long slowed generations that hold both running slots until closed (cancelled)."""
+
+    def __init__(self, server) -> None:
+        self.streams = [GrpcStream(server.grpc_url) for _ in range(2)]
+        for i, s in enumerate(self.streams):
+            s.send("llm", {"text_input": "hold the line", "max_tokens": 2000, "ignore_eos": True, "stream": True},
+                   request_id=f"fault-slow-blocker-{i}")
+        for s in self.streams:
+            resp, err = s.next()
+            assert err is None and resp.output_ids, err
+
+    def release(self) -> None:
+        for s in self.streams:
+            s.close(cancel=True)
+
+
+def test_grpc_flood_past_max_waiting_is_refused_and_nothing_is_lost(server):
+    refused_before = _refused(server)
+    blockers = Blockers(server)
+    try:
+        with ThreadPoolExecutor(FLOOD) as pool:
+            futures = [pool.submit(grpc_generate, server.grpc_url, "llm",
+                                   {"text_input": f"flood {i}", "max_tokens": 4, "ignore_eos": True, "stream": True},
+                                   f"flood-{i}", None, 120) for i in range(FLOOD)]
+            # The refusals come at once, while the blockers still hold the engine.
+            assert wait_for(lambda: _refused(server) - refused_before == FLOOD - MAX_WAITING, timeout=60)
+            blockers.release()
+            results = [f.result(timeout=120) for f in futures]
+    finally:
+        blockers.release()
+    busy = [r for r in results if r.error is not None]
+    served = [r for r in results if r.error is None]
+    assert len(busy) == FLOOD - MAX_WAITING and len(served) == MAX_WAITING
+    for r in busy:
+        assert "server busy" in r.error and f"max_waiting_requests={MAX_WAITING}" in r.error, r.error
+        assert r.output_ids == []
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 4 for r in served)
+    assert wait_for(lambda: metric_sum(server.metrics_url, "splitfuse_kv_cache_blocks", state="used") == 0)
+    assert wait_for(lambda: metric_sum(server.metrics_url, "splitfuse_requests", state="waiting") == 0)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    assert client.is_server_ready() and client.is_model_ready("llm")
+    after = grpc_generate(server.grpc_url, "llm", {"text_input": "after the flood", "max_tokens": 4, "stream": True})
+    assert after.error is None and len(after.output_ids) == 4
