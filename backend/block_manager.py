@@ -28,7 +28,15 @@ import numpy as np
 from splitfuse.sequence import Sequence
 
 ROOT_HASH = b""
-"""Parent hash of a sequence's first block."""
+"""Parent hash of a sequence's first block (without a cache salt)."""
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """Parent hash of a sequence's first block: a salt starts a chain of its own, so requests
+    share cached blocks only with requests of the same salt."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8")).digest()
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -99,7 +107,8 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if i else ROOT_HASH, seq.token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if i else root_hash(seq.params.cache_salt)
+            hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def lookup(self, seq: Sequence) -> list[int]:
@@ -236,7 +245,7 @@ class BlockManager:
             assert not self._block_of_hash, "blocks hashed with prefix caching off"
         bs = self.block_size
         for seq in live:
-            parent = ROOT_HASH
+            parent = root_hash(seq.params.cache_salt)
             for i, block in enumerate(seq.block_table):
                 if (i + 1) * bs > seq.num_tokens:
                     break

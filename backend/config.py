@@ -113,6 +113,11 @@ class EngineConfig:
     """A served request not started within this many seconds of its arrival ends with a
     "server busy" error (UNAVAILABLE / 429), so clients retry elsewhere instead of waiting
     behind a backlog. 0 = no deadline."""
+    report_num_cached_tokens: bool = False
+    """Served requests may ask for `num_cached_tokens` (prompt tokens found in the prefix cache)
+    without a `cache_salt`. Off by default: the count tells a client whether another client sent
+    the same prompt prefix recently. A request with a cache_salt may always ask (its cache hits
+    can only come from requests with the same salt)."""
     stream_interval: int = 1
     """A streaming request's new tokens go to its caller every this many tokens (its first token
     and its end at once). Each Triton response is a round trip to the server process (~1 ms on 2

@@ -19,6 +19,7 @@ MAX_STOP_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024
 # OpenAI's range for the presence and frequency penalties, on every path.
 MAX_PENALTY = 2.0
+MAX_CACHE_SALT_LENGTH = 256
 
 
 @dataclass
@@ -43,6 +44,9 @@ class SamplingParams:
     logprobs: bool = False
     """Return the log-probability of each chosen token (under the model's raw distribution)."""
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    """Keys the prefix cache (vLLM's name): a request reuses cached KV only from requests with
+    the same salt, so tenants that keep theirs secret cannot probe each other's prompts."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +97,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH
+        ):
+            raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LENGTH} characters")
 
 
 def _check_int(name: str, value: object, minimum: int | None) -> None:

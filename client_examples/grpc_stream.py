@@ -5,7 +5,9 @@
 
 Cancelling: `stop_stream(cancel_requests=True)` reaches the `llm` model, which aborts the
 sequence and frees its KV blocks. For the `ensemble` model Triton 2.51 does not forward the
-cancellation, so this script also sends an explicit stop (stop=true, same request id) to `llm`.
+cancellation, so this script also sends an explicit stop to `llm`: stop=true with the stop_handle
+that the generation's first response carried (asked for with return_stop_handle=true; a request
+id alone stops nothing, since any client could send another's).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> int:
         tensor("temperature", args.temperature, "FP32"),
         tensor("stream", True, "BOOL"),
         tensor("return_num_output_tokens", True, "BOOL"),
+        tensor("return_stop_handle", True, "BOOL"),
     ]
     if args.seed is not None:
         inputs.append(tensor("seed", args.seed, "UINT64"))
@@ -58,7 +61,7 @@ def main() -> int:
     client.start_stream(callback=lambda result, error: events.put((result, error)))
     start = time.perf_counter()
     client.async_stream_infer(args.model, inputs, request_id=request_id, enable_empty_final_response=True)
-    n, first, finish = 0, None, ""
+    n, first, finish, handle = 0, None, "", ""
     try:
         while True:
             result, error = events.get(timeout=300)
@@ -72,6 +75,9 @@ def main() -> int:
                 sys.stdout.flush()
                 n += 1
                 first = first or time.perf_counter()
+            handle_out = result.as_numpy("stop_handle")
+            if handle_out is not None and handle_out.size:
+                handle = handle_out.reshape(-1)[0].decode()
             reason = result.as_numpy("finish_reason")
             if reason is not None and reason.size and reason.reshape(-1)[0]:
                 finish = reason.reshape(-1)[0].decode()
@@ -80,7 +86,7 @@ def main() -> int:
             if args.cancel_after is not None and n >= args.cancel_after:
                 client.stop_stream(cancel_requests=True)
                 if args.model == "ensemble":
-                    stop(args.url, request_id)
+                    stop(args.url, handle)
                 finish = "cancelled by the client"
                 break
     finally:
@@ -92,12 +98,12 @@ def main() -> int:
     return 0
 
 
-def stop(url: str, request_id: str) -> None:
-    """Explicit stop: a request to `llm` with stop=true and the id of the generation."""
+def stop(url: str, handle: str) -> None:
+    """Explicit stop: a request to `llm` with stop=true and the generation's stop handle."""
     events: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(url) as client:
         client.start_stream(callback=lambda result, error: events.put((result, error)))
-        client.async_stream_infer("llm", [tensor("stop", True, "BOOL")], request_id=request_id)
+        client.async_stream_infer("llm", [tensor("stop", True, "BOOL"), tensor("stop_handle", handle.encode(), "BYTES")])
         _, error = events.get(timeout=30)
         client.stop_stream()
     if error is not None:

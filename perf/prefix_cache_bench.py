@@ -301,6 +301,7 @@ class Ours:
     def __init__(self, args, caching: bool) -> None:
         self.args, self.caching = args, caching
         self.params = {"token_budget": str(args.token_budget), "enable_prefix_caching": str(caching).lower(),
+                       "report_num_cached_tokens": "true",  # one tenant: the bench reads its own hits
                        "max_model_len": str(args.max_model_len), **dict(p.split("=", 1) for p in args.param)}
 
     def __enter__(self):

@@ -13,15 +13,12 @@ import os
 import shutil
 import stat
 import tempfile
-import time
 from pathlib import Path
 
 # The launcher puts the board's directory in the stubs' environment under this name.
 ENV = "SPLITFUSE_CONTROL_DIR"
 DRAIN, ABORT, IDLE = "drain", "abort", "idle"
 LIMITS = "limits.json"
-# A stop request for an id that no instance holds is forgotten after this long.
-STOP_TTL_S = 10.0
 
 
 # ---- launcher side ------------------------------------------------------------------------
@@ -69,8 +66,10 @@ def private_dir(path: Path) -> Path:
 class Control:
     """Files shared by the instances of this model and by the launcher (splitfuse.launcher).
 
-        <dir>/<model>/stop/<key>  explicit stops: a stop request lands on any instance, but the
-                                  generation may live in another (each instance is a process)
+        <dir>/<model>/stop/<tag>/<key>  explicit stops for the instance whose tag leads the
+                                  stop handle: a stop request lands on any instance, but the
+                                  generation may live in another (each instance is a process);
+                                  the owner applies each file once and deletes it
         <dir>/drain               launcher: refuse new requests, the server is shutting down
         <dir>/abort               launcher: abort every generation in flight
         <dir>/idle/<instance>     this instance: draining, and nothing is in flight
@@ -89,7 +88,10 @@ class Control:
         self.base = Path(env) if env else private_dir(Path(tempfile.gettempdir()) / f"splitfuse-{os.getppid()}")
         self.owned = not env
         self.stop_dir = self.base / model_name / "stop"
-        self.stop_dir.mkdir(parents=True, exist_ok=True)
+        self.tag = self.key(instance)[:12]
+        """Leads this instance's stop handles, so a stop landing elsewhere finds its owner."""
+        self.own_stops = self.stop_dir / self.tag
+        self.own_stops.mkdir(parents=True, exist_ok=True)
         self.idle_file = self.base / IDLE / instance
         self._idle = False
 
@@ -120,30 +122,23 @@ class Control:
         tmp.write_text(json.dumps(limits))
         os.replace(tmp, path)
 
-    def post_stop(self, client_id: str) -> None:
-        self.stop_dir.mkdir(parents=True, exist_ok=True)
-        (self.stop_dir / self.key(client_id)).touch()
+    def post_stop(self, owner_tag: str, stop_key: str) -> None:
+        """Hand a stop to the instance whose tag is `owner_tag` (no file when no such instance
+        exists: the handle is not one this model issued)."""
+        owner = self.stop_dir / owner_tag
+        if owner_tag.isalnum() and owner.is_dir():
+            (owner / stop_key).touch()
 
-    def read_stops(self) -> list[tuple[str, float]]:
-        """(key, time posted) of each recent stop; drops stale ones."""
-        out = []
+    def take_stops(self) -> list[str]:
+        """The stop keys posted to this instance since the last call (each file is taken once)."""
         try:
-            names = os.listdir(self.stop_dir)
+            names = os.listdir(self.own_stops)
         except FileNotFoundError:
-            return out
-        now = time.time()
+            return []
         for name in names:
-            path = self.stop_dir / name
-            try:
-                posted = path.stat().st_mtime
-                if now - posted > STOP_TTL_S:
-                    path.unlink()
-                    continue
-                out.append((name, posted))
-            except OSError:
-                continue
-        return out
+            (self.own_stops / name).unlink(missing_ok=True)
+        return names
 
     def close(self) -> None:
         if self.owned:  # the launcher removes its own directory
-            shutil.rmtree(self.stop_dir, ignore_errors=True)
+            shutil.rmtree(self.own_stops, ignore_errors=True)

@@ -56,9 +56,15 @@ def _first(request, names: tuple[str, ...], kind: type) -> Any:
     return None
 
 
+# A stop handle is "<instance tag>.<random hex>" (see the llm model); anything longer is not one.
+MAX_STOP_HANDLE_LENGTH = 128
+
+
 @dataclass
 class Parsed:
     stop_request: bool = False
+    stop_handle: str = ""
+    """Of a stop request: the handle the generation's first response carried."""
     prompt: str | list[int] = ""
     prompt_text: str | None = None
     params: SamplingParams | None = None
@@ -68,6 +74,7 @@ class Parsed:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False
+    return_stop_handle: bool = False
 
 
 def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0) -> Parsed:
@@ -80,7 +87,15 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
     if bad:
         raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
     if _scalar(request, "stop", bool):
-        return Parsed(stop_request=True)
+        handle = _scalar(request, "stop_handle", str)
+        if not handle:
+            raise InputError("a stop request needs the stop_handle of the generation to stop: ask for it with "
+                             "return_stop_handle=true, its first response carries it (a request id alone no "
+                             "longer stops a generation: ids are chosen by clients, so any client could stop "
+                             "another's)")
+        if len(handle) > MAX_STOP_HANDLE_LENGTH:
+            raise InputError(f"stop_handle is longer than {MAX_STOP_HANDLE_LENGTH} characters: not a stop handle")
+        return Parsed(stop_request=True, stop_handle=handle)
 
     text = _scalar(request, "text_input", str)
     ids_arr = _tensor(request, "input_ids")
@@ -124,6 +139,9 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
     end_id = _scalar(request, "end_id", int)
     if end_id is not None and end_id >= 0:
         kwargs["stop_token_ids"] = [end_id]
+    salt = _scalar(request, "cache_salt", str)
+    if salt is not None:
+        kwargs["cache_salt"] = salt
     return_log_probs = bool(_scalar(request, "return_log_probs", bool))
     kwargs["logprobs"] = return_log_probs
     params = SamplingParams(**kwargs)  # ValueError names the field
@@ -139,4 +157,5 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
         return_num_input_tokens=bool(_scalar(request, "return_num_input_tokens", bool)),
         return_num_output_tokens=bool(_scalar(request, "return_num_output_tokens", bool)),
         return_num_cached_tokens=bool(_scalar(request, "return_num_cached_tokens", bool)),
+        return_stop_handle=bool(_scalar(request, "return_stop_handle", bool)),
     )

@@ -16,11 +16,13 @@ def _text(value: str) -> np.ndarray:
     return np.array([[value.encode("utf-8")]], dtype=np.object_)
 
 
-def response_arrays(parsed: Parsed, out: RequestOutput, echo_prompt: str | None = None) -> dict[str, np.ndarray]:
+def response_arrays(parsed: Parsed, out: RequestOutput, echo_prompt: str | None = None,
+                    stop_handle: str | None = None) -> dict[str, np.ndarray]:
     """Outputs of one response: this step's delta when streaming, else everything so far.
 
     `echo_prompt` (exclude_input_in_output=false, first response only): the prompt's text,
-    put before the text; its ids go before the ids.
+    put before the text; its ids go before the ids. `stop_handle` (return_stop_handle, first
+    response only): what a stop request must send to stop this generation.
     """
     if parsed.stream:
         text, ids, logprobs = out.delta_text, out.delta_token_ids, out.delta_logprobs
@@ -42,6 +44,8 @@ def response_arrays(parsed: Parsed, out: RequestOutput, echo_prompt: str | None 
         arrays["num_cached_tokens"] = np.array([[out.num_cached_tokens]], np.int32)
     if parsed.return_log_probs:
         arrays["log_probs"] = np.array(logprobs or [], np.float32).reshape(1, -1)
+    if stop_handle is not None:
+        arrays["stop_handle"] = _text(stop_handle)
     return arrays
 
 

@@ -36,12 +36,12 @@ _built: dict[str, int] = {}
 _response_arrays = _real.response_arrays
 
 
-def _faulty_response_arrays(parsed, out, echo_prompt=None):
+def _faulty_response_arrays(parsed, out, echo_prompt=None, stop_handle=None):
     if _marked(out.request_id, "respond"):
         _built[out.request_id] = _built.get(out.request_id, 0) + 1
         if _built[out.request_id] == 2:
             raise InjectedFault("injected response fault")
-    return _response_arrays(parsed, out, echo_prompt)
+    return _response_arrays(parsed, out, echo_prompt, stop_handle)
 
 
 _real.response_arrays = _faulty_response_arrays

@@ -41,7 +41,8 @@ CASES = {
     "invalid utf-8": ("ensemble", {**GOOD, "text_input": b"\xff\xfehello"}, None, ["UTF-8"]),
     "bad chat json": ("ensemble", {**GOOD, "text_input": '[{"role": "user"', "apply_chat_template": True},
                       None, ["JSON"]),
-    "stop without id": ("llm", {"stop": True}, None, ["request id"]),
+    "stop without handle": ("llm", {"stop": True}, None, ["stop_handle", "return_stop_handle"]),
+    "stop with an overlong handle": ("llm", {"stop": True, "stop_handle": "x" * 200}, None, ["stop_handle"]),
 }
 
 

@@ -83,11 +83,14 @@ def test_stop_request_reaches_the_replica_that_holds_the_request(slow_replicas):
     streams = [GrpcStream(server.grpc_url) for _ in range(4)]
     try:
         for i, s in enumerate(streams):
-            s.send("ensemble", LONG, request_id=f"fault-slow-stop-me-{i}")
+            s.send("ensemble", {**LONG, "return_stop_handle": True}, request_id=f"fault-slow-stop-me-{i}")
+        handles = []
         for s in streams:
-            assert s.next()[1] is None  # generating
-        for i in range(len(streams)):
-            r = grpc_generate(server.grpc_url, "llm", {"stop": True}, request_id=f"fault-slow-stop-me-{i}")
+            first, err = s.next()
+            assert err is None and first.stop_handle  # generating; the handle comes first
+            handles.append(first.stop_handle)
+        for handle in handles:
+            r = grpc_generate(server.grpc_url, "llm", {"stop": True, "stop_handle": handle})
             assert r.error is None and r.finish_reason == "abort"
         for s in streams:
             rest = s.collect(timeout=60)
@@ -101,12 +104,33 @@ def test_stop_request_reaches_the_replica_that_holds_the_request(slow_replicas):
     assert finished_requests(server.metrics_url, "length") == 0
 
 
-def test_stop_does_not_hit_a_later_request_with_the_same_id(served):
-    r = grpc_generate(served.grpc_url, "llm", {"stop": True}, request_id="reused-id")
-    assert r.finish_reason == "abort"
-    time.sleep(0.2)
-    r = grpc_generate(served.grpc_url, "ensemble", {**LONG, "max_tokens": 20}, request_id="reused-id")
-    assert r.error is None and r.finish_reason == "length"
+def test_another_client_cannot_stop_a_generation_by_its_request_id(slow_replicas):
+    """Request ids are the clients' choice: a second client that sends `stop` with the first
+    one's id (or a made-up handle) ends nothing; only the generation's own handle does."""
+    server = slow_replicas
+    victim = GrpcStream(server.grpc_url)
+    try:
+        victim.send("llm", {**LONG, "return_stop_handle": True}, request_id="fault-slow-victim")
+        first, err = victim.next()
+        assert err is None and first.stop_handle
+        generated = _generated(server)
+        by_id = grpc_generate(server.grpc_url, "llm", {"stop": True}, request_id="fault-slow-victim")
+        assert by_id.error is not None and "stop_handle" in by_id.error
+        for guess in ("fault-slow-victim", first.stop_handle.split(".")[0] + ".0", first.stop_handle + "x"):
+            r = grpc_generate(server.grpc_url, "llm", {"stop": True, "stop_handle": guess},
+                              request_id="fault-slow-victim")
+            assert r.error is None and r.finish_reason == "abort"  # the same answer as a real stop
+        time.sleep(0.3)  # a stop would have ended it by now (stops are applied within 10 ms)
+        going_on = victim.collect(timeout=30, max_responses=60)  # slowed: 20 ms a token, past the sleep
+        assert going_on.error is None and len(going_on.output_ids) == 60 and not going_on.finish_reason
+        assert wait_for(lambda: _generated(server) > generated)
+        r = grpc_generate(server.grpc_url, "llm", {"stop": True, "stop_handle": first.stop_handle})
+        assert r.error is None
+        rest = victim.collect(timeout=60)
+        assert rest.error is None and rest.finish_reason == "abort"
+    finally:
+        victim.close()
+    assert wait_for(lambda: _used(server) == 0)
 
 
 def _running(server) -> float:
@@ -130,8 +154,8 @@ CANCEL_WINDOW_S = 3.0
 
 def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(slow_replicas):
     """Triton 2.51 does not forward an ensemble request's cancellation to its decoupled step:
-    the generation runs on after the client cancels. A `stop` request with the same request id,
-    sent to `llm` (any replica), aborts it. The generations are slowed (20 ms a step: 3,000
+    the generation runs on after the client cancels. A `stop` request with the stop handle of
+    its first response, sent to `llm` (any replica), aborts it. The generations are slowed (20 ms a step: 3,000
     tokens would take a minute), so neither can end by itself during the test, and what is
     checked is the one running request, not counters other tests' requests also move."""
     server = slow_replicas
@@ -145,15 +169,16 @@ def test_ensemble_cancel_is_not_forwarded_but_explicit_stop_works(slow_replicas)
     assert wait_for(lambda: _running(server) == 0 and _used(server) == 0, timeout=CANCEL_WINDOW_S)
 
     s = GrpcStream(server.grpc_url)
-    s.send("ensemble", LONG, request_id="fault-slow-cancel-ensemble")
-    assert s.next()[1] is None
+    s.send("ensemble", {**LONG, "return_stop_handle": True}, request_id="fault-slow-cancel-ensemble")
+    first, err = s.next()
+    assert err is None and first.stop_handle
     assert wait_for(lambda: _running(server) == 1)
     s.close(cancel=True)
     generated = _generated(server)
     assert _holds(lambda: _running(server) == 1, CANCEL_WINDOW_S), \
         "Triton now forwards ensemble cancellation: update the README and this test"
     assert _generated(server) > generated  # still generating for the client that left
-    r = grpc_generate(server.grpc_url, "llm", {"stop": True}, request_id="fault-slow-cancel-ensemble")
+    r = grpc_generate(server.grpc_url, "llm", {"stop": True, "stop_handle": first.stop_handle})
     assert r.error is None and r.finish_reason == "abort"
     assert wait_for(lambda: _running(server) == 0 and _used(server) == 0, timeout=CANCEL_WINDOW_S), \
         "the stop request did not end the generation"

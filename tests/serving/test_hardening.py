@@ -63,10 +63,11 @@ def test_one_request_failing_in_add_abort_sampling_or_its_response_fails_alone(s
         # The stop's stream is open before the generation starts: opening one takes long enough
         # for the tiny model to make many of the 300 tokens.
         with GrpcStream(server.grpc_url) as stop, GrpcStream(server.grpc_url) as s:
-            s.send("llm", {"text_input": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True},
-                   request_id="fault-abort-1")
-            assert s.next()[1] is None  # generating
-            stop.send("llm", {"stop": True}, request_id="fault-abort-1")
+            s.send("llm", {"text_input": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                           "return_stop_handle": True}, request_id="fault-abort-1")
+            first, err = s.next()
+            assert err is None and first.stop_handle  # generating
+            stop.send("llm", {"stop": True, "stop_handle": first.stop_handle})
             assert stop.collect(timeout=30).finish_reason == "abort"
             return s.collect(timeout=60)
 

@@ -24,6 +24,7 @@ INPUT_DTYPES = {
     "ignore_eos": "BOOL", "stop_words": "BYTES", "end_id": "INT32", "exclude_input_in_output": "BOOL",
     "return_log_probs": "BOOL", "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL",
     "return_num_cached_tokens": "BOOL", "stop": "BOOL", "apply_chat_template": "BOOL",
+    "cache_salt": "BYTES", "return_stop_handle": "BOOL", "stop_handle": "BYTES",
 }
 NP_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32,
              "BOOL": np.bool_, "INT64": np.int64, "FP64": np.float64}
@@ -56,6 +57,7 @@ class Response:
     num_output_tokens: int | None = None
     num_cached_tokens: int | None = None
     log_probs: list[float] | None = None
+    stop_handle: str | None = None
     final: bool = False
 
 
@@ -104,6 +106,9 @@ def _parse(result) -> Response:
         v = get(name)
         if v is not None:
             setattr(r, name, int(v[0]))
+    handle = get("stop_handle")
+    if handle is not None and handle.size:
+        r.stop_handle = bytes(handle[0]).decode()
     lp = get("log_probs")
     if lp is not None:
         r.log_probs = lp.astype(float).tolist()

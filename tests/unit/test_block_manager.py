@@ -65,8 +65,8 @@ def computed(bm: BlockManager, s: Sequence, num_tokens: int) -> Sequence:
     return s
 
 
-def tokens_seq(tokens: list[int], name: str) -> Sequence:
-    return Sequence(name, tokens, SamplingParams(), arrival=0)
+def tokens_seq(tokens: list[int], name: str, cache_salt: str | None = None) -> Sequence:
+    return Sequence(name, tokens, SamplingParams(cache_salt=cache_salt), arrival=0)
 
 
 def test_lookup_finds_the_longest_cached_chain_and_leaves_the_last_token():
@@ -81,6 +81,18 @@ def test_lookup_finds_the_longest_cached_chain_and_leaves_the_last_token():
     assert bm.lookup(tokens_seq(list(range(8)), "e")) == a.block_table[:1]
     assert bm.lookup(tokens_seq(list(range(9)), "f")) == a.block_table[:2]
     bm.check_invariants([a])
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(10))
+    plain = computed(bm, tokens_seq(tokens, "plain"), 10)
+    salted = computed(bm, tokens_seq(tokens, "salted", cache_salt="tenant-a"), 10)
+    assert bm.lookup(tokens_seq(tokens + [1], "x")) == plain.block_table[:2]
+    assert bm.lookup(tokens_seq(tokens + [1], "y", cache_salt="tenant-a")) == salted.block_table[:2]
+    assert not set(salted.block_table[:2]) & set(plain.block_table[:2])  # computed apart, not shared
+    assert bm.lookup(tokens_seq(tokens + [1], "z", cache_salt="tenant-b")) == []
+    bm.check_invariants([plain, salted])
 
 
 def test_only_full_computed_blocks_are_shared():

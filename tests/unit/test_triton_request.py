@@ -59,9 +59,23 @@ def test_bad_inputs_raise_value_errors_naming_the_input(inputs, words):
         parse_request(inputs)
 
 
-def test_stop_request_needs_no_prompt():
-    assert parse_request({"stop": t(True, np.bool_)}).stop_request
+def test_stop_request_needs_its_handle_not_a_prompt():
+    parsed = parse_request({"stop": t(True, np.bool_), "stop_handle": np.array([[b"abc.123"]], np.object_)})
+    assert parsed.stop_request and parsed.stop_handle == "abc.123"
+    with pytest.raises(InputError, match="stop_handle"):
+        parse_request({"stop": t(True, np.bool_)})  # a request id alone stops nothing
+    with pytest.raises(InputError, match="stop_handle"):
+        parse_request({"stop": t(True, np.bool_), "stop_handle": np.array([[b"x" * 500]], np.object_)})
     assert issubclass(InputError, ValueError)
+
+
+def test_cache_salt_and_stop_handle_requests_are_parsed():
+    parsed = parse_request({**BASE, "cache_salt": np.array([[b"tenant-1"]], np.object_),
+                            "return_stop_handle": t(True, np.bool_)})
+    assert parsed.params.cache_salt == "tenant-1" and parsed.return_stop_handle
+    assert parse_request(BASE).params.cache_salt is None
+    with pytest.raises(ValueError, match="cache_salt"):
+        parse_request({**BASE, "cache_salt": np.array([[b""]], np.object_)})
 
 
 def test_control_board_round_trip(tmp_path, monkeypatch):
@@ -74,8 +88,13 @@ def test_control_board_round_trip(tmp_path, monkeypatch):
     assert control.num_idle(tmp_path) == 1
     control.request_abort(tmp_path)
     assert b.aborting()
-    a.post_stop("request-1")
-    assert [key for key, _ in b.read_stops()] == [Control.key("request-1")]
+    # A stop lands on a; the generation lives in b: b takes it once, a takes nothing.
+    a.post_stop(b.tag, Control.key("handle-1"))
+    a.post_stop("0123456789ab", Control.key("handle-2"))  # no such instance: no file
+    a.post_stop("../" + b.tag, Control.key("handle-3"))  # not a tag
+    assert b.take_stops() == [Control.key("handle-1")]
+    assert b.take_stops() == [] and a.take_stops() == []
+    assert sorted(p.name for p in (tmp_path / "llm" / "stop").iterdir()) == sorted([a.tag, b.tag])
 
 
 def test_the_fallback_control_folder_is_private(tmp_path):

@@ -8,9 +8,11 @@ engine's metrics, so the engine thread does nothing but step and send.
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import json
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,17 +58,16 @@ class Live:
     """A request in the engine: where its responses go and what it asked for."""
 
     engine_id: str
-    client_key: str
-    """Control.key of the client's request id."""
+    stop_handle: str
+    """What a stop request must send to stop this generation (given to its client only)."""
     sender: Any
     parsed: Parsed
     arrival: float
     """time.perf_counter() at arrival, for latencies."""
-    arrival_wall: float
-    """time.time() at arrival, to compare with when a stop was posted."""
     last_token: float | None = None
     cancelled: bool = False
     echo_pending: bool = False
+    handle_pending: bool = False
     error: str | None = None
     """Its response could not be built: the final response carries this error."""
     done: bool = False
@@ -143,13 +144,21 @@ class TritonPythonModel:
         parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()}, self.config.default_temperature)
         client_id = request.request_id() or ""
         if parsed.stop_request:
-            self._stop(client_id, sender)
+            self._stop(parsed.stop_handle, sender)
             return
         engine_id = f"{client_id}#{next(self.ids)}"
         if self.control.draining():  # the file itself, not the housekeeper's copy: no 10 ms window
             raise RuntimeError("the server is shutting down")
-        live = Live(engine_id, Control.key(client_id), sender, parsed, arrival=time.perf_counter(),
-                    arrival_wall=time.time(), echo_pending=not parsed.exclude_input)
+        if parsed.return_num_cached_tokens and not (self.config.report_num_cached_tokens
+                                                     or parsed.params.cache_salt is not None):
+            raise InputError("num_cached_tokens is reported only for requests with a cache_salt on this server "
+                             "(it would tell whether another client sent the same prompt; the operator can allow "
+                             "it with the report_num_cached_tokens parameter)")
+        # Unguessable, and led by this instance's tag so that a stop landing on another instance
+        # finds it (request ids are the client's choice: any client could reuse another's).
+        handle = f"{self.control.tag}.{secrets.token_hex(16)}"
+        live = Live(engine_id, handle, sender, parsed, arrival=time.perf_counter(),
+                    echo_pending=not parsed.exclude_input, handle_pending=parsed.return_stop_handle)
         with self.live_lock:
             self.live[engine_id] = live
         try:
@@ -161,19 +170,20 @@ class TritonPythonModel:
                 self.live.pop(engine_id, None)
             raise
 
-    def _stop(self, client_id: str, sender) -> None:
-        if not client_id:
-            raise InputError("a stop request needs the request id of the generation to stop")
-        self.control.post_stop(client_id)
-        self._abort_client(Control.key(client_id), time.time())
+    def _stop(self, handle: str, sender) -> None:
+        """Stop the generation that `handle` names, wherever it runs; the answer is the same
+        whether or not it exists (a stop tells nothing about others' generations)."""
+        owner = handle.split(".", 1)[0]
+        if owner == self.control.tag:
+            self._abort_handle(Control.key(handle))
+        else:
+            self.control.post_stop(owner, Control.key(handle))
         sender.send(_response(stop_ack_arrays()), flags=FINAL)
 
-    def _abort_client(self, client_key: str, posted: float) -> None:
+    def _abort_handle(self, stop_key: str) -> None:
         with self.live_lock:
-            # Only generations that arrived before the stop, so a reused id is not hit later
-            # (with slack for the file system's coarse timestamps).
             victims = [lv for lv in self.live.values()
-                       if lv.client_key == client_key and not lv.cancelled and lv.arrival_wall <= posted + 0.05]
+                       if not lv.cancelled and hmac.compare_digest(Control.key(lv.stop_handle), stop_key)]
             for lv in victims:
                 lv.cancelled = True
         for lv in victims:
@@ -232,8 +242,12 @@ class TritonPythonModel:
         if live.echo_pending:  # exclude_input_in_output=false: the prompt leads the first response
             live.echo_pending = False
             echo = self._prompt_text(live, out)
+        handle = None
+        if live.handle_pending:
+            live.handle_pending = False
+            handle = live.stop_handle
         try:
-            response = _response(response_arrays(live.parsed, out, echo))
+            response = _response(response_arrays(live.parsed, out, echo, handle))
         except Exception as e:
             log.exception("%s: building a response for %s failed", self.instance, live.engine_id)
             return f"could not build the response: {type(e).__name__}: {e}"
@@ -262,8 +276,8 @@ class TritonPythonModel:
                     self._check_cancelled()
                     took = time.perf_counter() - now
                     next_sweep = now + max(CANCEL_POLL_MIN_INTERVAL_S, took / CANCEL_POLL_MAX_SHARE)
-                for client_key, posted in self.control.read_stops():
-                    self._abort_client(client_key, posted)
+                for stop_key in self.control.take_stops():
+                    self._abort_handle(stop_key)
                 self._shutdown_handshake()
                 if now >= next_metrics:
                     next_metrics = now + METRICS_INTERVAL_S
