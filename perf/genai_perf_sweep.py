@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -35,6 +36,8 @@ sys.path.insert(0, str(HERE))
 
 import genai_perf_report  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit, mem_gib  # noqa: E402
+
+from splitfuse.launcher.process import ADMIN_KEY_ENV, GRPC_ADMIN_HEADER  # noqa: E402
 
 GENAI_PERF = HERE / ".venv-genai" / "bin" / "genai-perf"
 PA_HOME = HERE / ".cache" / "perf_analyzer-2.50.0"
@@ -59,7 +62,7 @@ def missing_tools() -> str | None:
 
 
 def profile_command(model: str, grpc_url: str, model_dir: str, concurrency: int, requests: int, args,
-                    artifact_dir: Path) -> list[str]:
+                    artifact_dir: Path, admin_key: str | None = None) -> list[str]:
     return [
         str(GENAI_PERF), "profile", "-m", model, "--endpoint-type", "kserve", "--backend", "tensorrtllm",
         "--streaming", "-u", grpc_url, "--tokenizer", str(model_dir),
@@ -72,6 +75,9 @@ def profile_command(model: str, grpc_url: str, model_dir: str, concurrency: int,
         "--request-count", str(requests), "--random-seed", str(args.seed),
         "--artifact-dir", str(artifact_dir),
         "--verbose",  # perf_analyzer's own output goes to the level's log too
+        # perf_analyzer reads the model's config, one of Triton's admin APIs the launcher restricts
+        # to a header; perf_analyzer takes headers on its command line only.
+        *(["--", "-H", f"{GRPC_ADMIN_HEADER}:{admin_key}"] if admin_key else []),
     ]
 
 
@@ -79,7 +85,7 @@ def requests_at(level: int, per_level: int, minimum: int) -> int:
     return max(minimum, per_level * level)
 
 
-def sweep(grpc_url: str, model_dir: str, args, out: Path) -> list[dict]:
+def sweep(grpc_url: str, model_dir: str, args, out: Path, admin_key: str | None) -> list[dict]:
     """One genai-perf call per level; returns what ran (command, time, exit code)."""
     runs = []
     env = tool_env()
@@ -88,7 +94,7 @@ def sweep(grpc_url: str, model_dir: str, args, out: Path) -> list[dict]:
         artifact_dir = out / "artifacts"  # genai-perf adds <model>-triton-tensorrtllm-concurrency<N>/
         run_dir = f"artifacts/{args.model}-triton-tensorrtllm-concurrency{level}"
         shutil.rmtree(out / run_dir, ignore_errors=True)  # perf_analyzer will not overwrite an export
-        cmd = profile_command(args.model, grpc_url, model_dir, level, n, args, artifact_dir)
+        cmd = profile_command(args.model, grpc_url, model_dir, level, n, args, artifact_dir, admin_key)
         print(f"[genai_perf_sweep] concurrency {level}: {n} requests", flush=True)
         t = time.time()
         load = os.getloadavg()[0]
@@ -113,7 +119,7 @@ def sweep(grpc_url: str, model_dir: str, args, out: Path) -> list[dict]:
                      "loadavg_1m_after": round(os.getloadavg()[0], 2),
                      "artifact_dir": run_dir,
                      "command": shlex.join(["genai-perf", *cmd[1:]]).replace(str(model_dir), "MODEL_DIR")
-                                .replace(str(out), "OUT")})
+                                .replace(str(out), "OUT").replace(admin_key or "\0", "$" + ADMIN_KEY_ENV)})
         if code != 0:
             print(f"[genai_perf_sweep] genai-perf exited with {code}; see {out / 'logs'}", flush=True)
     return runs
@@ -157,16 +163,18 @@ def main(argv: list[str] | None = None) -> int:
             "model_dir": model_dir, "workload": {"prompt_mean": args.prompt_mean, "gen_mean": args.gen_mean,
                                                  "variance": args.variance, "seed": args.seed},
             "notes": args.note}
+    admin_key = os.environ.get(ADMIN_KEY_ENV) or None  # the running server's, or one for ours
     if args.grpc_url:
         meta["server"] = f"running server at {args.grpc_url}"
-        meta["runs"] = sweep(args.grpc_url, model_dir, args, out)
+        meta["runs"] = sweep(args.grpc_url, model_dir, args, out, admin_key)
     else:
         from splitfuse.launcher import serve
 
         params = dict(p.split("=", 1) for p in args.param)
         meta["server"] = "python -m splitfuse.launcher " + " ".join(f"--param {k}={v}" for k, v in params.items())
-        with serve(model_dir, params, workdir=HERE / ".cache" / "genai-perf-server") as srv:
-            meta["runs"] = sweep(srv.grpc_url, model_dir, args, out)
+        admin_key = admin_key or secrets.token_hex(16)
+        with serve(model_dir, params, workdir=HERE / ".cache" / "genai-perf-server", admin_key=admin_key) as srv:
+            meta["runs"] = sweep(srv.grpc_url, model_dir, args, out, admin_key)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     summary = genai_perf_report.report(out)
     print(f"[genai_perf_sweep] wrote {summary}")

@@ -165,7 +165,11 @@ sweep() {
       # count_windows with a fixed request count keeps each level bounded: perf_analyzer needs
       # 3 windows to call a result stable, and a 999% threshold accepts the first 3 (a streaming
       # LLM load never settles within the default 10%). So each level measures 3 x --requests.
-      pa -m "$model" -u "$GRPC_URL" -i grpc --streaming \
+      # perf_analyzer reads the model config, one of the admin APIs the launcher opens only with
+      # the admin header (its key from SPLITFUSE_TRITON_ADMIN_KEY; headers go on the command line).
+      local admin=()
+      [[ -n "${SPLITFUSE_TRITON_ADMIN_KEY:-}" ]] && admin=(-H "triton-grpc-protocol-splitfuse-admin-key:$SPLITFUSE_TRITON_ADMIN_KEY")
+      pa -m "$model" -u "$GRPC_URL" -i grpc --streaming "${admin[@]}" \
         --input-data "$data" --concurrency-range "$range" \
         --measurement-mode count_windows --measurement-request-count "$REQUESTS" \
         --max-trials 3 --stability-percentage 999 \
@@ -189,6 +193,9 @@ print(" ".join(str(x.getsockname()[1]) for x in s))')"
   read -r HTTP GRPC METRICS <<<"$ports"
   local slog="$OUT/server.log"
   mkdir -p "$OUT"
+  # The server's admin key (it opens the model config perf_analyzer reads), unless one is given.
+  SPLITFUSE_TRITON_ADMIN_KEY="${SPLITFUSE_TRITON_ADMIN_KEY:-$("$PY" -c 'import secrets; print(secrets.token_hex(16))')}"
+  export SPLITFUSE_TRITON_ADMIN_KEY
   log "starting splitfuse.launcher (grpc $GRPC) $SERVER_ARGS"
   # shellcheck disable=SC2086
   "$PY" -m splitfuse.launcher --model "$MODEL_DIR" --http-port "$HTTP" --grpc-port "$GRPC" \

@@ -19,12 +19,20 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitfuse.launcher import hidden_args
 from splitfuse.triton import control
 from splitfuse.launcher.repository import render_model_repository
 from splitfuse.launcher.triton_install import TritonInstall, build_backend_dir, find_tritonserver, server_env
 
-# Header that unlocks the model-repository API (load/unload); its value is random per server.
-REPOSITORY_API_HEADER = "splitfuse-repository-key"
+# Triton's API groups a client may use only with the admin header: registering shared memory
+# (the Python backend's shared-memory chain was remotely exploitable before 25.07), loading and
+# unloading models, reading model configs, statistics, and changing trace and log settings.
+# Inference, health, metadata and metrics stay open.
+ADMIN_APIS = ("shared-memory", "model-repository", "model-config", "statistics", "trace", "logging")
+ADMIN_HEADER = "splitfuse-admin-key"
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER  # Triton's name for it in gRPC metadata
+ADMIN_KEY_ENV = "SPLITFUSE_TRITON_ADMIN_KEY"  # where the launcher and perf/ take the operator's key from
+ADMIN_KEY_SECRET = "ADMIN_KEY"  # its name for hidden_args (the key never goes on the command line)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -78,7 +86,12 @@ class TritonServer:
     """stop() had to SIGKILL the server."""
     drained: bool = False
     """stop() saw every generation finish (or abort) before it sent SIGTERM."""
-    _repository_api_key: str = field(default="", repr=False)
+    admin_key: str | None = field(default=None, repr=False)
+    """Value of the `splitfuse-admin-key` header that opens Triton's ADMIN_APIS; None: a random
+    key given to no one (the APIs are closed)."""
+    restrict_admin_apis: bool = True
+    """False leaves ADMIN_APIS open to every client that reaches the ports (Triton's default)."""
+    _shim: Path | None = field(default=None, repr=False)
 
     @property
     def _client_host(self) -> str:
@@ -112,21 +125,46 @@ class TritonServer:
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
             *self._model_control_args(),
+            *self._restriction_args(),
             *self.extra_args,
         ]
 
     def _model_control_args(self) -> list[str]:
         """Explicit model control, every model loaded at start: the one way a Python model can
         stop reporting ready in Triton 2.51 is to unload itself (`pb_utils.unload_model`), which
-        the llm model does when its engine broke. Clients keep the repository API they had
-        (none): it is restricted to a header only this process knows."""
+        the llm model does when its engine broke. Clients get the repository API only with the
+        admin header (`_restriction_args`)."""
         if any(a.startswith("--model-control-mode") for a in self.extra_args):
             return []
-        if not self._repository_api_key:
-            self._repository_api_key = secrets.token_hex(16)
-        restricted = f"model-repository:{REPOSITORY_API_HEADER}={self._repository_api_key}"
-        return ["--model-control-mode=explicit", "--load-model=*", f"--http-restricted-api={restricted}",
-                f"--grpc-restricted-protocol={restricted}"]
+        return ["--model-control-mode=explicit", "--load-model=*"]
+
+    def _restriction_args(self) -> list[str]:
+        """ADMIN_APIS behind the admin header, over HTTP and gRPC. The key is a placeholder that
+        the preloaded shim fills in (hidden_args), so `ps` never shows it."""
+        if not self.restrict_admin_apis or any(
+                a.startswith(("--http-restricted-api", "--grpc-restricted-protocol")) for a in self.extra_args):
+            return []
+        if self.admin_key is None:
+            self.admin_key = secrets.token_hex(16)
+        value = hidden_args.placeholder(ADMIN_KEY_SECRET) if self._shim is not None else self.admin_key
+        restricted = f"{','.join(ADMIN_APIS)}:{ADMIN_HEADER}={value}"
+        return [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+
+    def _prepare_secrets(self, env: dict[str, str]) -> dict[str, str]:
+        """The server's environment with what the shim needs to fill in the admin key."""
+        if not self.restrict_admin_apis:
+            return env
+        self._shim = hidden_args.shim()
+        if self._shim is None:
+            if self.admin_key is not None:
+                raise RuntimeError("an admin key needs a C++ compiler (g++, or $CXX) to keep it off tritonserver's "
+                                   "command line, where every local user could read it; install one")
+            print("splitfuse.launcher: no C++ compiler: Triton's admin APIs are closed with a random key that "
+                  "appears on tritonserver's command line (local users can read it with ps)", file=sys.stderr)
+            return env
+        if self.admin_key is None:
+            self.admin_key = secrets.token_hex(16)
+        return hidden_args.environment({ADMIN_KEY_SECRET: self.admin_key}, self._shim, env)
 
     def start(self) -> None:
         if self.process is not None:
@@ -135,7 +173,7 @@ class TritonServer:
         for port in (self.http_port, self.grpc_port, self.metrics_port):
             if not port_is_free(port, self.host):
                 raise OSError(f"port {port} is already in use on {self.host or '0.0.0.0'}")
-        env = server_env()
+        env = self._prepare_secrets(server_env())
         if self.control_dir is not None:
             shutil.rmtree(self.control_dir, ignore_errors=True)
             self.control_dir.mkdir(parents=True)
@@ -261,12 +299,16 @@ def serve(
     exit_timeout_s: int = 10,
     log_verbose: int = 0,
     extra_args: list[str] | None = None,
+    admin_key: str | None = None,
+    restrict_admin_apis: bool = True,
 ) -> Iterator[TritonServer]:
     """Render the repository, start tritonserver on the given (or free) ports, yield it ready.
 
     `workdir` holds the rendered repository, the backend directory, the control directory and
     server.log (a temporary directory, removed afterwards, when not given). On exit the server
     is stopped (in-flight generations get `drain_timeout_s` to finish, then are aborted).
+    `admin_key`: the `splitfuse-admin-key` header value that opens Triton's ADMIN_APIS (closed
+    to everyone when None); `restrict_admin_apis=False` leaves them open.
     """
     with contextlib.ExitStack() as stack:
         if workdir is None:
@@ -286,6 +328,7 @@ def serve(
             log_file=(work / "server.log") if log_file == "auto" else (Path(log_file) if log_file else None),
             control_dir=work / "control", llm_instances=instances, drain_timeout_s=drain_timeout_s,
             exit_timeout_s=exit_timeout_s, log_verbose=log_verbose, extra_args=list(extra_args or []),
+            admin_key=admin_key, restrict_admin_apis=restrict_admin_apis,
         )
         server.start()
         stack.callback(server.stop)

@@ -29,7 +29,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from typing import Generic, TypeVar
 
 import torch  # noqa: F401  (loads torch's libgomp before the library binds to one)
 
+from splitfuse.kernels.toolchain import compiler
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -48,14 +49,6 @@ FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno",
 _lock = threading.Lock()
 _cached: tuple[ctypes.CDLL | None, str] | None = None
 _flags: frozenset[str] | None = None
-
-
-def compiler() -> str | None:
-    """The C++ compiler to use: $CXX, else g++ or c++ on PATH."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
 
 
 def cpu_flags() -> frozenset[str]:

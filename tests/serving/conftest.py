@@ -32,6 +32,8 @@ class Served:
     instances: int
     log_file: str
     startup_s: float
+    admin_key: str = ""
+    """The value of the header that opens Triton's admin APIs (random, this server's only)."""
 
     def engine_kwargs(self) -> dict:
         """ENGINE_PARAMS as LLM(...) keyword arguments."""
@@ -122,7 +124,7 @@ def served(tiny_llama, tmp_path_factory):
         yield Served(
             model_dir=tiny_llama, grpc_url=server.grpc_url, http_url=server.http_url,
             metrics_url=server.metrics_url, engine_params=dict(ENGINE_PARAMS), instances=INSTANCES,
-            log_file=str(server.log_file), startup_s=time.monotonic() - start,
+            log_file=str(server.log_file), startup_s=time.monotonic() - start, admin_key=server.admin_key,
         )
         code = server.stop()
     if code != 0:  # not a test failure: Triton 2.51 unload limitations (see README)

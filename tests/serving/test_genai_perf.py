@@ -20,10 +20,12 @@ import genai_perf_sweep  # noqa: E402
 pytestmark = pytest.mark.serving
 
 
-def test_genai_perf_sweep_on_a_tiny_workload(served, tmp_path):
+def test_genai_perf_sweep_on_a_tiny_workload(served, tmp_path, monkeypatch):
     why = genai_perf_sweep.missing_tools()
     if why:
         pytest.skip(f"genai-perf is not set up: {why}")
+    # perf_analyzer reads the model config, which the server opens only with the admin header.
+    monkeypatch.setenv(genai_perf_sweep.ADMIN_KEY_ENV, served.admin_key)
     generated_before = metric_sum(served.metrics_url, "splitfuse_generation_tokens_total")
     out = tmp_path / "genai-perf"
     code = genai_perf_sweep.main(["--grpc-url", served.grpc_url, "--model-dir", served.model_dir, "--levels", "1,2",
@@ -49,4 +51,5 @@ def test_genai_perf_sweep_on_a_tiny_workload(served, tmp_path):
     assert wait_for(lambda: metric_sum(served.metrics_url, "splitfuse_generation_tokens_total")
                     - generated_before >= expected, timeout=10.0)
     assert (out / "sweep.png").stat().st_size > 5000
-    assert "genai-perf profile -m ensemble" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "genai-perf profile -m ensemble" in summary and served.admin_key not in summary

@@ -1,0 +1,73 @@
+"""Secrets for tritonserver's arguments without putting them on its command line.
+
+Triton takes the restricted-API header key only as an argument (`--http-restricted-api=
+...:<header>=<value>`), and every local user can read a process's arguments (`ps`,
+/proc/<pid>/cmdline). So the launcher writes a placeholder where the secret goes
+(`placeholder(name)`), puts the secret in the server's environment (readable by its own user
+only), and preloads a small library (csrc/argv_secrets.cpp, built once per machine with the C++
+compiler) that swaps the secret in before tritonserver's main() runs. Without a compiler there
+is no way to do this; `shim()` then returns None and the launcher says what that means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from splitfuse.kernels.toolchain import compiler
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "argv_secrets.cpp"
+ENV_PREFIX = "SPLITFUSE_SECRET_"
+PRELOAD_BEFORE = "SPLITFUSE_LD_PRELOAD_BEFORE"
+
+
+def placeholder(name: str) -> str:
+    """What to write in an argument where the secret `name` goes."""
+    if not name.isidentifier():
+        raise ValueError(f"secret name {name!r} must be an identifier")
+    return "{splitfuse-secret:" + name + "}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitfuse" / "launcher"
+
+
+def shim() -> Path | None:
+    """The preload library, built on first use; None without a compiler or when the build fails."""
+    cxx = compiler()
+    if cxx is None:
+        return None
+    source = SOURCE.read_bytes()
+    out = cache_dir() / f"libsplitfuse_argv_secrets-{hashlib.sha256(source + cxx.encode()).hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    proc = subprocess.run([cxx, "-O2", "-shared", "-fPIC", "-std=c++17", str(SOURCE), "-o", tmp],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        log.warning("building the argument shim failed (%s): %s", cxx, proc.stderr[-2000:])
+        return None
+    os.replace(tmp, out)  # concurrent launchers never load a half-written file
+    return out
+
+
+def environment(secrets: dict[str, str], library: Path, base: dict[str, str]) -> dict[str, str]:
+    """`base` plus what the preloaded `library` needs to fill in `secrets` (name -> value)."""
+    env = dict(base)
+    for name, value in secrets.items():
+        if not value:
+            raise ValueError(f"secret {name} is empty")
+        env[ENV_PREFIX + name] = value
+    before = env.get("LD_PRELOAD", "")
+    env[PRELOAD_BEFORE] = before
+    env["LD_PRELOAD"] = f"{library} {before}".strip()
+    return env
