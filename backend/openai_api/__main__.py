@@ -1,4 +1,5 @@
-"""python -m splitfuse.openai_api --model DIR [--triton-grpc-url HOST:PORT] [--host H] [--port P]"""
+"""python -m splitfuse.openai_api --model DIR [--triton-grpc-url HOST:PORT] [--host H] [--port P]
+    [--max-body-bytes N]"""
 
 from __future__ import annotations
 
@@ -20,17 +21,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the engine's max_model_len (default: the checkpoint's max_position_embeddings)")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--max-body-bytes", type=int, default=None,
+                    help="largest request body taken, 413 beyond (default: 4 MiB, or more when a prompt as long as "
+                         "the context accepts needs more)")
     ap.add_argument("--api-key-file", default=None,
                     help=f"file whose first line is the API key clients must send as a Bearer token (default: "
                          f"${API_KEY_ENV}; neither: no key is asked)")
     a = ap.parse_args(argv)
     try:
         api_key = key_from(a.api_key_file)
+        config = ApiConfig(model_dir=a.model, triton_grpc_url=a.triton_grpc_url, host=a.host, port=a.port,
+                           served_model_name=a.served_model_name, tokenizer=a.tokenizer,
+                           max_model_len=a.max_model_len, log_level=a.log_level, api_key=api_key,
+                           max_body_bytes=a.max_body_bytes)
     except (OSError, ValueError) as e:
         ap.error(str(e))
-    run(ApiConfig(model_dir=a.model, triton_grpc_url=a.triton_grpc_url, host=a.host, port=a.port,
-                  served_model_name=a.served_model_name, tokenizer=a.tokenizer, max_model_len=a.max_model_len,
-                  log_level=a.log_level, api_key=api_key))
+    run(config)
 
 
 if __name__ == "__main__":

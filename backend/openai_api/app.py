@@ -1,10 +1,13 @@
 """The FastAPI application: OpenAI routes over the Triton `llm` model.
 
-Each route validates its body (400 naming the parameter), checks the model name (404),
-tokenizes, and runs one generation through `TritonLLM`. Streaming answers are server-sent
-events; the first engine response is awaited before the 200 goes out, so a request the engine
-refuses still gets its 400. A client that goes away cancels its generation (see
-`TritonLLM.generate`), whether it was streaming or waiting for the whole answer.
+Each route reads its body within --max-body-bytes (413 beyond), validates it (400 naming the
+parameter), checks the model name (404), tokenizes, and runs one generation through
+`TritonLLM`. Decoding, validation and tokenizing (chat template included) run in a small pool
+of threads, not on the event loop: a long prompt must not stall the other clients' streams.
+Streaming answers are server-sent events; the first engine response is awaited before the 200
+goes out, so a request the engine refuses still gets its 400. A client that goes away cancels
+its generation (see `TritonLLM.generate`), whether it was streaming or waiting for the whole
+answer.
 """
 
 from __future__ import annotations
@@ -12,18 +15,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from splitfuse.openai_api import responses as R
+from splitfuse.openai_api.body import decode_json, default_body_limit, read_body
 from splitfuse.openai_api.config import ApiConfig
 from splitfuse.openai_api.prompts import Prompts
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
@@ -36,6 +41,10 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
 # OpenAI's default for /v1/completions (chat defaults to what fits in max_model_len).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# Threads that decode, validate and tokenize request bodies: `tokenizer(text)` (batch encoding in
+# the Rust core) releases the GIL, and two keep one huge prompt from delaying every other
+# request's tokenizing.
+TOKENIZE_THREADS = 2
 
 
 class ClientGone(Exception):
@@ -87,8 +96,20 @@ class OpenAIServer:
         self.config = config
         self.max_model_len = config.resolved_max_model_len()
         self.prompts = Prompts(tokenizer or AutoTokenizer.from_pretrained(config.tokenizer_dir), self.max_model_len)
+        self.max_body_bytes = self._body_limit()
         self.created = int(time.time())
         self.triton: TritonLLM | None = None
+        self.pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="splitfuse-tokenize")
+
+    def _body_limit(self) -> int:
+        needed = default_body_limit(self.prompts.limit.max_chars)
+        if self.config.max_body_bytes is None:
+            return needed
+        if self.config.max_body_bytes < needed:
+            log.warning("--max-body-bytes %d is below the %d bytes a prompt of the longest accepted length (%d "
+                        "characters) may need as JSON: such prompts get a 413", self.config.max_body_bytes, needed,
+                        self.prompts.limit.max_chars)
+        return self.config.max_body_bytes
 
     # ---- lifecycle (the gRPC channel belongs to the server's event loop) ----------------------
     async def start(self) -> None:
@@ -97,6 +118,11 @@ class OpenAIServer:
     async def stop(self) -> None:
         if self.triton is not None:
             await self.triton.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the tokenizing threads; its exceptions (ApiError) reach the caller."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ---- requests ------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -111,7 +137,9 @@ class OpenAIServer:
                                 f"max_model_len {self.max_model_len}", param="messages")
         return room
 
-    def completion_job(self, req: CompletionRequest) -> Job:
+    def completion_job(self, raw: bytes) -> Job:
+        """A /v1/completions body -> its generation (runs in the tokenizing threads)."""
+        req = parse(CompletionRequest, decode_json(raw))
         req.check_stream_options()
         self.check_model(req.model)
         ids, text = self.prompts.completion(req)
@@ -125,7 +153,9 @@ class OpenAIServer:
                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
                    logprobs=want_lp, echo=text if req.echo else "")
 
-    def chat_job(self, req: ChatCompletionRequest) -> Job:
+    def chat_job(self, raw: bytes) -> Job:
+        """A /v1/chat/completions body -> its generation (runs in the tokenizing threads)."""
+        req = parse(ChatCompletionRequest, decode_json(raw))
         req.check_stream_options()
         self.check_model(req.model)
         ids = self.prompts.chat(req)
@@ -232,7 +262,7 @@ async def _watch_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _generation_error(e: GenerationError) -> ApiError:
@@ -256,15 +286,12 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
     app = FastAPI(title="splitfuse OpenAI-compatible API", lifespan=lifespan)
     app.state.server = server
 
-    async def body_of(request: Request) -> Any:
+    async def run(make_job: Callable[[bytes], Job], request: Request):
         try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise ApiError(400, "the request body is nested too deeply") from None
-
-    async def run(job: Job, request: Request):
+            raw = await read_body(request, server.max_body_bytes)
+        except ClientDisconnect:  # gone before its body was in: nobody to answer
+            return JSONResponse({}, status_code=499)
+        job = await server.off_loop(make_job, raw)
         try:
             if job.stream:
                 return await server.stream(job, request)
@@ -309,13 +336,11 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await body_of(request))
-        return await run(server.completion_job(req), request)
+        return await run(server.completion_job, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatCompletionRequest, await body_of(request))
-        return await run(server.chat_job(req), request)
+        return await run(server.chat_job, request)
 
     return app
 

@@ -26,6 +26,9 @@ class ApiConfig:
     """The engine's max_model_len, for chat requests without max_tokens; defaults to the
     checkpoint's max_position_embeddings, as the engine's does."""
     log_level: str = "info"
+    max_body_bytes: int | None = None
+    """The largest request body taken (413 beyond). None: 4 MiB, or what a prompt as long as the
+    context accepts may need as JSON when that is more (body.default_body_limit)."""
     api_key: str | None = field(default=None, repr=False)
     """Clients must send `Authorization: Bearer <api_key>` on every /v1 route (None: no check).
     Read from $SPLITFUSE_API_KEY or a file (`key_from`), never taken from a command line."""
@@ -36,6 +39,8 @@ class ApiConfig:
             self.served_model_name = Path(self.model_dir).resolve().name
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_body_bytes is not None and self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
 
     @property
     def tokenizer_dir(self) -> str:

@@ -10,17 +10,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+
 class ApiError(Exception):
-    """An error answered as OpenAI's `{"error": {...}}` body with an HTTP status."""
+    """An error answered as OpenAI's `{"error": {...}}` body with an HTTP status (and headers,
+    e.g. Retry-After)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type_
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -38,7 +41,8 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields common to both endpoints (OpenAI's ranges), plus vLLM-style extensions."""
 
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan: 1e400 decodes to inf, which would pass `gt=0` (repetition_penalty) unbounded.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)

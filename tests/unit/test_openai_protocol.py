@@ -10,6 +10,7 @@ pytest.importorskip("fastapi", reason="fastapi is in the serve extra")
 
 from splitfuse.openai_api import responses as R  # noqa: E402
 from splitfuse.openai_api.app import sampling_inputs  # noqa: E402
+from splitfuse.openai_api.body import DEFAULT_MAX_BODY_BYTES, decode_json, default_body_limit  # noqa: E402
 from splitfuse.openai_api.prompts import Prompts  # noqa: E402
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse  # noqa: E402
 from splitfuse.openai_api.triton_llm import GenerationError, build_inputs  # noqa: E402
@@ -99,6 +100,36 @@ def test_engine_errors_split_into_client_and_server_faults():
     assert GenerationError("prompt (3 tokens) + max_tokens (9) exceeds max_model_len").is_client_error
     assert not GenerationError("internal error: RuntimeError: boom").is_client_error
     assert not GenerationError("unavailable: the server is shutting down").is_client_error
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'{"model": "m", "prompt": "a\\ud800b"}', "surrogate"),
+    (b'{"model": "m", "prompt": "a", "stop": ["\\udc00"]}', "surrogate"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x", "name": "\\ud83d"}]}', "surrogate"),
+    (b'{"model": "m", "temperature": NaN}', "NaN"),
+    (b'{"model": "m", "top_p": -Infinity}', "Infinity"),
+    (b"\xff\xfe{", "not valid JSON"),
+    (b"[" * 100_000, "nested too deeply"),
+])
+def test_bodies_no_tokenizer_or_engine_could_take_are_400(raw, words):
+    with pytest.raises(ApiError, match=words) as e:
+        decode_json(raw)
+    assert e.value.status == 400
+
+
+def test_paired_surrogate_escapes_and_big_numbers_decode():
+    assert decode_json(b'{"prompt": "\\ud83d\\ude00 ok"}') == {"prompt": "\U0001F600 ok"}
+    # 1e400 decodes to inf: the request models refuse it by field rather than pass it on.
+    with pytest.raises(ApiError, match="repetition_penalty") as e:
+        parse(CompletionRequest, {**GOOD, **decode_json(b'{"repetition_penalty": 1e400}')})
+    assert e.value.param == "repetition_penalty"
+
+
+def test_the_default_body_limit_holds_the_longest_accepted_prompt():
+    assert default_body_limit(1000) == DEFAULT_MAX_BODY_BYTES == 4 * 2**20
+    # A context of 131072 tokens x 128-character entries: 16M characters, each up to 6 bytes of JSON.
+    big = default_body_limit(131072 * 128)
+    assert big >= 6 * 131072 * 128 > DEFAULT_MAX_BODY_BYTES
 
 
 def test_response_bodies():
