@@ -5,9 +5,9 @@ parameter), checks the model name (404), tokenizes, and runs one generation thro
 `TritonLLM`. Decoding, validation and tokenizing (chat template included) run in a small pool
 of threads, not on the event loop: a long prompt must not stall the other clients' streams.
 Streaming answers are server-sent events; the first engine response is awaited before the 200
-goes out, so a request the engine refuses still gets its 400. A client that goes away cancels
-its generation (see `TritonLLM.generate`), whether it was streaming or waiting for the whole
-answer.
+goes out, so a request the engine refuses still gets its 400 (or 429 when it is busy). A client
+that goes away cancels its generation (see `TritonLLM.generate`), whether it was streaming or
+waiting for the whole answer.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # the Rust core) releases the GIL, and two keep one huge prompt from delaying every other
 # request's tokenizing.
 TOKENIZE_THREADS = 2
+# What a client told to retry waits (seconds): the engine's queue moves within a few steps.
+RETRY_AFTER_S = 1
 
 
 class ClientGone(Exception):
@@ -265,7 +267,13 @@ def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def _generation_error(e: GenerationError) -> ApiError:
+def generation_http_error(e: GenerationError) -> ApiError:
+    """How a Triton error reaches the HTTP client: 429 when the engine is too busy to take the
+    request now (OpenAI's rate-limit answer, which its SDK retries after Retry-After), 400 for
+    what the request asked, 503 when the server is unavailable or shutting down."""
+    if e.is_busy:
+        return ApiError(429, e.message, type_="rate_limit_error", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     if e.is_client_error:
         return ApiError(400, e.message)
     return ApiError(503, e.message, type_="server_error")
@@ -297,7 +305,7 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
                 return await server.stream(job, request)
             return JSONResponse(await server.complete(job, request))
         except GenerationError as e:
-            return _error_response(_generation_error(e))
+            return _error_response(generation_http_error(e))
         except ClientGone:
             log.info("%s: client disconnected; generation cancelled", job.meta.id)
             return JSONResponse({}, status_code=499)

@@ -30,6 +30,17 @@ INPUT_DTYPES = {
 }
 
 
+# How the `llm` model's refusals for load start (UNAVAILABLE: its waiting queue is full, or a
+# request waited too long): a stream's error carries its message only, not its status code.
+SERVER_BUSY = "server busy"
+
+
+# Words of the messages of the server's own faults and shutdown (llm: INTERNAL or UNAVAILABLE;
+# the engine: a failed step, or broken for good; gRPC: the server gone).
+SERVER_FAULTS = ("internal error", "shutting down", "unavailable", "not ready", "failed to connect",
+                 "connection refused", "engine step failed", "engine failed")
+
+
 class GenerationError(Exception):
     """Triton answered a request with an error."""
 
@@ -38,11 +49,15 @@ class GenerationError(Exception):
         self.message = message
 
     @property
+    def is_busy(self) -> bool:
+        """Refused for load, not for what it asks: the same request may succeed later."""
+        return self.message.startswith(SERVER_BUSY)
+
+    @property
     def is_client_error(self) -> bool:
-        """The `llm` model marks its own faults and shutdown; everything else is the request's."""
+        """The `llm` model marks its own faults, load and shutdown; everything else is the request's."""
         lowered = self.message.lower()
-        return not any(w in lowered for w in ("internal error", "shutting down", "unavailable", "not ready",
-                                              "failed to connect", "connection refused"))
+        return not self.is_busy and not any(w in lowered for w in SERVER_FAULTS)
 
 
 @dataclass

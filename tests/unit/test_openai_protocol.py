@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("fastapi", reason="fastapi is in the serve extra")
 
 from splitfuse.openai_api import responses as R  # noqa: E402
-from splitfuse.openai_api.app import sampling_inputs  # noqa: E402
+from splitfuse.openai_api.app import generation_http_error, sampling_inputs  # noqa: E402
 from splitfuse.openai_api.body import DEFAULT_MAX_BODY_BYTES, decode_json, default_body_limit  # noqa: E402
 from splitfuse.openai_api.prompts import Prompts  # noqa: E402
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse  # noqa: E402
@@ -100,6 +100,25 @@ def test_engine_errors_split_into_client_and_server_faults():
     assert GenerationError("prompt (3 tokens) + max_tokens (9) exceeds max_model_len").is_client_error
     assert not GenerationError("internal error: RuntimeError: boom").is_client_error
     assert not GenerationError("unavailable: the server is shutting down").is_client_error
+
+
+def test_a_busy_engine_is_429_with_retry_after_and_other_unavailable_stays_503():
+    busy = generation_http_error(GenerationError(
+        "server busy: 8 requests are waiting (max_waiting_requests=8); retry later"))
+    assert busy.status == 429 and busy.headers == {"Retry-After": "1"}
+    assert busy.body()["error"] == {"message": "server busy: 8 requests are waiting (max_waiting_requests=8); "
+                                               "retry later", "type": "rate_limit_error", "param": None,
+                                    "code": "rate_limit_exceeded"}
+    for message in ("the server is shutting down", "the engine failed and serves no more requests: RuntimeError: boom",
+                    "engine step failed: RuntimeError: boom", "internal error: ValueError: x",
+                    "unavailable: AioRpcError: failed to connect"):
+        down = generation_http_error(GenerationError(message))
+        assert (down.status, down.type, down.headers) == (503, "server_error", {}), message
+    refused = generation_http_error(GenerationError("prompt (3 tokens) + max_tokens (9) exceeds max_model_len"))
+    assert (refused.status, refused.type) == (400, "invalid_request_error")
+    # Only a message that starts so: a prompt quoting the words is the request's own problem.
+    quoted = generation_http_error(GenerationError("stop string 'server busy: ' is too long"))
+    assert quoted.status == 400
 
 
 @pytest.mark.parametrize("raw, words", [
