@@ -4,10 +4,10 @@
         [--param NAME=VALUE ...] [--instances N] [--model-repository-out DIR] [--openai-port 9000]
 
 Renders the repository, starts tritonserver in the foreground, prints where it listens once
-ready (with --openai-port, starts the OpenAI-compatible front beside it, `splitfuse.openai_api`,
-stopped first on shutdown), and on Ctrl-C/SIGTERM drains (in-flight generations get --drain-timeout seconds to
-finish, the rest are aborted with a final response) before Triton unloads; a second signal
-kills at once.
+ready (with --openai-port, starts the OpenAI-compatible front beside it, `splitfuse.openai_api`),
+and on Ctrl-C/SIGTERM drains (in-flight generations get --drain-timeout seconds to finish, the
+rest are aborted with a final response) before Triton unloads; the OpenAI front stops after the
+drain, once its clients have their last events; a second signal kills at once.
 """
 
 from __future__ import annotations
@@ -156,12 +156,8 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
                       file=sys.stderr, flush=True)
             time.sleep(0.2)
     finally:
-        # Also on an unexpected error here: never leave a tritonserver (or the front) behind. The
-        # front goes first, so no new request arrives while in-flight generations drain.
-        if front is not None:
-            front.stop()
-        if server.running():
-            server.stop()
+        # Also on an unexpected error here: never leave a tritonserver (or the front) behind.
+        _shutdown(server, front)
     code = server.process.returncode
     print(f"splitfuse.launcher: tritonserver exited with code {code}", file=sys.stderr)
     if signals and code not in (0, -signal.SIGTERM) and server.drained:
@@ -173,3 +169,19 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
     if signals:
         return 0 if code in (0, -signal.SIGTERM) else 1
     return code or 0
+
+
+def _shutdown(server: TritonServer, front: OpenAIFront | None) -> None:
+    """Triton's drain before the front stops: the front's clients then get their generations'
+    last events (finish_reason, `data: [DONE]`) through it, and new requests a 503 from it (llm
+    refuses them while draining). Stopping the front first cut its open streams short."""
+    drained = False
+    if front is not None and front.running() and server.running():
+        server.drain(server.drain_timeout_s)
+        server.abort_in_flight()  # what is left ends with finish_reason "abort"
+        drained = True
+    if front is not None:
+        front.stop()  # uvicorn's graceful shutdown: the answers under way are sent in full
+    if server.running():
+        # After the drain above nothing is left to wait for: SIGTERM (and a kill if Triton hangs).
+        server.stop(drain_timeout_s=0 if drained else None)

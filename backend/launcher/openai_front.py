@@ -2,8 +2,8 @@
 `python -m splitfuse.openai_api` against the server's gRPC endpoint.
 
 A process of its own, so its event loop never competes with the launcher's signal handling
-for the GIL; started once Triton is ready and stopped before Triton drains, so no new request
-arrives while in-flight generations finish.
+for the GIL; started once Triton is ready and stopped after Triton's drain (cli._shutdown), so
+its streams end with their final events; SIGTERM lets uvicorn finish the answers under way.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ class OpenAIFront:
         """`engine_max_model_len`: what the engine runs with (it lowers the checkpoint's to what
         its KV cache holds), used unless max_model_len was set."""
         limit = self.max_model_len or engine_max_model_len
-        self.process = subprocess.Popen(self.command + (["--max-model-len", str(limit)] if limit else []))
+        # Own session, as tritonserver's: a terminal's Ctrl-C reaches only the launcher, so the
+        # front keeps answering (503 for new requests) while Triton drains, and stops after.
+        self.process = subprocess.Popen(self.command + (["--max-model-len", str(limit)] if limit else []),
+                                        start_new_session=True)
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -1,18 +1,27 @@
 """The OpenAI front safe by default (issue 37), against the real tritonserver: request bodies are
-bounded while they arrive (413 in OpenAI's error shape, neighbours unharmed)."""
+bounded while they arrive (413 in OpenAI's error shape, neighbours unharmed), and the launcher's
+Ctrl-C drains Triton before the front stops, so open streams end with a finish_reason and
+`data: [DONE]` and whole requests get their answer."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from openai_helpers import start_api, stop_api
+from triton_helpers import metric_sum, wait_for
 
 openai = pytest.importorskip("openai", reason="the openai SDK is in the dev extra")
 requests = pytest.importorskip("requests")
 pytest.importorskip("fastapi", reason="fastapi/uvicorn are in the serve extra")
 
+from splitfuse.launcher import find_tritonserver, free_port  # noqa: E402
 from splitfuse.openai_api.body import DEFAULT_MAX_BODY_BYTES  # noqa: E402
 
 pytestmark = pytest.mark.serving
@@ -104,3 +113,96 @@ def test_a_chunked_body_is_cut_at_the_limit_not_read_to_its_end(served, tmp_path
     finally:
         stop_api(small)
 
+
+# ---- graceful stop of the launcher ----------------------------------------------------------
+
+
+class Launcher:
+    """`python -m splitfuse.launcher` with the OpenAI front, its output collected line by line."""
+
+    def __init__(self, model: str, repo: Path, drain_timeout_s: float) -> None:
+        self.ports = [free_port() for _ in range(4)]
+        http, grpc, metrics, self.openai_port = self.ports
+        self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        self.openai_url = f"http://127.0.0.1:{self.openai_port}"
+        cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", model, "--http-port", str(http),
+               "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(self.openai_port),
+               "--param", "device=cpu", "--param", "num_kv_blocks=4096", "--param", "num_threads=1",
+               "--drain-timeout", str(drain_timeout_s), "--model-repository-out", str(repo)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.ready, self.draining = threading.Event(), threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("splitfuse.launcher: ready"):
+                self.ready.set()
+            if line.startswith("splitfuse.launcher: draining"):
+                self.draining.set()
+
+    def log(self) -> str:
+        return "".join(self.lines[-60:])
+
+    def close(self) -> None:
+        """Never leave a tritonserver behind: a second signal kills it."""
+        for _ in range(2):
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.reader.join(timeout=5)
+
+
+def test_ctrl_c_ends_open_streams_with_a_finish_reason_and_done(tiny_model_factory, tmp_path):
+    """Ctrl-C with a stream and a whole request in flight through the front: Triton drains
+    first (a new request then gets a 503 from the front), the rest is aborted, the stream's last
+    chunk carries its finish_reason followed by [DONE], the whole request gets its answer, and
+    the launcher exits 0. Before, the front stopped first and cut the stream short."""
+    try:
+        find_tritonserver()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    # Long enough that neither generation can end within the drain (the tiny model makes
+    # ~1,400-3,000 tokens/s per sequence on these CPUs); 4096 blocks hold both.
+    model = tiny_model_factory("llama", max_position_embeddings=32768)
+    launcher = Launcher(model, tmp_path / "repo", drain_timeout_s=3.0)
+    try:
+        assert launcher.ready.wait(600), launcher.log()
+        name = Path(model).name
+        long = {"model": name, "prompt": PROMPT, "max_tokens": 30000, "temperature": 0, "ignore_eos": True}
+        url = launcher.openai_url + "/v1/completions"
+        whole: dict = {}
+        waiting = threading.Thread(target=lambda: whole.update(requests.post(url, json=long, timeout=300).json()))
+        waiting.start()
+        with requests.post(url, json={**long, "stream": True}, stream=True, timeout=300) as streamed:
+            assert streamed.status_code == 200
+            events = _sse_events(streamed)
+            first = json.loads(next(events))
+            assert wait_for(lambda: metric_sum(launcher.metrics_url, "splitfuse_requests", state="running") == 2,
+                            timeout=60), "the whole request did not reach the engine"
+            launcher.proc.send_signal(signal.SIGINT)
+            assert launcher.draining.wait(60), launcher.log()
+            late = requests.post(url, json={**long, "max_tokens": 4}, timeout=60)
+            assert late.status_code == 503, late.text
+            assert late.json()["error"]["type"] == "server_error" and "shutting down" in late.json()["error"]["message"]
+            chunks, payloads = _read_stream(events)
+        waiting.join(timeout=120)
+        chunks = [first, *chunks]
+        assert payloads[-1] == "[DONE]", payloads[-3:]
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("abort", "length"), chunks[-1]
+        choice = whole["choices"][0]
+        assert choice["finish_reason"] in ("abort", "length") and choice["text"], whole
+        assert whole["usage"]["completion_tokens"] >= 1
+        assert launcher.proc.wait(timeout=120) == 0, launcher.log()
+        with pytest.raises(requests.ConnectionError):  # the front stopped with the launcher
+            requests.get(launcher.openai_url + "/health", timeout=5)
+    finally:
+        launcher.close()
+    out = "".join(launcher.lines)
+    assert "tritonserver exited with code 0" in out, out[-4000:]
