@@ -25,8 +25,10 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from splitfuse.openai_api import openapi
 from splitfuse.openai_api import responses as R
 from splitfuse.openai_api.body import decode_json, default_body_limit, read_body
 from splitfuse.openai_api.config import ApiConfig
@@ -293,6 +295,7 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
 
     app = FastAPI(title="splitfuse OpenAI-compatible API", lifespan=lifespan)
     app.state.server = server
+    openapi.install(app, api_key=config.api_key is not None)
 
     async def run(make_job: Callable[[bytes], Job], request: Request):
         try:
@@ -314,6 +317,14 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _error_response(exc)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # No route (e.g. a model name with a newline, which the path converter does not match)
+        # or method: OpenAI's error shape too, not Starlette's {"detail": ...}.
+        message = (f"invalid URL ({request.method} {request.url.path})" if exc.status_code == 404
+                   else f"{exc.detail} ({request.method} {request.url.path})")
+        return _error_response(ApiError(exc.status_code, message, headers=exc.headers))
+
     if config.api_key is not None:
         expected = f"Bearer {config.api_key}".encode()
 
@@ -327,26 +338,29 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
                                                          "'Authorization: Bearer <key>'", code="invalid_api_key"))
             return await call_next(request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **openapi.MODELS_ROUTE)
     async def models() -> dict:
         return {"object": "list", "data": [R.model_card(config.served_model_name, server.created, config.model_dir,
                                                           server.max_model_len)]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", **openapi.MODEL_ROUTE)
     async def model(name: str) -> dict:
         server.check_model(name)
         return R.model_card(name, server.created, config.model_dir, server.max_model_len)
 
-    @app.get("/health")
+    @app.get("/health", **openapi.HEALTH_ROUTE)
     async def health() -> JSONResponse:
         ok = server.triton is not None and await server.triton.ready()
         return JSONResponse({"triton_llm_ready": ok}, status_code=200 if ok else 503)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions",
+              **openapi.generation_route(CompletionRequest, openapi.CompletionResponse, openapi.CompletionChunk))
     async def completions(request: Request):
         return await run(server.completion_job, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              **openapi.generation_route(ChatCompletionRequest, openapi.ChatCompletionResponse,
+                                         openapi.ChatCompletionChunk))
     async def chat_completions(request: Request):
         return await run(server.chat_job, request)
 

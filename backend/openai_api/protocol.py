@@ -6,9 +6,9 @@ a client that asks for n=2 or top-5 log-probabilities must not silently get some
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 
 class ApiError(Exception):
@@ -33,6 +33,17 @@ class ApiError(Exception):
 INT32_MAX = 2**31 - 1
 
 
+def _doc(*schemas: dict, nullable: bool = True) -> WithJsonSchema:
+    """A field's schema in the OpenAPI document when its validator accepts less than its type
+    says (n=1 only, no logit_bias, ...); validation and its messages stay the validator's."""
+    options = [*schemas, {"type": "null"}] if nullable else list(schemas)
+    return WithJsonSchema(options[0] if len(options) == 1 else {"anyOf": options})
+
+
+_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -48,14 +59,14 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = 1
+    n: Annotated[int, _doc({"type": "integer", "minimum": 1, "maximum": 1}, nullable=False)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, _doc(_TEXT, {"type": "array", "items": _TEXT, "maxItems": 4})] = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float] | None, _doc({"type": "object", "maxProperties": 0})] = None
     # Extensions (vLLM's names), passed to the engine as they are.
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
@@ -100,12 +111,15 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]],
+                      _doc(_TEXT, _TOKEN_IDS, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": 1},
+                           {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}, nullable=False)]
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: Annotated[int | None, _doc({"type": "integer", "minimum": 0, "maximum": 0})] = Field(default=None, ge=0,
+                                                                                                   le=5)
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Annotated[int | None, _doc({"type": "integer", "minimum": 1, "maximum": 1})] = None
+    suffix: Annotated[str | None, _doc({"type": "string", "maxLength": 0})] = None
 
     @field_validator("logprobs")
     @classmethod
@@ -140,10 +154,15 @@ class CompletionRequest(_Sampling):
         return v
 
 
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None,
+                       _doc({"type": "string"}, {"type": "array", "items": _TEXT_PART})] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -163,10 +182,12 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Annotated[int | None, _doc({"type": "integer", "minimum": 0, "maximum": 0})] = Field(
+        default=None, ge=0, le=20)
+    tools: Annotated[list[Any] | None, _doc({"type": "array", "maxItems": 0})] = None
+    tool_choice: Annotated[Any, _doc({"type": "string", "enum": ["none"]})] = None
+    response_format: Annotated[dict[str, Any] | None, _doc({
+        "type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}, "required": ["type"]})] = None
 
     @field_validator("top_logprobs")
     @classmethod
