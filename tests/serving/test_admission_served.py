@@ -9,11 +9,15 @@ each request of the flood waits: exactly `max_waiting_requests` of them are take
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tritonclient.grpc as grpcclient
 from conftest import fault_server
+from openai_helpers import start_api, stop_api
 from triton_helpers import GrpcStream, grpc_generate, metric_sum, wait_for
 
 pytestmark = pytest.mark.serving
@@ -78,3 +82,44 @@ def test_grpc_flood_past_max_waiting_is_refused_and_nothing_is_lost(server):
     assert client.is_server_ready() and client.is_model_ready("llm")
     after = grpc_generate(server.grpc_url, "llm", {"text_input": "after the flood", "max_tokens": 4, "stream": True})
     assert after.error is None and len(after.output_ids) == 4
+
+
+def _openai_completion(base_url: str, prompt: str, stream: bool) -> tuple[int, dict, str]:
+    """(status, headers, body) of one /v1/completions request."""
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0,
+                       "stream": stream}).encode()
+    req = urllib.request.Request(base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()
+
+
+def test_openai_flood_past_max_waiting_gets_429_with_retry_after(server, tiny_llama, tmp_path):
+    api = start_api(tiny_llama, server.grpc_url, tmp_path, "admission-api", "--served-model-name", "m")
+    refused_before = _refused(server)
+    blockers = Blockers(server)
+    try:
+        with ThreadPoolExecutor(FLOOD) as pool:
+            futures = [pool.submit(_openai_completion, api.base_url, f"flood {i}", i % 2 == 0) for i in range(FLOOD)]
+            assert wait_for(lambda: _refused(server) - refused_before == FLOOD - MAX_WAITING, timeout=60)
+            blockers.release()
+            results = [f.result(timeout=120) for f in futures]
+    finally:
+        blockers.release()
+        stop_api(api)
+    busy = [r for r in results if r[0] == 429]
+    served = [r for r in results if r[0] == 200]
+    assert len(busy) == FLOOD - MAX_WAITING and len(served) == MAX_WAITING, [r[0] for r in results]
+    for status, headers, body in busy:
+        assert headers.get("retry-after") == "1"
+        error = json.loads(body)["error"]
+        assert error["code"] == "rate_limit_exceeded" and "server busy" in error["message"]
+    for status, headers, body in served:
+        if body.startswith("data:"):
+            assert body.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in body.replace(" ", "")
+        else:
+            assert json.loads(body)["choices"][0]["finish_reason"] == "length"
+    assert wait_for(lambda: metric_sum(server.metrics_url, "splitfuse_kv_cache_blocks", state="used") == 0)
+    assert wait_for(lambda: metric_sum(server.metrics_url, "splitfuse_requests", state="waiting") == 0)
