@@ -35,6 +35,24 @@ OPERATIONS = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/models/{na
 EXAMPLES = 40
 
 
+def _subnormals_flushed() -> bool:
+    tiny = float.fromhex("0x1p-1022")  # the smallest normal double: half of it is subnormal
+    return tiny / 2 == 0.0
+
+
+@pytest.fixture(autouse=True)
+def ieee_floats():
+    """Hypothesis refuses to draw floats while subnormals are flushed to zero, which an engine
+    built on this thread earlier in the session turned on (model_runner: torch.set_flush_denormal);
+    off for these tests, then as it was."""
+    import torch
+
+    flushed = _subnormals_flushed()
+    torch.set_flush_denormal(False)
+    yield
+    torch.set_flush_denormal(flushed)
+
+
 @pytest.fixture(scope="module")
 def fuzzed_api(served, tmp_path_factory):
     api = start_api(served.model_dir, served.grpc_url, tmp_path_factory.mktemp("openai-fuzz"), "api",
