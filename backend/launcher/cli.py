@@ -22,10 +22,11 @@ from pathlib import Path
 
 from splitfuse.launcher.default_model import RANDOM_WARNING, is_random_demo
 from splitfuse.launcher.openai_front import OpenAIFront
-from splitfuse.launcher.process import TritonServer
+from splitfuse.launcher.process import ADMIN_APIS, ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
 from splitfuse.launcher.repository import LLM_MODEL, TEMPLATE_ENV, parse_params, render_model_repository
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+from splitfuse.openai_api.config import key_from
 from splitfuse.triton.control import read_limits
 
 
@@ -59,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-timeout", type=int, default=10,
                    help="tritonserver --exit-timeout-secs: time to unload the models after the drain")
     p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--admin-key-file", default=None,
+                   help=f"file whose first line opens Triton's admin APIs ({', '.join(ADMIN_APIS)}) as the "
+                        f"'{ADMIN_HEADER}' header (default: ${ADMIN_KEY_ENV}; neither: they are closed)")
+    p.add_argument("--open-admin-apis", action="store_true",
+                   help="leave Triton's admin APIs open to every client (Triton's own default)")
     p.add_argument("--render-only", action="store_true", help="render the repository and exit")
     p.add_argument("triton_args", nargs="*", help="extra tritonserver arguments, after `--`")
     return p
@@ -73,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.render_only and not args.model_repository_out:
         print("error: --render-only needs --model-repository-out", file=sys.stderr)
+        return 2
+    try:
+        admin_key = key_from(args.admin_key_file, ADMIN_KEY_ENV)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="splitfuse-serve-"))
     repo_dir = Path(args.model_repository_out) if args.model_repository_out else work / "model_repository"
@@ -94,12 +105,13 @@ def main(argv: list[str] | None = None) -> int:
             metrics_port=args.metrics_port, host=args.host, install=install, log_file=None,
             control_dir=work / "control", llm_instances=args.instances, drain_timeout_s=args.drain_timeout,
             exit_timeout_s=args.exit_timeout, log_verbose=args.log_verbose, extra_args=args.triton_args,
+            admin_key=admin_key, restrict_admin_apis=not args.open_admin_apis,
         )
         front = None
         if args.openai_port:
             front = OpenAIFront(model, f"127.0.0.1:{args.grpc_port}", args.host, args.openai_port, params)
         return _run_foreground(server, args.ready_timeout, front)
-    except (ValueError, OSError) as e:  # bad parameters, missing files, ports in use
+    except (ValueError, OSError, RuntimeError) as e:  # bad parameters, missing files, ports in use, no compiler
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitfuse.launcher import hidden_args
+from splitfuse.openai_api.config import API_KEY_ENV
 from splitfuse.triton import control
 from splitfuse.launcher.repository import render_model_repository
 from splitfuse.launcher.triton_install import TritonInstall, build_backend_dir, find_tritonserver, server_env
@@ -151,7 +152,10 @@ class TritonServer:
         return [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
 
     def _prepare_secrets(self, env: dict[str, str]) -> dict[str, str]:
-        """The server's environment with what the shim needs to fill in the admin key."""
+        """The server's environment with what the shim needs to fill in the admin key, and
+        without the keys the launcher was given (the stubs need neither)."""
+        for name in (ADMIN_KEY_ENV, API_KEY_ENV):
+            env.pop(name, None)
         if not self.restrict_admin_apis:
             return env
         self._shim = hidden_args.shim()
@@ -230,6 +234,8 @@ class TritonServer:
         """llm refuses new requests; wait for in-flight ones to finish. True if they all did."""
         if self.control_dir is None or not self.running():
             return True
+        if control.draining_requested(self.control_dir):  # already draining: just wait
+            return self._wait_idle(timeout_s)
         control.request_drain(self.control_dir)
         print(f"splitfuse.launcher: draining: new requests are refused, in-flight generations get {timeout_s:g}s",
               file=sys.stderr, flush=True)

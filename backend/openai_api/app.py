@@ -81,7 +81,7 @@ def sampling_inputs(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         "return_num_output_tokens": True,
     }
     for name in ("presence_penalty", "frequency_penalty", "seed", "top_k", "min_tokens", "repetition_penalty",
-                 "ignore_eos"):
+                 "ignore_eos", "cache_salt"):
         value = getattr(req, name)
         if value is not None:
             inputs[name] = value

@@ -56,15 +56,15 @@ class ApiConfig:
 API_KEY_ENV = "SPLITFUSE_API_KEY"
 
 
-def key_from(path: str | None) -> str | None:
-    """The API key: the first line of `path` when given, else $SPLITFUSE_API_KEY, else None. An
-    empty key is an error (it would let every client in while looking protected)."""
+def key_from(path: str | None, env: str = API_KEY_ENV) -> str | None:
+    """A key kept off command lines: the first line of `path` when given, else $`env`, else None.
+    An empty key is an error (it would let every client in while looking protected)."""
     if path:
         lines = Path(path).read_text().splitlines()
         key, source = (lines[0].strip() if lines else ""), path
     else:
-        key = os.environ.get(API_KEY_ENV)
-        source = f"${API_KEY_ENV}"
+        key = os.environ.get(env)
+        source = f"${env}"
         if key is None:
             return None
         key = key.strip()

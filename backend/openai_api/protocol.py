@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
+from splitfuse.sequence import MAX_CACHE_SALT_LENGTH
+
 
 class ApiError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` body with an HTTP status (and headers,
@@ -72,6 +74,8 @@ class _Sampling(BaseModel):
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_LENGTH)
+    """Keys the prefix cache (vLLM's name): cached KV is shared only between requests with the same salt."""
     # Accepted, no effect.
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -16,6 +16,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
+from splitfuse.errors import SERVER_BUSY  # how llm's refusals for load start (a stream's error has no status)
+
 LLM_MODEL = "llm"
 
 # Triton dtype of each `llm` input this front sends (model_repository/llm/config.pbtxt).
@@ -27,12 +29,10 @@ INPUT_DTYPES = {
     "min_tokens": ("INT32", np.int32), "seed": ("UINT64", np.uint64), "ignore_eos": ("BOOL", np.bool_),
     "stop_words": ("BYTES", np.object_), "return_log_probs": ("BOOL", np.bool_),
     "return_num_input_tokens": ("BOOL", np.bool_), "return_num_output_tokens": ("BOOL", np.bool_),
+    "cache_salt": ("BYTES", np.object_),
 }
 
 
-# How the `llm` model's refusals for load start (UNAVAILABLE: its waiting queue is full, or a
-# request waited too long): a stream's error carries its message only, not its status code.
-SERVER_BUSY = "server busy"
 
 
 # Words of the messages of the server's own faults and shutdown (llm: INTERNAL or UNAVAILABLE;

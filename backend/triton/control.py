@@ -27,6 +27,10 @@ def request_drain(base: Path) -> None:
     (base / DRAIN).touch()
 
 
+def draining_requested(base: Path) -> bool:
+    return (base / DRAIN).exists()
+
+
 def request_abort(base: Path) -> None:
     """Instances refuse new requests and abort every generation in flight."""
     (base / DRAIN).touch()
@@ -96,7 +100,7 @@ class Control:
         self._idle = False
 
     def draining(self) -> bool:
-        return (self.base / DRAIN).exists()
+        return draining_requested(self.base)
 
     def aborting(self) -> bool:
         return (self.base / ABORT).exists()

@@ -15,12 +15,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
 from google.protobuf import text_format
-from triton_helpers import GrpcStream
+from triton_helpers import GrpcStream, InferenceServerException
 from tritonclient.grpc import model_config_pb2
 
 from splitfuse.block_manager import longest_sequence
 from splitfuse.config import EngineConfig
+from splitfuse.kernels.toolchain import compiler
 from splitfuse.launcher import (
     build_backend_dir,
     default_template_dir,
@@ -30,6 +32,7 @@ from splitfuse.launcher import (
     port_is_free,
     render_model_repository,
 )
+from splitfuse.launcher.process import GRPC_ADMIN_HEADER
 
 
 def _config(repo: Path, model: str):
@@ -141,6 +144,11 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
            "--openai-port", str(ports[3]),
            "--param", "device=cpu", "--param", "num_kv_blocks=2048", "--param", "num_threads=1",
            "--drain-timeout", "0.5", "--model-repository-out", str(tmp_path / "repo")]
+    # The operator's admin key, from a file (never on a command line; it needs the compiler).
+    admin_key = "cli-admin-" + os.urandom(8).hex() if compiler() is not None else None
+    if admin_key:
+        (tmp_path / "admin.key").write_text(admin_key + "\n")
+        cmd += ["--admin-key-file", str(tmp_path / "admin.key")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     ready, draining = threading.Event(), threading.Event()
@@ -169,6 +177,11 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
         # sequence: the engine's limit reaches the front, whose default max_tokens it bounds.
         assert cards[0]["max_model_len"] == longest_sequence(2048, 16, EngineConfig(tiny_llama).kv_watermark) < 32768
         grpc_url = f"127.0.0.1:{ports[1]}"
+        admin = grpcclient.InferenceServerClient(grpc_url)
+        with pytest.raises(InferenceServerException, match="restricted"):
+            admin.get_model_config("llm")
+        if admin_key:
+            assert admin.get_model_config("llm", headers={GRPC_ADMIN_HEADER: admin_key}).config.name == "llm"
         s = GrpcStream(grpc_url)
         # Far longer than the tiny model generates between the signal and the end of the 0.5 s
         # drain (it makes ~1,400-3,000 tokens/s on these CPUs; the OpenAI front stops first).

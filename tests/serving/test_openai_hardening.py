@@ -84,6 +84,25 @@ def test_a_body_over_the_limit_is_413_and_a_concurrent_stream_finishes_intact(ap
     assert again["choices"][0]["text"] == whole["choices"][0]["text"]
 
 
+def test_cache_salt_is_passed_to_the_engine_and_bounded(api, served):
+    """A salted request computes its prompt apart from the unsalted one (the server's prefix-cache
+    counters show a miss), and gets the same greedy tokens; an empty salt is a 400 naming it."""
+    client = api.client()
+    prompt = "a prompt long enough to fill a few KV blocks of sixteen tokens each, " * 4
+    plain = client.completions.create(model=api.model, prompt=prompt, max_tokens=4, temperature=0)
+    hits = lambda: metric_sum(served.metrics_url, "splitfuse_prefix_cache_hits_total")  # noqa: E731
+    queries = lambda: metric_sum(served.metrics_url, "splitfuse_prefix_cache_queries_total")  # noqa: E731
+    for salt in ("tenant-x", "tenant-y"):
+        before_hits, before_queries = hits(), queries()
+        salted = client.completions.create(model=api.model, prompt=prompt, max_tokens=4, temperature=0,
+                                           extra_body={"cache_salt": salt})
+        assert salted.choices[0].text == plain.choices[0].text
+        assert wait_for(lambda: queries() > before_queries)
+        assert hits() == before_hits  # a new salt finds nothing cached, on either replica
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(model=api.model, prompt=prompt, max_tokens=4, extra_body={"cache_salt": ""})
+
+
 def test_a_chunked_body_is_cut_at_the_limit_not_read_to_its_end(served, tmp_path):
     """A chunked body declares no length: the front must stop reading at the limit. The client
     below would send 1 GiB; it gets the 413 after the limit plus what the sockets buffer."""
