@@ -180,7 +180,11 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
         return 0
     if signals:
         return 0 if code in (0, -signal.SIGTERM) else 1
-    return code or 0
+    # Nobody asked it to stop: a supervisor must restart the whole server.
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    print(f"splitfuse.launcher: tritonserver died while serving ({how}); the OpenAI front is stopped, "
+          "exiting 1", file=sys.stderr, flush=True)
+    return 1
 
 
 def _shutdown(server: TritonServer, front: OpenAIFront | None) -> None:

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping
 
+from splitfuse.launcher.children import die_with_parent
+
 
 class OpenAIFront:
     def __init__(self, model: str, grpc_url: str, host: str, port: int, params: Mapping[str, str]) -> None:
@@ -39,7 +41,7 @@ class OpenAIFront:
         # Own session, as tritonserver's: a terminal's Ctrl-C reaches only the launcher, so the
         # front keeps answering (503 for new requests) while Triton drains, and stops after.
         self.process = subprocess.Popen(self.command + (["--max-model-len", str(limit)] if limit else []),
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=die_with_parent())
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitfuse.launcher import hidden_args
+from splitfuse.launcher.children import die_with_parent
 from splitfuse.openai_api.config import API_KEY_ENV
 from splitfuse.triton import control
 from splitfuse.launcher.repository import render_model_repository
@@ -188,10 +189,11 @@ class TritonServer:
             out = open(self.log_file, "ab")
         try:
             # Own process group: a terminal's Ctrl-C reaches only the launcher, which then
-            # runs the shutdown below once; stubs share the group, so killpg reaches them.
+            # runs the shutdown below once; stubs share the group, so killpg reaches them. And
+            # killed with the launcher, however it dies (children.py).
             self.process = subprocess.Popen(
                 self.command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent(),
             )
         finally:
             if out is not None:
