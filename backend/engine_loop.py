@@ -85,6 +85,9 @@ class EngineLoop:
         self._inbox: deque[tuple] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
+        self.steps = 0
+        """Engine steps taken (engine thread): a watchdog that sees it stuck with work pending
+        knows the engine hangs."""
         self._queued_adds = 0  # "add" commands in the inbox (under _lock)
         self._engine_waiting = 0  # the engine's num_waiting after its last step (engine thread)
         self._failure: str | None = None
@@ -220,6 +223,7 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step(before_forward=self._hand_out)
+                self.steps += 1
             except FatalEngineError:
                 self._hand_out()
                 raise

@@ -18,16 +18,18 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from splitfuse.launcher.default_model import RANDOM_WARNING, is_random_demo
 from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import ADMIN_APIS, ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
+from splitfuse.launcher.supervisor import RestartBudget, Watchdog, exit_description
 from splitfuse.launcher.repository import LLM_MODEL, TEMPLATE_ENV, parse_params, render_model_repository
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 from splitfuse.openai_api.config import key_from
-from splitfuse.triton.control import read_limits
+from splitfuse.triton.control import read_limits, write_faults
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
                         f"'{ADMIN_HEADER}' header (default: ${ADMIN_KEY_ENV}; neither: they are closed)")
     p.add_argument("--open-admin-apis", action="store_true",
                    help="leave Triton's admin APIs open to every client (Triton's own default)")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds a replica may hold requests without an engine step (or go without a heartbeat) "
+                        "before it counts as hung and the server is restarted")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="server restarts after process faults allowed within --restart-window; one more and the "
+                        "launcher exits 1 (0: exit at the first fault)")
+    p.add_argument("--restart-window", type=float, default=600.0, help="seconds (see --max-restarts)")
     p.add_argument("--render-only", action="store_true", help="render the repository and exit")
     p.add_argument("triton_args", nargs="*", help="extra tritonserver arguments, after `--`")
     return p
@@ -110,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         front = None
         if args.openai_port:
             front = OpenAIFront(model, f"127.0.0.1:{args.grpc_port}", args.host, args.openai_port, params)
-        return _run_foreground(server, args.ready_timeout, front)
+        healing = Healing(Watchdog(server.control_dir, args.step_timeout),
+                          RestartBudget(args.max_restarts, args.restart_window))
+        return _run_foreground(server, args.ready_timeout, front, healing)
     except (ValueError, OSError, RuntimeError) as e:  # bad parameters, missing files, ports in use, no compiler
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -118,7 +129,52 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIFront | None = None) -> int:
+@dataclass
+class Healing:
+    """How the launcher finds process faults and how often it may restart the server for them."""
+
+    watchdog: Watchdog
+    budget: RestartBudget
+    restarts: int = 0
+    failed_requests: int = 0
+    last_recovery_s: float = 0.0
+
+    def publish(self, server: TritonServer) -> None:
+        write_faults(server.control_dir, restarts=self.restarts, failed_requests=self.failed_requests,
+                     last_recovery_s=round(self.last_recovery_s, 3))
+
+    def heal(self, server: TritonServer, fault: str, ready_timeout_s: float, stopping: list[int]) -> str | None:
+        """Restart the server after `fault`; None once it is ready again, else why it gave up."""
+        if not self.budget.take(time.monotonic()):
+            return (f"{fault}; {self.restarts} restarts already within {self.budget.window_s:g}s "
+                    f"(--max-restarts {self.budget.max_restarts}): giving up")
+        self.restarts += 1
+        self.failed_requests += self.watchdog.in_flight()
+        print(f"splitfuse.launcher: {fault}; restarting tritonserver (restart {self.restarts}; requests in flight "
+              "end with an error)", file=sys.stderr, flush=True)
+        start = time.monotonic()
+        try:
+            server.restart()
+            self.watchdog.reset()
+            self.publish(server)
+            deadline = start + ready_timeout_s
+            while not server.is_ready():
+                if stopping:
+                    return None  # Ctrl-C while restarting: the normal shutdown follows
+                if not server.running() or time.monotonic() > deadline:
+                    return f"{fault}; the restarted tritonserver did not get ready ({exit_description(server.process.returncode)})"
+                time.sleep(0.1)
+        except OSError as e:
+            return f"{fault}; restarting failed: {e}"
+        self.last_recovery_s = time.monotonic() - start
+        self.publish(server)
+        print(f"splitfuse.launcher: serving again {self.last_recovery_s:.1f}s after the fault", file=sys.stderr,
+              flush=True)
+        return None
+
+
+def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIFront | None = None,
+                    healing: Healing | None = None) -> int:
     signals: list[int] = []
 
     def on_signal(signum: int, _frame) -> None:
@@ -161,15 +217,32 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
                 flush=True,
             )
         front_lost = False
-        while not signals and server.running():
+        gave_up = None
+        if healing is not None and not signals:
+            healing.publish(server)
+        while not signals:
             if front is not None and not front_lost and not front.running():
                 front_lost = True  # Triton keeps serving; only the OpenAI front is gone
                 print(f"splitfuse.launcher: the OpenAI front exited with code {front.process.returncode}",
                       file=sys.stderr, flush=True)
+            fault = None
+            if not server.running():
+                fault = f"tritonserver died while serving ({exit_description(server.process.returncode)})"
+            elif healing is not None:
+                fault = healing.watchdog.fault(server.process.pid)
+            if fault is not None:
+                gave_up = fault if healing is None else healing.heal(server, fault, ready_timeout_s, signals)
+                if gave_up is not None:
+                    server.kill()  # a hung replica would hold up the drain: nothing is left to save
+                    break
             time.sleep(0.2)
     finally:
         # Also on an unexpected error here: never leave a tritonserver (or the front) behind.
         _shutdown(server, front)
+    if gave_up is not None:
+        # Nobody asked it to stop: a supervisor must restart the whole server.
+        print(f"splitfuse.launcher: {gave_up}; the OpenAI front is stopped, exiting 1", file=sys.stderr, flush=True)
+        return 1
     code = server.process.returncode
     print(f"splitfuse.launcher: tritonserver exited with code {code}", file=sys.stderr)
     if signals and code not in (0, -signal.SIGTERM) and server.drained:
@@ -178,13 +251,7 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
         print("splitfuse.launcher: every generation had finished before shutdown; tritonserver could not "
               "unload a model in time (see README: known limitations)", file=sys.stderr)
         return 0
-    if signals:
-        return 0 if code in (0, -signal.SIGTERM) else 1
-    # Nobody asked it to stop: a supervisor must restart the whole server.
-    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    print(f"splitfuse.launcher: tritonserver died while serving ({how}); the OpenAI front is stopped, "
-          "exiting 1", file=sys.stderr, flush=True)
-    return 1
+    return 0 if code in (0, -signal.SIGTERM) else 1
 
 
 def _shutdown(server: TritonServer, front: OpenAIFront | None) -> None:

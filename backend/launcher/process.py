@@ -276,6 +276,22 @@ class TritonServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
 
+    def restart(self, ports_timeout_s: float = 30.0) -> None:
+        """After a fault: kill what is left of the server (its stubs too: the group outlives a
+        dead tritonserver while a stub runs), wait for its ports, start it again. Not ready yet
+        when this returns (`wait_ready`)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+        deadline = time.monotonic() + ports_timeout_s
+        while not all(port_is_free(p, self.host) for p in (self.http_port, self.grpc_port, self.metrics_port)):
+            if time.monotonic() > deadline:
+                raise OSError(f"the ports of the killed server are still taken after {ports_timeout_s:.0f}s")
+            time.sleep(0.1)
+        self.start()
+
     def _log_tail(self, n: int = 4000) -> str:
         if self.log_file is None or not self.log_file.exists():
             return ""

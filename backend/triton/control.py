@@ -13,12 +13,16 @@ import os
 import shutil
 import stat
 import tempfile
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # The launcher puts the board's directory in the stubs' environment under this name.
 ENV = "SPLITFUSE_CONTROL_DIR"
 DRAIN, ABORT, IDLE = "drain", "abort", "idle"
 LIMITS = "limits.json"
+HEARTBEAT = "heartbeat"
+FAULTS = "faults.json"
 
 
 # ---- launcher side ------------------------------------------------------------------------
@@ -41,6 +45,54 @@ def num_idle(base: Path) -> int:
     """Instances that are draining with nothing in flight."""
     idle = base / IDLE
     return len(os.listdir(idle)) if idle.is_dir() else 0
+
+
+@dataclass
+class Heartbeat:
+    """What an instance last said of itself (Control.beat): the launcher's watchdog reads it."""
+
+    instance: str
+    pid: int
+    ppid: int
+    """Its tritonserver: a beat of another server's process (an orphan) is not this server's."""
+    steps: int
+    """Engine steps taken so far: stuck while `pending` > 0 means the engine hangs."""
+    pending: int
+    """Requests in flight in the instance."""
+    wall: float
+    """time.time() when written: old means the whole process stopped (SIGSTOP, a freeze)."""
+
+
+def read_heartbeats(base: Path) -> dict[str, Heartbeat]:
+    """The latest heartbeat of each instance that wrote one, by instance name."""
+    out = {}
+    folder = base / HEARTBEAT
+    for path in folder.glob("*.json") if folder.is_dir() else ():
+        try:
+            beat = Heartbeat(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # replaced while read, or a file of another version
+        out[beat.instance] = beat
+    return out
+
+
+def write_faults(base: Path, **faults: float) -> None:
+    """The launcher's fault record (restarts, requests failed by faults, last recovery time),
+    for a restarted server's instances to publish as metrics."""
+    _write_json(base / FAULTS, faults)
+
+
+def read_faults(base: Path) -> dict:
+    try:
+        return json.loads((base / FAULTS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, value) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)  # readers never see half a file
 
 
 def read_limits(base: Path, model_name: str) -> dict:
@@ -79,6 +131,9 @@ class Control:
         <dir>/idle/<instance>     this instance: draining, and nothing is in flight
         <dir>/<model>/limits.json the engine's limits, for the launcher to pass on (the
                                   instances share one config, so they write the same)
+        <dir>/heartbeat/<instance>.json  this instance: its pid, engine steps and requests in
+                                  flight, rewritten every half second (the launcher's watchdog)
+        <dir>/faults.json         launcher: restarts and what they cost, for the metrics
 
     The launcher exists because Triton 2.51 cannot unload a decoupled Python model that had
     a request in flight when shutdown began; it stops generations before sending SIGTERM.
@@ -97,6 +152,7 @@ class Control:
         self.own_stops = self.stop_dir / self.tag
         self.own_stops.mkdir(parents=True, exist_ok=True)
         self.idle_file = self.base / IDLE / instance
+        self.instance = instance
         self._idle = False
 
     def draining(self) -> bool:
@@ -121,10 +177,17 @@ class Control:
         return hashlib.sha256(client_id.encode("utf-8")).hexdigest()[:32]
 
     def publish_limits(self, **limits: int) -> None:
-        path = self.stop_dir.parent / LIMITS
-        tmp = path.with_name(f".{LIMITS}.{os.getpid()}")
-        tmp.write_text(json.dumps(limits))
-        os.replace(tmp, path)
+        _write_json(self.stop_dir.parent / LIMITS, limits)
+
+    def beat(self, steps: int, pending: int) -> None:
+        """This instance is alive: its engine has taken `steps` steps and holds `pending` requests."""
+        folder = self.base / HEARTBEAT
+        folder.mkdir(exist_ok=True)
+        beat = Heartbeat(self.instance, os.getpid(), os.getppid(), steps, pending, time.time())
+        _write_json(folder / f"{self.instance}.json", asdict(beat))
+
+    def faults(self) -> dict:
+        return read_faults(self.base)
 
     def post_stop(self, owner_tag: str, stop_key: str) -> None:
         """Hand a stop to the instance whose tag is `owner_tag` (no file when no such instance

@@ -121,6 +121,17 @@ STEP_COUNTERS = [
 ]
 
 
+FAULT_GAUGES = [
+    # (key in the launcher's faults.json, Prometheus gauge, description)
+    ("restarts", "splitfuse_server_restarts",
+     "Times the launcher restarted tritonserver after a process fault (a replica that died or hung)"),
+    ("failed_requests", "splitfuse_requests_failed_by_faults",
+     "Requests in flight in a server the launcher had to restart (each ended with an error)"),
+    ("last_recovery_s", "splitfuse_last_recovery_seconds",
+     "Seconds from the last fault's detection to the restarted server being ready"),
+]
+
+
 class TritonMetrics:
     """Prometheus families through `pb_utils.MetricFamily`, labelled by model, version and
     instance. The families are kept on self: a Metric whose family was garbage-collected fails
@@ -175,6 +186,13 @@ class TritonMetrics:
                          MF.COUNTER)
         self.refused = {reason: refused.Metric(labels={**labels, "reason": reason}) for reason in REFUSAL_REASONS}
         self._gauges: dict[str, float] = {}
+        # The launcher's record of server restarts, the same for every instance: gauges without
+        # the instance label, which every instance sets alike (a counter would add up per instance).
+        server = {k: v for k, v in labels.items() if k != "instance"}
+        self.fault_gauges = {
+            key: family(name, description, MF.GAUGE).Metric(labels=server)
+            for key, name, description in FAULT_GAUGES
+        }
 
     def publish(self, batch: MetricsBatch, stats: EngineStats | None, healthy: bool) -> None:
         for s in batch.steps:
@@ -204,6 +222,14 @@ class TritonMetrics:
             self._set("kv_usage", stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
             self._set("running", stats.num_running)
             self._set("waiting", stats.num_waiting)
+
+    def record_faults(self, faults: dict) -> None:
+        """The launcher's fault record (control.read_faults) for this server's life."""
+        for key, gauge in self.fault_gauges.items():
+            value = float(faults.get(key, 0))
+            if self._gauges.get("fault:" + key) != value:  # each update is a round trip
+                self._gauges["fault:" + key] = value
+                gauge.set(value)
 
     def _set(self, name: str, value: float) -> None:
         # Each update is a round trip to the server process: skip unchanged values.

@@ -1,22 +1,45 @@
-"""Process faults around the launcher (issue 38): when the launcher is killed outright, nothing it
-started lives on to hold a port; when tritonserver dies under it, the launcher stops the OpenAI
-front and exits 1 with a one-line reason (a supervisor restarts the pod)."""
+"""Process faults (issue 38), on a real launcher (`python -m splitfuse.launcher`) under load from
+concurrent streaming clients through the ensemble (gRPC) and the OpenAI front:
+
+- a killed `llm` stub, of two or of one, and a stopped (SIGSTOP) one found by the watchdog: every
+  client's request ends (tokens or an error, none waits past the bound), the launcher restarts
+  the server, which serves again (the time is measured and printed), with an empty KV pool and
+  the restart counted in its metrics;
+- a fault loop past the restart budget, or tritonserver dying with no restart allowed: the
+  launcher stops the front and exits 1 with a one-line reason;
+- the launcher killed outright: nothing it started lives on to hold a port.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from triton_helpers import GrpcStream, grpc_generate, metric_sum
 
 from splitfuse.launcher import find_tritonserver, free_port, port_is_free
+from splitfuse.launcher.supervisor import alive
 
 pytestmark = pytest.mark.serving
+
+# No client may wait longer than this after a fault for its request to end.
+CLIENT_BOUND_S = 60.0
+# A restarted server must serve again within this (the issue's target on the demo model is 30 s).
+RECOVERY_BOUND_S = 90.0
+# Long enough that no generation ends by itself before the fault (the tiny model makes a few
+# thousand tokens a second; its context is widened for this, the KV pool sized to hold them).
+MAX_TOKENS = 20000
+LONG = {"text_input": "hello world", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+        "temperature": 0.0}
 
 
 def _children(pid: int) -> list[int]:
@@ -31,71 +54,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie, which holds no port and no memory, counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-class Launcher:
-    def __init__(self, model: str) -> None:
-        self.ports = [free_port() for _ in range(4)]
-        cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", model,
-               "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]),
-               "--metrics-port", str(self.ports[2]), "--openai-port", str(self.ports[3]),
-               "--param", "device=cpu", "--param", "num_kv_blocks=256", "--param", "num_threads=1"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("splitfuse.launcher: ready"):
-                self.ready.set()
-
-    def tree(self) -> dict[str, list[int]]:
-        """tritonserver, its stubs and the OpenAI front, by what they are."""
-        kids = _children(self.proc.pid)
-        comm = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in kids}
-        triton = [pid for pid, name in comm.items() if name == "tritonserver"]
-        front = [pid for pid in kids if pid not in triton]
-        stubs = [s for t in triton for s in _children(t)]
-        return {"tritonserver": triton, "front": front, "stubs": stubs}
-
-    def log(self) -> str:
-        return "".join(self.lines[-60:])
-
-    def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def launcher(tiny_llama):
-    try:
-        find_tritonserver()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    lau = Launcher(tiny_llama)
-    started: list[int] = []
-    try:
-        assert lau.ready.wait(600), lau.log()
-        started += [p for group in lau.tree().values() for p in group]
-        yield lau
-    finally:
-        lau.cleanup()
-    for pid in started:  # a failed test must not leave an orphan holding ports
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-
-
 def _wait(condition, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -105,22 +63,231 @@ def _wait(condition, timeout: float) -> bool:
     return condition()
 
 
-def test_killing_the_launcher_leaves_no_process_and_no_port(launcher):
-    tree = launcher.tree()
+class Launcher:
+    def __init__(self, model: str, *extra: str, instances: int = 1) -> None:
+        self.ports = [free_port() for _ in range(4)]
+        self.model_name = Path(model).name  # the OpenAI front's name for it
+        cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", model,
+               "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]),
+               "--metrics-port", str(self.ports[2]), "--openai-port", str(self.ports[3]),
+               "--instances", str(instances), "--drain-timeout", "1",
+               "--param", "device=cpu", "--param", "num_kv_blocks=8192", "--param", "num_threads=1", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.seen: set[int] = set()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("splitfuse.launcher: ready"):
+                self.ready.set()
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports[1]}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[2]}/metrics"
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[3]}"
+
+    def tree(self) -> dict[str, list[int]]:
+        """tritonserver, its stubs by instance name, and the OpenAI front."""
+        kids = _children(self.proc.pid)
+        comm = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in kids}
+        triton = [pid for pid, name in comm.items() if name == "tritonserver"]
+        stubs = {}
+        for t in triton:
+            for s in _children(t):
+                args = Path(f"/proc/{s}/cmdline").read_bytes().split(b"\0")
+                stubs[args[8].decode()] = s
+        tree = {"tritonserver": triton, "front": [pid for pid in kids if pid not in triton], "stubs": stubs}
+        self.seen.update(triton + tree["front"] + list(stubs.values()))
+        return tree
+
+    def log(self) -> str:
+        return "".join(self.lines[-80:])
+
+    def serves(self) -> bool:
+        try:
+            r = grpc_generate(self.grpc_url, "ensemble", {"text_input": "are you back", "max_tokens": 2}, timeout=10)
+        except Exception:
+            return False
+        return r.error is None and len(r.output_ids) == 2
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in self.seen:  # a failed test must not leave an orphan holding ports
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def launch(tiny_model_factory):
+    tiny_llama = tiny_model_factory("llama", max_position_embeddings=32768)
+    try:
+        find_tritonserver()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    started: list[Launcher] = []
+
+    def start(*extra: str, instances: int = 1) -> Launcher:
+        lau = Launcher(tiny_llama, *extra, instances=instances)
+        started.append(lau)
+        assert lau.ready.wait(600), lau.log()
+        lau.tree()
+        return lau
+
+    yield start
+    for lau in started:
+        lau.cleanup()
+
+
+# ---- load --------------------------------------------------------------------------------------
+def _grpc_client(url: str, i: int) -> tuple[str, float]:
+    """A long generation through the ensemble: how it ended, and when (monotonic)."""
+    with GrpcStream(url) as s:
+        s.send("ensemble", LONG, request_id=f"load-{i}")
+        r = s.collect(timeout=CLIENT_BOUND_S + 30)
+    return ("error" if r.error else r.finish_reason), time.monotonic()
+
+
+def _openai_client(base: str, model: str, i: int) -> tuple[str, float]:
+    """A long streamed completion through the OpenAI front: its last event, and when."""
+    body = json.dumps({"model": model, "prompt": f"hello {i}", "max_tokens": MAX_TOKENS,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    events = []
+    try:
+        with urllib.request.urlopen(req, timeout=CLIENT_BOUND_S + 30) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line[6:])
+    except Exception as e:  # noqa: BLE001 - the connection may be cut: that ends the request too
+        return f"cut: {type(e).__name__}", time.monotonic()
+    if not events or events[-1] != "[DONE]":
+        return "no [DONE]", time.monotonic()
+    last = json.loads(events[-2]) if len(events) > 1 else {}
+    return ("error" if "error" in last else "done"), time.monotonic()
+
+
+class Load:
+    """Streaming clients kept busy through the ensemble and the OpenAI front."""
+
+    def __init__(self, lau: Launcher, grpc_clients: int = 3, openai_clients: int = 2) -> None:
+        self.pool = ThreadPoolExecutor(grpc_clients + openai_clients)
+        self.futures = [self.pool.submit(_grpc_client, lau.grpc_url, i) for i in range(grpc_clients)]
+        self.futures += [self.pool.submit(_openai_client, lau.openai_url, lau.model_name, i)
+                         for i in range(openai_clients)]
+        # Every client generating before the fault.
+        assert _wait(lambda: metric_sum(lau.metrics_url, "splitfuse_requests", state="running")
+                     >= grpc_clients + openai_clients, 60), lau.log()
+
+    def ends(self, fault_at: float) -> list[tuple[str, float]]:
+        out = [f.result(timeout=CLIENT_BOUND_S + 60) for f in self.futures]
+        self.pool.shutdown()
+        waited = [round(t - fault_at, 1) for _, t in out]
+        assert max(waited) < CLIENT_BOUND_S, waited
+        return out
+
+
+def _recovered(lau: Launcher, fault_at: float) -> float:
+    assert _wait(lau.serves, RECOVERY_BOUND_S), lau.log()
+    took = time.monotonic() - fault_at
+    print(f"\n[process faults] serving again {took:.1f}s after the fault")
+    return took
+
+
+def _metric(lau: Launcher, name: str, **labels) -> float:
+    try:
+        return metric_sum(lau.metrics_url, name, **labels)
+    except OSError:  # the server is down (restarting)
+        return float("nan")
+
+
+def _check_healed(lau: Launcher, restarts: int) -> None:
+    assert lau.proc.poll() is None, lau.log()
+    assert _wait(lambda: _metric(lau, "splitfuse_server_restarts") == restarts, 10), lau.log()
+    assert _wait(lambda: _metric(lau, "splitfuse_last_recovery_seconds") > 0, 10), lau.log()
+    assert _metric(lau, "splitfuse_kv_cache_blocks", state="used") == 0
+    assert f"restarting tritonserver (restart {restarts}" in lau.log()
+
+
+# ---- faults ------------------------------------------------------------------------------------
+def test_a_killed_stub_of_two_ends_every_request_and_the_server_heals(launch):
+    lau = launch(instances=2)
+    load = Load(lau)
+    victim = lau.tree()["stubs"]["llm_0_0"]
+    fault_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    ends = load.ends(fault_at)
+    assert all(how in ("error", "length") for how, _ in ends[:3]), ends  # gRPC: an error (or done)
+    assert all(how in ("error", "done") or how.startswith("cut") for how, _ in ends[3:]), ends
+    _recovered(lau, fault_at)
+    _check_healed(lau, restarts=1)
+    assert _metric(lau, "splitfuse_requests_failed_by_faults") >= 1
+    assert len(lau.tree()["stubs"]) == 3  # two llm replicas and preprocessing again
+
+
+def test_a_killed_only_stub_heals(launch):
+    lau = launch()
+    load = Load(lau, grpc_clients=2, openai_clients=1)
+    fault_at = time.monotonic()
+    os.kill(lau.tree()["stubs"]["llm_0_0"], signal.SIGKILL)
+    load.ends(fault_at)
+    _recovered(lau, fault_at)
+    _check_healed(lau, restarts=1)
+
+
+def test_a_stopped_stub_is_found_by_the_watchdog_and_replaced(launch):
+    lau = launch("--step-timeout", "3")
+    load = Load(lau, grpc_clients=2, openai_clients=1)
+    fault_at = time.monotonic()
+    os.kill(lau.tree()["stubs"]["llm_0_0"], signal.SIGSTOP)  # a hang: alive, answering nothing
+    load.ends(fault_at)
+    _recovered(lau, fault_at)
+    _check_healed(lau, restarts=1)
+    assert "stopped: no heartbeat" in lau.log()
+
+
+def test_a_fault_loop_past_the_restart_budget_ends_the_launcher(launch):
+    lau = launch("--max-restarts", "1")
+    os.kill(lau.tree()["stubs"]["llm_0_0"], signal.SIGKILL)
+    assert _wait(lau.serves, RECOVERY_BOUND_S), lau.log()
+    os.kill(lau.tree()["stubs"]["llm_0_0"], signal.SIGKILL)
+    assert lau.proc.wait(timeout=60) == 1, lau.log()
+    lau.reader.join(timeout=5)
+    assert "giving up; the OpenAI front is stopped, exiting 1" in lau.log()
+    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30)
+    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10)
+
+
+def test_tritonserver_dying_with_no_restart_allowed_exits_1(launch):
+    lau = launch("--max-restarts", "0")
+    os.kill(lau.tree()["tritonserver"][0], signal.SIGKILL)
+    assert lau.proc.wait(timeout=60) == 1, lau.log()
+    lau.reader.join(timeout=5)
+    assert "tritonserver died while serving (killed by SIGKILL)" in lau.log()
+    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), lau.seen
+    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10)
+
+
+def test_killing_the_launcher_leaves_no_process_and_no_port(launch):
+    lau = launch()
+    tree = lau.tree()
     assert len(tree["tritonserver"]) == 1 and len(tree["front"]) == 1 and len(tree["stubs"]) >= 2, tree
-    pids = [p for group in tree.values() for p in group]
-    launcher.proc.send_signal(signal.SIGKILL)
-    launcher.proc.wait()
-    assert _wait(lambda: not any(_alive(p) for p in pids), 30), {p: _alive(p) for p in pids}
-    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in launcher.ports), 10), launcher.ports
-
-
-def test_tritonserver_dying_stops_the_front_and_the_launcher_exits_1(launcher):
-    tree = launcher.tree()
-    os.kill(tree["tritonserver"][0], signal.SIGKILL)
-    assert launcher.proc.wait(timeout=60) == 1, launcher.log()
-    launcher.reader.join(timeout=5)
-    assert "tritonserver died while serving (killed by SIGKILL)" in launcher.log()
-    pids = [p for group in tree.values() for p in group]
-    assert _wait(lambda: not any(_alive(p) for p in pids), 30), {p: _alive(p) for p in pids}
-    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in launcher.ports), 10)
+    load = Load(lau, grpc_clients=2, openai_clients=1)  # busy: a busy llm stub outlived its server before
+    lau.proc.send_signal(signal.SIGKILL)
+    lau.proc.wait()
+    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), {p: alive(p) for p in lau.seen}
+    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10), lau.ports
+    load.ends(time.monotonic())  # every client's request ended (the connections were cut)

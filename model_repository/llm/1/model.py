@@ -12,6 +12,7 @@ import hmac
 import itertools
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -269,7 +270,13 @@ class TritonPythonModel:
     # ---- housekeeping thread -------------------------------------------------------------------
     def _housekeeping(self) -> None:
         next_sweep = next_metrics = 0.0
+        parent = os.getppid()
         while not self.stopping.wait(HOUSEKEEPING_INTERVAL_S):
+            if os.getppid() != parent:
+                # tritonserver is gone (killed, crashed): no response can reach a client any more,
+                # and an orphan would hold memory and cores. Triton's own check in the stub waits
+                # for this model's threads, which a busy engine keeps going.
+                os._exit(1)
             try:
                 now = time.perf_counter()
                 if now >= next_sweep:
@@ -315,6 +322,10 @@ class TritonPythonModel:
                 self.loop.abort(lv.engine_id)
 
     def _publish_metrics(self) -> None:
+        with self.live_lock:
+            pending = len(self.live)
+        self.control.beat(self.loop.steps, pending)  # the launcher's watchdog reads it
+        self.metrics.record_faults(self.control.faults())  # what the launcher's restarts cost so far
         failure = self.loop.failure
         if failure is not None and not self.failure_reported:
             self.failure_reported = True
