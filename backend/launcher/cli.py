@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitfuse.launcher.default_model import RANDOM_WARNING, is_random_demo
+from splitfuse.launcher.health import HealthServer
 from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import ADMIN_APIS, ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
 from splitfuse.launcher.supervisor import RestartBudget, Watchdog, exit_description
@@ -74,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="server restarts after process faults allowed within --restart-window; one more and the "
                         "launcher exits 1 (0: exit at the first fault)")
     p.add_argument("--restart-window", type=float, default=600.0, help="seconds (see --max-restarts)")
+    p.add_argument("--health-port", type=int, default=0,
+                   help="the launcher's own probes: GET /live (200 while it serves or heals) and /ready "
+                        "(200 when Triton's llm is ready); 0 = off")
     p.add_argument("--render-only", action="store_true", help="render the repository and exit")
     p.add_argument("triton_args", nargs="*", help="extra tritonserver arguments, after `--`")
     return p
@@ -121,7 +125,16 @@ def main(argv: list[str] | None = None) -> int:
             front = OpenAIFront(model, f"127.0.0.1:{args.grpc_port}", args.host, args.openai_port, params)
         healing = Healing(Watchdog(server.control_dir, args.step_timeout),
                           RestartBudget(args.max_restarts, args.restart_window))
-        return _run_foreground(server, args.ready_timeout, front, healing)
+        health = None
+        if args.health_port:
+            health = HealthServer(args.host, args.health_port, ready=lambda: server.running() and server.is_ready(),
+                                  restarts=lambda: healing.restarts)
+            health.start()
+        try:
+            return _run_foreground(server, args.ready_timeout, front, healing)
+        finally:
+            if health is not None:
+                health.stop()
     except (ValueError, OSError, RuntimeError) as e:  # bad parameters, missing files, ports in use, no compiler
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,11 +66,12 @@ def _wait(condition, timeout: float) -> bool:
 
 class Launcher:
     def __init__(self, model: str, *extra: str, instances: int = 1) -> None:
-        self.ports = [free_port() for _ in range(4)]
+        self.ports = [free_port() for _ in range(5)]
         self.model_name = Path(model).name  # the OpenAI front's name for it
         cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", model,
                "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]),
                "--metrics-port", str(self.ports[2]), "--openai-port", str(self.ports[3]),
+               "--health-port", str(self.ports[4]),
                "--instances", str(instances), "--drain-timeout", "1",
                "--param", "device=cpu", "--param", "num_kv_blocks=8192", "--param", "num_threads=1", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -96,6 +98,16 @@ class Launcher:
     @property
     def openai_url(self) -> str:
         return f"http://127.0.0.1:{self.ports[3]}"
+
+    def probe(self, path: str) -> int:
+        """The launcher's own health endpoint's status (0: no answer)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[4]}{path}", timeout=2) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
 
     def tree(self) -> dict[str, list[int]]:
         """tritonserver, its stubs by instance name, and the OpenAI front."""
@@ -200,6 +212,28 @@ class Load:
         return out
 
 
+class Probes:
+    """Polls the launcher's /live and /ready every 0.1 s until stopped."""
+
+    def __init__(self, lau: Launcher) -> None:
+        self.lau, self.seen = lau, {"/live": [], "/ready": []}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.done.wait(0.1):
+            for path, statuses in self.seen.items():
+                statuses.append(self.lau.probe(path))
+
+    def stop(self) -> dict[str, list[int]]:
+        self.done.set()
+        self.thread.join(5)
+        for path, statuses in self.seen.items():
+            statuses.append(self.lau.probe(path))
+        return self.seen
+
+
 def _recovered(lau: Launcher, fault_at: float) -> float:
     assert _wait(lau.serves, RECOVERY_BOUND_S), lau.log()
     took = time.monotonic() - fault_at
@@ -227,12 +261,16 @@ def test_a_killed_stub_of_two_ends_every_request_and_the_server_heals(launch):
     lau = launch(instances=2)
     load = Load(lau)
     victim = lau.tree()["stubs"]["llm_0_0"]
+    probes = Probes(lau)
     fault_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     ends = load.ends(fault_at)
     assert all(how in ("error", "length") for how, _ in ends[:3]), ends  # gRPC: an error (or done)
     assert all(how in ("error", "done") or how.startswith("cut") for how, _ in ends[3:]), ends
     _recovered(lau, fault_at)
+    seen = probes.stop()
+    # The launcher's probes: alive throughout; not ready while restarting, ready again after.
+    assert set(seen["/live"]) == {200} and 503 in seen["/ready"] and seen["/ready"][-1] == 200, seen
     _check_healed(lau, restarts=1)
     assert _metric(lau, "splitfuse_requests_failed_by_faults") >= 1
     assert len(lau.tree()["stubs"]) == 3  # two llm replicas and preprocessing again
