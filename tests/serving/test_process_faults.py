@@ -297,6 +297,17 @@ def test_a_stopped_stub_is_found_by_the_watchdog_and_replaced(launch):
     assert "stopped: no heartbeat" in lau.log()
 
 
+def test_a_killed_tritonserver_is_restarted(launch):
+    lau = launch()
+    load = Load(lau, grpc_clients=2, openai_clients=1)
+    fault_at = time.monotonic()
+    os.kill(lau.tree()["tritonserver"][0], signal.SIGKILL)
+    load.ends(fault_at)
+    _recovered(lau, fault_at)
+    _check_healed(lau, restarts=1)
+    assert "tritonserver died while serving (killed by SIGKILL); restarting" in lau.log()
+
+
 def test_a_fault_loop_past_the_restart_budget_ends_the_launcher(launch):
     lau = launch("--max-restarts", "1")
     os.kill(lau.tree()["stubs"]["llm_0_0"], signal.SIGKILL)
