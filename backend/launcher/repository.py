@@ -13,8 +13,9 @@ from splitfuse.config import EngineConfig
 from splitfuse.cpu_budget import available_cpus
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 
-# Template repository: the source tree's `model_repository/` unless overridden (an installed,
-# non-editable package does not carry it; the Dockerfile sets the variable).
+# Template repository: $SPLITFUSE_MODEL_REPOSITORY, else the copy an installed (non-editable)
+# package carries as package data (splitfuse/model_repository), else the source tree's
+# `model_repository/`.
 TEMPLATE_ENV = "SPLITFUSE_MODEL_REPOSITORY"
 LLM_MODEL = "llm"
 PREPROCESSING_MODEL = "preprocessing"
@@ -25,6 +26,9 @@ def default_template_dir() -> Path:
     env = os.environ.get(TEMPLATE_ENV)
     if env:
         return Path(env)
+    packaged = Path(__file__).resolve().parents[1] / "model_repository"
+    if (packaged / LLM_MODEL / "config.pbtxt").is_file():
+        return packaged
     return Path(__file__).resolve().parents[2] / "model_repository"
 
 
