@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 from conftest import ENGINE_PARAMS
-from triton_helpers import InferenceServerException, grpc_generate
+from triton_helpers import InferenceServerException, child_pids, grpc_generate
 
 from splitfuse.kernels.toolchain import compiler
 from splitfuse.launcher.process import ADMIN_HEADER, GRPC_ADMIN_HEADER
@@ -48,16 +48,9 @@ def _http(server, method: str, path: str, body: dict | None = None, admin: bool 
 def _descendants(pid: int) -> list[int]:
     out, frontier = [], [pid]
     while frontier:
-        parent = frontier.pop()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                if ppid == parent:
-                    out.append(int(entry.name))
-                    frontier.append(int(entry.name))
+        kids = child_pids(frontier.pop())
+        out += kids
+        frontier += kids
     return out
 
 

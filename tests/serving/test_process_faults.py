@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from triton_helpers import GrpcStream, grpc_generate, metric_sum
+from triton_helpers import GrpcStream, child_pids, grpc_generate, metric_sum
 
 from splitfuse.launcher import find_tritonserver, free_port, port_is_free
 from splitfuse.launcher.supervisor import alive
@@ -43,15 +43,15 @@ LONG = {"text_input": "hello world", "max_tokens": MAX_TOKENS, "ignore_eos": Tru
         "temperature": 0.0}
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+def _left(pids) -> dict[int, str]:
+    """The processes still running, with what they run (for a failure's message)."""
+    out = {}
+    for pid in pids:
+        if alive(pid):
             try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
+                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+            except OSError:
+                out[pid] = "?"
     return out
 
 
@@ -111,12 +111,12 @@ class Launcher:
 
     def tree(self) -> dict[str, list[int]]:
         """tritonserver, its stubs by instance name, and the OpenAI front."""
-        kids = _children(self.proc.pid)
+        kids = child_pids(self.proc.pid)
         comm = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in kids}
         triton = [pid for pid, name in comm.items() if name == "tritonserver"]
         stubs = {}
         for t in triton:
-            for s in _children(t):
+            for s in child_pids(t):
                 args = Path(f"/proc/{s}/cmdline").read_bytes().split(b"\0")
                 stubs[args[8].decode()] = s
         tree = {"tritonserver": triton, "front": [pid for pid in kids if pid not in triton], "stubs": stubs}
@@ -316,7 +316,7 @@ def test_a_fault_loop_past_the_restart_budget_ends_the_launcher(launch):
     assert lau.proc.wait(timeout=60) == 1, lau.log()
     lau.reader.join(timeout=5)
     assert "giving up; the OpenAI front is stopped, exiting 1" in lau.log()
-    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30)
+    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), _left(lau.seen)
     assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10)
 
 
@@ -326,7 +326,7 @@ def test_tritonserver_dying_with_no_restart_allowed_exits_1(launch):
     assert lau.proc.wait(timeout=60) == 1, lau.log()
     lau.reader.join(timeout=5)
     assert "tritonserver died while serving (killed by SIGKILL)" in lau.log()
-    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), lau.seen
+    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), _left(lau.seen)
     assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10)
 
 
@@ -337,6 +337,6 @@ def test_killing_the_launcher_leaves_no_process_and_no_port(launch):
     load = Load(lau, grpc_clients=2, openai_clients=1)  # busy: a busy llm stub outlived its server before
     lau.proc.send_signal(signal.SIGKILL)
     lau.proc.wait()
-    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), {p: alive(p) for p in lau.seen}
+    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), _left(lau.seen)
     assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10), lau.ports
     load.ends(time.monotonic())  # every client's request ended (the connections were cut)

@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -259,3 +260,19 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
 
 __all__ = ["InferenceServerException", "GrpcStream", "grpc_generate", "http_generate", "http_generate_stream",
            "metrics", "metric_sum", "metric_by_instance", "settled", "wait_for", "make_inputs", "StreamResult"]
+
+
+# ---- processes -------------------------------------------------------------------------------
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out

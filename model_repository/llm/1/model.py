@@ -12,7 +12,6 @@ import hmac
 import itertools
 import json
 import logging
-import os
 import secrets
 import threading
 import time
@@ -29,6 +28,7 @@ from splitfuse.engine_loop import EngineLoop
 from splitfuse.errors import SERVER_BUSY, ServerBusyError
 from splitfuse.sequence import RequestOutput
 from splitfuse.triton.metrics import MetricsRecorder, TritonMetrics
+from splitfuse.triton.orphan_guard import exit_with_parent
 from splitfuse.triton.request import InputError, Parsed, parse_request
 from splitfuse.triton.response import response_arrays, stop_ack_arrays
 
@@ -82,6 +82,7 @@ class Live:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        exit_with_parent()  # an orphaned stub ends at once (orphan_guard.py)
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("llm needs `model_transaction_policy { decoupled: true }`")
@@ -270,13 +271,7 @@ class TritonPythonModel:
     # ---- housekeeping thread -------------------------------------------------------------------
     def _housekeeping(self) -> None:
         next_sweep = next_metrics = 0.0
-        parent = os.getppid()
         while not self.stopping.wait(HOUSEKEEPING_INTERVAL_S):
-            if os.getppid() != parent:
-                # tritonserver is gone (killed, crashed): no response can reach a client any more,
-                # and an orphan would hold memory and cores. Triton's own check in the stub waits
-                # for this model's threads, which a busy engine keeps going.
-                os._exit(1)
             try:
                 now = time.perf_counter()
                 if now >= next_sweep:

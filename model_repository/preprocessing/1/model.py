@@ -13,6 +13,7 @@ import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 from splitfuse.prompt_limit import PromptLimit
+from splitfuse.triton.orphan_guard import exit_with_parent
 
 
 class InputError(ValueError):
@@ -62,6 +63,7 @@ def _messages(text: str) -> list[dict]:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        exit_with_parent()  # an orphaned stub ends at once (orphan_guard.py)
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.tokenizer = AutoTokenizer.from_pretrained(params["tokenizer"])
