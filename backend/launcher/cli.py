@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--openai-port", type=int, default=0,
                    help="also serve the OpenAI-compatible API on this port (0: not started)")
     p.add_argument("--preprocessing-instances", type=int, default=1)
+    p.add_argument("--model-name-prefix", default="",
+                   help="put before our three models' names (<prefix>ensemble, <prefix>llm, <prefix>preprocessing), "
+                        "so several LLMs, or ours beside other models, share one repository")
     p.add_argument("--model-repository-out", default=None,
                    help="where to render the model repository (default: a temporary directory)")
     p.add_argument("--model-repository-template", default=None,
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         repo = render_model_repository(
             repo_dir, model, params, instances=args.instances,
             preprocessing_instances=args.preprocessing_instances, template_dir=args.model_repository_template,
+            name_prefix=args.model_name_prefix,
         )
         if args.render_only:
             print(f"rendered model repository: {repo}")
@@ -122,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         front = None
         if args.openai_port:
-            front = OpenAIFront(model, f"127.0.0.1:{args.grpc_port}", args.host, args.openai_port, params)
+            front = OpenAIFront(model, f"127.0.0.1:{args.grpc_port}", args.host, args.openai_port, params,
+                                triton_model=args.model_name_prefix + LLM_MODEL)
         healing = Healing(Watchdog(server.control_dir, args.step_timeout),
                           RestartBudget(args.max_restarts, args.restart_window))
         health = None
@@ -215,7 +220,7 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
                 break
             time.sleep(0.25)
         if not signals and front is not None:
-            front.start(read_limits(server.control_dir, LLM_MODEL).get("max_model_len"))
+            front.start(read_limits(server.control_dir, front.triton_model).get("max_model_len"))
             if not front.wait_ready():
                 print(f"splitfuse.launcher: the OpenAI front did not come up on {front.url}", file=sys.stderr)
                 signals.append(signal.SIGTERM)

@@ -19,10 +19,11 @@ from splitfuse.launcher.children import die_with_parent
 
 
 class OpenAIFront:
-    def __init__(self, model: str, grpc_url: str, host: str, port: int, params: Mapping[str, str]) -> None:
-        self.host, self.port = host, port
+    def __init__(self, model: str, grpc_url: str, host: str, port: int, params: Mapping[str, str],
+                 triton_model: str = "llm") -> None:
+        self.host, self.port, self.triton_model = host, port, triton_model
         self.command = [sys.executable, "-m", "splitfuse.openai_api", "--model", model, "--triton-grpc-url", grpc_url,
-                        "--host", host, "--port", str(port), "--log-level", "warning"]
+                        "--triton-model", triton_model, "--host", host, "--port", str(port), "--log-level", "warning"]
         # The engine settings the front must agree with (its tokenizer, the default max_tokens).
         if params.get("tokenizer"):
             self.command += ["--tokenizer", params["tokenizer"]]

@@ -19,7 +19,10 @@ from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 TEMPLATE_ENV = "SPLITFUSE_MODEL_REPOSITORY"
 LLM_MODEL = "llm"
 PREPROCESSING_MODEL = "preprocessing"
+ENSEMBLE_MODEL = "ensemble"
 PLACEHOLDER_PREFIX = "${"
+# Triton model names are directory names: keep a prefix to what every file system and URL takes.
+PREFIX_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
 def default_template_dir() -> Path:
@@ -52,11 +55,16 @@ def render_model_repository(
     instances: int = 1,
     preprocessing_instances: int = 1,
     template_dir: str | os.PathLike | None = None,
+    name_prefix: str = "",
 ) -> Path:
-    """Copy the template repository to `out_dir` with the checkpoint and engine parameters set.
+    """Copy the template's models into `out_dir` with the checkpoint and engine parameters set.
 
     `params` are EngineConfig fields (string values, as in config.pbtxt); they are validated
-    here by building the EngineConfig, so a typo fails before the server starts.
+    here by building the EngineConfig, so a typo fails before the server starts. `name_prefix`
+    goes before every model's name (`<prefix>llm`, `<prefix>preprocessing`, `<prefix>ensemble`,
+    the ensemble's steps renamed with them), so several LLMs, or ours beside other models,
+    share one repository. Only our models' folders in `out_dir` are replaced; anything else
+    there stays.
     """
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
@@ -66,6 +74,8 @@ def render_model_repository(
         raise FileNotFoundError(f"no model repository template at {template} (set {TEMPLATE_ENV})")
     if instances < 1 or preprocessing_instances < 1:
         raise ValueError("instance counts must be >= 1")
+    if not set(name_prefix) <= PREFIX_CHARACTERS or name_prefix.startswith("."):
+        raise ValueError(f"model name prefix {name_prefix!r}: use letters, digits, '-', '_' and '.' (not first)")
     model_path = Path(prepare_checkpoint(model)).resolve()
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
@@ -76,13 +86,20 @@ def render_model_repository(
         params["tokenizer"] = str(Path(prepare_checkpoint(params["tokenizer"])).resolve())
 
     out = Path(out_dir)
-    if out.exists():
-        shutil.rmtree(out)
-    shutil.copytree(template, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    out.mkdir(parents=True, exist_ok=True)
+    ours = [d.name for d in sorted(template.iterdir()) if (d / "config.pbtxt").is_file()]
+    for name in ours:
+        target = out / (name_prefix + name)
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(template / name, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
     def edit(name: str, fn) -> None:
-        path = out / name / "config.pbtxt"
+        path = out / (name_prefix + name) / "config.pbtxt"
         cfg = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+        cfg.name = name_prefix + name
+        for step in cfg.ensemble_scheduling.step:  # the ensemble's steps are our models too
+            step.model_name = name_prefix + step.model_name
         fn(cfg)
         path.write_text(text_format.MessageToString(cfg))
 
@@ -108,12 +125,12 @@ def render_model_repository(
         _set_instances(cfg, preprocessing_instances)
 
     # Empty version directories (the ensemble's) are not kept by git but Triton needs them.
-    for model_dir in out.iterdir():
-        if (model_dir / "config.pbtxt").is_file() and not any(p.name.isdigit() for p in model_dir.iterdir()):
+    for name in ours:
+        model_dir = out / (name_prefix + name)
+        if not any(p.name.isdigit() for p in model_dir.iterdir()):
             (model_dir / "1").mkdir()
-    edit(LLM_MODEL, edit_llm)
-    if (out / PREPROCESSING_MODEL / "config.pbtxt").is_file():
-        edit(PREPROCESSING_MODEL, edit_pre)
+    for name in ours:
+        edit(name, {LLM_MODEL: edit_llm, PREPROCESSING_MODEL: edit_pre}.get(name, lambda cfg: None))
     return out
 
 

@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> None:
                                  description="OpenAI-compatible API in front of a running splitfuse Triton server")
     ap.add_argument("--model", required=True, help="checkpoint directory the Triton server runs (for its tokenizer)")
     ap.add_argument("--triton-grpc-url", default="127.0.0.1:8001", help="tritonserver gRPC endpoint host:port")
+    ap.add_argument("--triton-model", default="llm",
+                    help="our llm model's name in that server (<prefix>llm when rendered with --model-name-prefix)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: the directory's name)")
@@ -30,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     try:
         api_key = key_from(a.api_key_file)
-        config = ApiConfig(model_dir=a.model, triton_grpc_url=a.triton_grpc_url, host=a.host, port=a.port,
+        config = ApiConfig(model_dir=a.model, triton_grpc_url=a.triton_grpc_url, triton_model=a.triton_model,
+                           host=a.host, port=a.port,
                            served_model_name=a.served_model_name, tokenizer=a.tokenizer,
                            max_model_len=a.max_model_len, log_level=a.log_level, api_key=api_key,
                            max_body_bytes=a.max_body_bytes)

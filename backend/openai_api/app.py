@@ -117,7 +117,7 @@ class OpenAIServer:
 
     # ---- lifecycle (the gRPC channel belongs to the server's event loop) ----------------------
     async def start(self) -> None:
-        self.triton = TritonLLM(self.config.triton_grpc_url)
+        self.triton = TritonLLM(self.config.triton_grpc_url, self.config.triton_model)
 
     async def stop(self) -> None:
         if self.triton is not None:

@@ -16,6 +16,8 @@ class ApiConfig:
     """The checkpoint the Triton server runs: its tokenizer (and chat template) is used here."""
     triton_grpc_url: str = "127.0.0.1:8001"
     """host:port of the running tritonserver's gRPC endpoint."""
+    triton_model: str = "llm"
+    """The name of our `llm` model in that server (`<prefix>llm` when rendered with a prefix)."""
     host: str = "127.0.0.1"
     port: int = 9000
     served_model_name: str | None = None

@@ -116,13 +116,14 @@ def parse_step(result) -> Step:
 class TritonLLM:
     """An asyncio client of the `llm` model; one gRPC channel, one stream per generation."""
 
-    def __init__(self, grpc_url: str) -> None:
+    def __init__(self, grpc_url: str, model_name: str = LLM_MODEL) -> None:
         self.grpc_url = grpc_url
+        self.model_name = model_name
         self.client = grpcaio.InferenceServerClient(grpc_url)
 
     async def ready(self) -> bool:
         try:
-            return await self.client.is_model_ready(LLM_MODEL)
+            return await self.client.is_model_ready(self.model_name)
         except Exception:
             return False
 
@@ -137,7 +138,7 @@ class TritonLLM:
         Use it under `contextlib.aclosing` so that happens at once, not at garbage collection.
         """
         finished = asyncio.Event()
-        request = {"model_name": LLM_MODEL, "inputs": build_inputs(inputs), "request_id": request_id}
+        request = {"model_name": self.model_name, "inputs": build_inputs(inputs), "request_id": request_id}
 
         async def requests():
             yield request
