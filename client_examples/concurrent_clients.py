@@ -46,6 +46,7 @@ async def one_client(url: str, model: str, i: int, prompt: str, max_tokens: int,
     async with aioclient.InferenceServerClient(url) as client:
         start = time.perf_counter()
         stamps: list[float] = []
+        counts: list[int] = []  # tokens in each response (a response may carry several)
         tokens = 0
         chunks: list[bytes] = []
         finish = ""
@@ -53,8 +54,11 @@ async def one_client(url: str, model: str, i: int, prompt: str, max_tokens: int,
             if error is not None:
                 done.set()
                 raise RuntimeError(f"client {i}: {error}")
-            stamps.append(time.perf_counter())
-            tokens += result.as_numpy("output_ids").size
+            n = result.as_numpy("output_ids").size
+            if n:
+                stamps.append(time.perf_counter())
+                counts.append(n)
+            tokens += n
             chunks.append(result.as_numpy("text_output").reshape(-1)[0])
             finish = result.as_numpy("finish_reason").reshape(-1)[0].decode()
             if finish:
@@ -63,7 +67,10 @@ async def one_client(url: str, model: str, i: int, prompt: str, max_tokens: int,
                 # here can cancel an ensemble request that is still completing (Triton 2.51
                 # then never unloads the ensemble).
                 done.set()
-    return {"ttft": stamps[0] - start, "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens,
+    # Inter-token latency per token, not per response: a response of n tokens after a gap g counts
+    # n gaps of g / n (as the server's splitfuse_inter_token_latency_seconds does).
+    gaps = [(b - a) / n for a, b, n in zip(stamps, stamps[1:], counts[1:]) for _ in range(n)]
+    return {"ttft": stamps[0] - start, "gaps": gaps, "tokens": tokens,
             "finish": finish, "text": b"".join(chunks).decode("utf-8")}
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from openai_helpers import start_api, stop_api
 
 pytestmark = pytest.mark.serving
 
@@ -45,3 +46,19 @@ def test_concurrent_clients_example(served):
 def test_curl_example(served):
     out = _run("bash", str(EXAMPLES / "curl.sh"), served.http_url)
     assert out.stdout.count('"text_output"') >= 3 and "error" not in out.stdout
+
+
+def test_ensemble_chat_example(served):
+    out = _run(sys.executable, str(EXAMPLES / "ensemble_chat.py"), "--url", served.grpc_url, "--max-tokens", "8",
+               "Say hello")
+    assert "finish: length" in out.stderr or "finish: stop" in out.stderr
+
+
+def test_openai_chat_example(served, tmp_path):
+    api = start_api(served.model_dir, served.grpc_url, tmp_path, "examples-api")
+    try:
+        out = _run(sys.executable, str(EXAMPLES / "openai_chat.py"), "--base-url", api.base_url + "/v1",
+                   "--max-tokens", "8", "Say hello")
+    finally:
+        stop_api(api)
+    assert f"[model {api.model}, finish: " in out.stderr and "completion tokens" in out.stderr
