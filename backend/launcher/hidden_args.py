@@ -6,7 +6,8 @@ Triton takes the restricted-API header key only as an argument (`--http-restrict
 (`placeholder(name)`), puts the secret in the server's environment (readable by its own user
 only), and preloads a small library (csrc/argv_secrets.cpp, built once per machine with the C++
 compiler) that swaps the secret in before tritonserver's main() runs. Without a compiler there
-is no way to do this; `shim()` then returns None and the launcher says what that means.
+is no way to do this; `shim()` then returns None and the launcher says what that means, unless
+$SPLITFUSE_ARGV_SHIM names the library built ahead (a container image's runtime has no compiler).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "argv_secrets.cpp"
 ENV_PREFIX = "SPLITFUSE_SECRET_"
 PRELOAD_BEFORE = "SPLITFUSE_LD_PRELOAD_BEFORE"
+PREBUILT_ENV = "SPLITFUSE_ARGV_SHIM"  # the path of a library built ahead, used as it is
 
 
 def placeholder(name: str) -> str:
@@ -39,7 +41,11 @@ def cache_dir() -> Path:
 
 
 def shim() -> Path | None:
-    """The preload library, built on first use; None without a compiler or when the build fails."""
+    """The preload library: $SPLITFUSE_ARGV_SHIM when that file exists, else built on first use;
+    None without a compiler or when the build fails."""
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt and Path(prebuilt).is_file():
+        return Path(prebuilt)
     cxx = compiler()
     if cxx is None:
         return None

@@ -18,6 +18,11 @@ Both are part of the cache key.
 No compiler, or a failed build, is not an error: `library()` returns None with a log line and
 the engine runs its plain torch path.
 
+Built ahead (a container image, whose runtime has no compiler): without a compiler, a library
+already in the cache directory for the same sources and flags (and, for -march=native, the same
+CPU flags) loads, whichever compiler built it; `prebuilt()`. An x86-64-v3 (avx2) library loads
+only on a CPU with every x86-64-v3 feature; elsewhere the torch path runs.
+
 The kernels use OpenMP. torch ships its own `libgomp.so.1`; importing torch first makes the
 library bind to that same runtime, so the kernels and torch's ops share one thread pool (and
 `torch.set_num_threads` governs both).
@@ -105,27 +110,65 @@ def flags() -> list[str]:
     return FLAGS + [ISA_TARGETS[requested_isa()]] + os.environ.get("SPLITFUSE_CPU_KERNEL_CFLAGS", "").split()
 
 
-def _build_key(cxx: str) -> str:
+def _source_key() -> str:
+    """What the library's code depends on besides the compiler: the sources, the flags and, for
+    -march=native, this CPU's flags (x86-64-v3 code does not depend on the CPU it was built on)."""
     h = hashlib.sha256()
     for src in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     h.update(" ".join(flags()).encode())
+    if requested_isa() == "native":
+        h.update(" ".join(sorted(cpu_flags())).encode())  # -march=native code is only valid on CPUs with these flags
+    return h.hexdigest()[:16]
+
+
+def _compiler_key(cxx: str) -> str:
+    h = hashlib.sha256(cxx.encode())
     try:
         h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.encode())
     except (OSError, subprocess.SubprocessError):
         pass
-    h.update(" ".join(sorted(cpu_flags())).encode())  # -march=native code is only valid on CPUs with these flags
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:8]
+
+
+# The features -march=x86-64-v3 code may use, as /proc/cpuinfo names them (abm: LZCNT).
+X86_64_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave"})
+
+
+def _unsupported() -> str | None:
+    """Why a library for the requested ISA must not run on this CPU (None: it may)."""
+    if requested_isa() == "avx2":
+        missing = X86_64_V3 - cpu_flags()
+        if cpu_flags() and missing:
+            return f"SPLITFUSE_CPU_ISA=avx2 (x86-64-v3) code needs {', '.join(sorted(missing))}, which this CPU lacks"
+    return None
+
+
+def prebuilt() -> Path | None:
+    """A library in cache_dir() for these sources and flags (and CPU, for native), by any compiler."""
+    found = sorted(cache_dir().glob(f"libsplitfuse_cpu-{_source_key()}-*.so"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
 
 
 def build(force: bool = False) -> Path:
     """Compile the library if needed and return its path. Raises RuntimeError on failure."""
+    reason = _unsupported()
+    if reason:
+        raise RuntimeError(reason)
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    out = cache_dir() / f"libsplitfuse_cpu-{_build_key(cxx)}.so"
+        found = None if force else prebuilt()
+        if found is None:
+            raise RuntimeError(f"no C++ compiler found (set CXX, or install g++), and no library built ahead "
+                               f"for this CPU in {cache_dir()}")
+        return found
+    out = cache_dir() / f"libsplitfuse_cpu-{_source_key()}-{_compiler_key(cxx)}.so"
     if out.exists() and not force:
         return out
+    if out.parent.is_dir() and not os.access(out.parent, os.W_OK) and not force:
+        found = prebuilt()  # a read-only cache built ahead by another compiler (an image's)
+        if found is not None:
+            return found
     out.parent.mkdir(parents=True, exist_ok=True)
     sources = [str(s) for s in sorted(CSRC.glob("*.cpp"))]
     # Build under a temporary name and rename: concurrent builders (Triton instances, test
