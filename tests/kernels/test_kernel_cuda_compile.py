@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow  # compiles every kernel for CUDA targets
 def test_kernels_compile_for_cuda_targets():
     try:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401

@@ -13,6 +13,9 @@ import pytest
 from splitfuse import LLM, SamplingParams
 from test_parity import _hf_reference, _max_tokens
 
+# Builds engines for every case (make test-fast leaves it out; make test runs it).
+pytestmark = pytest.mark.slow
+
 ARCHS = ["llama", "mistral", "qwen2", "mixtral"]
 SEGMENT_LENGTHS = [1, 3, 6, 11, 20]
 

@@ -12,6 +12,9 @@ from splitfuse import LLMEngine, SamplingParams
 from splitfuse.config import EngineConfig
 from test_parity import _hf_reference
 
+# Two-rank engines (processes) per architecture (make test-fast leaves it out).
+pytestmark = pytest.mark.slow
+
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 33, 70]
 # Small budget and block size, and a KV pool too small for every request at once: prompts are
 # split into chunks mixed with decodes, and sequences get preempted and recomputed.

@@ -10,6 +10,9 @@ import pytest
 
 from splitfuse import LLM, SamplingParams
 
+# The 135M-parameter model in fp32, and transformers beside it (make test-fast leaves it out).
+pytestmark = pytest.mark.slow
+
 CASES = {
     "default": {},
     "budget16-block4": {"token_budget": 16, "block_size": 4},  # every prompt split over passes

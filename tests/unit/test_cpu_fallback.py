@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def _run_without_compiler(code: str, tmp_path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=str(tmp_path / "no-bin"), SPLITFUSE_KERNEL_CACHE=str(tmp_path / "cache"))
@@ -16,6 +18,7 @@ def _run_without_compiler(code: str, tmp_path) -> subprocess.CompletedProcess:
                           timeout=300, env=env)
 
 
+@pytest.mark.slow  # a fresh interpreter with an engine
 def test_no_compiler_means_torch_path_with_a_log_line(tiny_llama, tmp_path):
     proc = _run_without_compiler(f"""
         import logging

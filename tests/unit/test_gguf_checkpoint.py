@@ -132,6 +132,7 @@ def test_a_checkpoint_directory_passes_through(tiny_llama):
     assert prepare_checkpoint(tiny_llama) == tiny_llama
 
 
+@pytest.mark.slow  # a launcher process per case
 @pytest.mark.parametrize("case,message", [
     ("not-gguf", "is not a readable GGUF file"),
     ("truncated", "is not a readable GGUF file"),
@@ -172,6 +173,7 @@ def test_two_gguf_files_in_one_folder_ask_which(tiny_llama, tmp_path):
         prepare_checkpoint(tmp_path)
 
 
+@pytest.mark.slow  # the 135M-parameter model
 def test_the_trained_models_conversion_equals_transformers_gguf_loading(trained_model):
     pytest.importorskip("accelerate", reason="transformers' GGUF model loading needs accelerate (dev extra)")
     from safetensors.torch import load_file

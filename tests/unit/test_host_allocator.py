@@ -40,6 +40,7 @@ def _faults(mode: str) -> int:
 GLIBC = sys.platform.startswith("linux") and ctypes.util.find_library("c") is not None
 
 
+@pytest.mark.slow  # a subprocess measuring page faults
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt is Linux-only")
 def test_freed_buffers_are_reused_without_page_faults():
     default, kept = _faults("default"), _faults("keep")

@@ -79,6 +79,7 @@ def _wait_until(predicate, timeout: float) -> bool:
     return predicate()
 
 
+@pytest.mark.slow  # starts rank processes
 def test_killed_rank_fails_the_served_engine_and_every_request(tiny_llama):
     """SIGKILL rank 1 mid-generation under EngineLoop (what the Triton model runs): every request
     ends with an error naming the rank, the loop is broken (so the model reports not ready) and
@@ -114,6 +115,7 @@ def test_killed_rank_fails_the_served_engine_and_every_request(tiny_llama):
     assert not _worker_pids()
 
 
+@pytest.mark.slow  # starts rank processes
 def test_hung_rank_fails_the_step_within_the_timeout(tiny_llama):
     """A rank that stops answering (SIGSTOP) fails the step at the all-reduce timeout; later steps
     fail at once; shutdown leaves no process behind."""
@@ -146,6 +148,7 @@ def test_hung_rank_fails_the_step_within_the_timeout(tiny_llama):
     assert not _alive(worker.pid) and not _worker_pids()
 
 
+@pytest.mark.slow  # starts rank processes
 def test_ranks_leave_with_their_parent(tiny_llama, tmp_path):
     """The engine's process killed with SIGKILL (no shutdown runs): its ranks exit on their own."""
     script = tmp_path / "engine.py"
@@ -182,6 +185,7 @@ def test_config_rejects_bad_tensor_parallel_values(tiny_llama, bad):
         EngineConfig(model=tiny_llama, **bad)
 
 
+@pytest.mark.slow  # starts rank processes
 def test_ranks_started_apart_meet_through_env_variables(tiny_llama, monkeypatch):
     """tensor_parallel_launch="env": rank 1 started on its own (as torchrun would, possibly on
     another machine) with MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, the engine as rank 0;
