@@ -12,11 +12,13 @@ import dataclasses
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from splitfuse.block_manager import BlockManager
@@ -32,6 +34,7 @@ from splitfuse.scheduler import ScheduledChunk, Scheduler
 from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
 from splitfuse.spec_decode.ngram import NgramProposer
 from splitfuse.spec_decode.decoder import SpeculativeDecoder, sampling_rows
+from splitfuse.structured.grammars import GrammarCache, Matcher
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,9 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._grammars: GrammarCache | None = None  # built at the first constrained request
+        self._grammars_lock = threading.Lock()
+        self._matchers: dict[str, Matcher] = {}
         self._arrivals = itertools.count()
         self.last_step: StepStats | None = None
 
@@ -127,6 +133,8 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty")
+        if params.guide is not None:
+            self.grammars().compile(params.guide)  # here, off the engine thread; cached by text
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -137,6 +145,13 @@ class LLMEngine:
         # _fit_max_model_len: a request that passes fits the pool on its own, so preemption can
         # always make room for it.)
         return token_ids
+
+    def grammars(self) -> GrammarCache:
+        """The compiled-grammar cache for this tokenizer (ValueError without xgrammar)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self.tokenizer, self.vocab_size)
+            return self._grammars
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         if request_id in self._seqs:
@@ -155,6 +170,7 @@ class LLMEngine:
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         detokenizer = IncrementalDetokenizer(self.tokenizer, params)
+        matcher = self.grammars().matcher(params.guide) if params.guide is not None else None
         self._seqs[request_id] = seq
         self._detokenizers[request_id] = detokenizer
         try:
@@ -162,6 +178,8 @@ class LLMEngine:
         except BaseException:
             del self._seqs[request_id], self._detokenizers[request_id]
             raise
+        if matcher is not None:
+            self._matchers[request_id] = matcher
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its KV blocks now. Returns its final output, or None if
@@ -230,6 +248,8 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         forward_s = time.perf_counter() - forward_start
         rows = sampling_rows(sampling)
+        if self._matchers:
+            self._mask_constrained(logits, rows)
         sampled = self._sample(logits, rows) if rows else []
         num_prompt_tokens = 0
         for c in chunks:
@@ -292,9 +312,22 @@ class LLMEngine:
                 break
         return out
 
+    def _mask_constrained(self, logits, rows: list[Sequence]) -> None:
+        """Each constrained sequence's row: only the tokens its grammar allows next."""
+        with torch.inference_mode():  # the logits are the forward pass's inference tensors
+            for i, seq in enumerate(rows):
+                matcher = self._matchers.get(seq.request_id)
+                if matcher is not None:
+                    matcher.mask_(logits[i])
+
     def _propose(self) -> None:
-        """Proposals for the sequences the next step decodes, if it may speculate."""
+        """Proposals for the sequences the next step decodes, if it may speculate (never for a
+        constrained one: its matcher only moves forward)."""
         decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        for seq in decoding:
+            if seq.request_id in self._matchers:
+                seq.draft_token_ids = []
+        decoding = [s for s in decoding if s.request_id not in self._matchers]
         if self.scheduler.may_speculate(len(decoding)):
             self.speculation.propose(decoding)
         else:
@@ -329,11 +362,16 @@ class LLMEngine:
         detok = self._detokenizers[seq.request_id]
         new_tokens: list[int] = []
         text = ""
+        matcher = self._matchers.get(seq.request_id)
         for token, logprob in tokens:
+            if matcher is not None:
+                matcher.accept(token)
             seq.append_token(token, logprob)
             new_tokens.append(token)
             reason = None
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                reason = FinishReason.STOP
+            elif matcher is not None and matcher.terminated:  # the grammar is complete (ignore_eos or not)
                 reason = FinishReason.STOP
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
@@ -353,6 +391,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         if self.speculation is not None:
             self.speculation.release(seq)
+        self._matchers.pop(seq.request_id, None)
         detok = self._detokenizers.pop(seq.request_id)
         if detokenize is not None:
             text += detok.step(list(detokenize), finished=True).delta_text
@@ -366,6 +405,7 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.release(seq)
         self._detokenizers.pop(seq.request_id, None)
+        self._matchers.pop(seq.request_id, None)
         self._seqs.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id,

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from splitfuse.structured.guide import Guide
+
 
 # Temperatures below this sample as greedy: dividing logits by a smaller one overflows them to
 # infinity (and would pick token 0, not the most likely one).
@@ -47,6 +49,10 @@ class SamplingParams:
     cache_salt: str | None = None
     """Keys the prefix cache (vLLM's name): a request reuses cached KV only from requests with
     the same salt, so tenants that keep theirs secret cannot probe each other's prompts."""
+    guide: Guide | None = None
+    """Constrains the output to a JSON schema, any JSON, a regex, an EBNF grammar or a choice
+    (splitfuse.structured): every token sampled is one the grammar allows, and the output ends
+    when the grammar is complete."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +103,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.guide is not None:
+            if not isinstance(self.guide, Guide):
+                raise ValueError(f"guide must be a splitfuse.structured.guide.Guide, got {type(self.guide).__name__}")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with a guide (the grammar decides where the output ends)")
         if self.cache_salt is not None and not (
             isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH
         ):

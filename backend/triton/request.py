@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from splitfuse.sequence import SamplingParams
+from splitfuse.structured.guide import Guide
 
 
 class InputError(ValueError):
@@ -139,6 +140,12 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
     end_id = _scalar(request, "end_id", int)
     if end_id is not None and end_id >= 0:
         kwargs["stop_token_ids"] = [end_id]
+    guide_type = _scalar(request, "guided_decoding_guide_type", str)
+    if guide_type is not None:  # TensorRT-LLM's names; Guide names the problem with a bad one
+        kwargs["guide"] = Guide(guide_type, _scalar(request, "guided_decoding_guide", str) or "")
+    elif _tensor(request, "guided_decoding_guide") is not None:
+        raise InputError("guided_decoding_guide needs guided_decoding_guide_type (json, json_schema, regex, "
+                         "ebnf_grammar or choice)")
     salt = _scalar(request, "cache_salt", str)
     if salt is not None:
         kwargs["cache_salt"] = salt

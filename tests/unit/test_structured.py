@@ -1,0 +1,109 @@
+"""Structured outputs in the engine (splitfuse.structured, xgrammar): whatever the weights, every
+output under a guide is one the guide allows. Random-weight models sample freely (temperature 1,
+several seeds), so only the grammar can make their outputs valid."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from splitfuse import LLM, SamplingParams
+from splitfuse.structured.guide import Guide
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                                      "ok": {"type": "boolean"}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"inner": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"}}, "required": ["code"], "additionalProperties": False},
+        "level": {"enum": [1, 2, 3]}}, "required": ["inner", "level"], "additionalProperties": False},
+]
+SEEDS = range(4)
+
+
+def _sampled(llm: LLM, guide: Guide, max_tokens: int = 160, **kw) -> list:
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, guide=guide, ignore_eos=True, **kw)
+              for seed in SEEDS]
+    return llm.generate(["the answer is"] * len(params), params)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    with LLM(tiny_llama, token_budget=64, block_size=4, attention_backend="torch") as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["scalars", "array-enum", "nested-pattern"])
+def test_every_output_under_a_json_schema_validates(llm, schema):
+    for out in _sampled(llm, Guide("json_schema", json.dumps(schema))):
+        assert out.finish_reason == "stop", (out.finish_reason, out.text)  # the grammar ended it
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_any_json_regex_ebnf_and_choice(llm):
+    for out in _sampled(llm, Guide("json"), max_tokens=400):
+        if out.finish_reason == "stop":  # any JSON may be long: a finished one parses
+            json.loads(out.text)
+    for out in _sampled(llm, Guide("regex", "[a-z]{3}-[0-9]{2}")):
+        assert re.fullmatch("[a-z]{3}-[0-9]{2}", out.text), out.text
+    for out in _sampled(llm, Guide("ebnf_grammar", 'root ::= "yes" | "no" | "maybe " [0-9]')):
+        assert re.fullmatch("yes|no|maybe [0-9]", out.text), out.text
+    options = ["red", "green", "blue sky", 'say "hi"']
+    for out in _sampled(llm, Guide("choice", json.dumps(options))):
+        assert out.text in options, out.text
+
+
+@pytest.mark.slow
+def test_greedy_under_a_grammar_that_allows_the_answer_equals_unconstrained(trained_model):
+    """A grammar that allows what the model says anyway leaves greedy decoding alone: the trained
+    model (random weights emit byte tokens that form no UTF-8, which no character grammar matches)
+    answers the same tokens free, under any-text and under a JSON-ish choice of its own answer."""
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    with LLM(trained_model, dtype="float32", token_budget=128) as engine:
+        free = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+        assert free.text.startswith("The capital of France is")
+        for guide in (Guide("regex", r"[\s\S]*"), Guide("choice", json.dumps([free.text, "Lyon"]))):
+            guided = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, guide=guide))[0]
+            assert guided.token_ids[:len(free.token_ids)] == free.token_ids, guide.kind
+
+
+def test_with_prefix_caching_preemption_and_speculation(tiny_llama):
+    schema = SCHEMAS[0]
+    # A pool of 24 blocks of 4 tokens: eight sequences at once preempt each other.
+    with LLM(tiny_llama, token_budget=32, block_size=4, num_kv_blocks=24, kv_watermark=0.0, attention_backend="torch",
+             speculative_method="ngram", enable_prefix_caching=True) as engine:
+        params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, ignore_eos=True,
+                                 guide=Guide("json_schema", json.dumps(schema))) for s in range(8)]
+        outs = engine.generate(["the answer is the answer is"] * 8, params)
+        assert engine.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.parametrize("guide,words", [
+    (("json_schema", "{not json"), "JSON"),
+    (("json_schema", '{"type": "object", "properties": {"a": {"type": "nosuchtype"}}}'), "does not compile"),
+    (("regex", "([a-z"), "does not compile"),
+    (("ebnf_grammar", "root ::= ???"), "does not compile"),
+    (("choice", "[]"), "choice"),
+    (("choice", "not a list"), "choice"),
+    (("xml", "<a/>"), "guided_decoding_guide_type"),
+    (("regex", ""), "required"),
+])
+def test_bad_guides_are_refused_before_anything_runs(llm, guide, words):
+    with pytest.raises(ValueError, match=words):
+        llm.generate(["hi"], SamplingParams(max_tokens=4, guide=Guide(*guide)))
+    out = llm.generate(["hi"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]  # nothing disturbed
+    assert len(out.token_ids) == 3
+
+
+def test_min_tokens_with_a_guide_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=8, min_tokens=2, guide=Guide("json"))
