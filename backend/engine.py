@@ -62,6 +62,8 @@ class StepStats:
     """Proposed tokens verified this step (speculative decoding)."""
     spec_accepted_tokens: int = 0
     """Of those, tokens accepted (each one a decode step saved)."""
+    grammar_mask_s: float = 0.0
+    """Seconds spent masking constrained sequences' logits to their grammars."""
 
 
 @dataclass
@@ -248,8 +250,10 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         forward_s = time.perf_counter() - forward_start
         rows = sampling_rows(sampling)
+        mask_start = time.perf_counter()
         if self._matchers:
             self._mask_constrained(logits, rows)
+        grammar_mask_s = time.perf_counter() - mask_start if self._matchers else 0.0
         sampled = self._sample(logits, rows) if rows else []
         num_prompt_tokens = 0
         for c in chunks:
@@ -294,6 +298,7 @@ class LLMEngine:
             prefix_cache_hits=decision.prefix_cache_hits,
             spec_draft_tokens=num_drafts,
             spec_accepted_tokens=num_accepted,
+            grammar_mask_s=grammar_mask_s,
         )
         return outputs
 

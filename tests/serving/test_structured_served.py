@@ -10,7 +10,7 @@ import re
 
 import jsonschema
 import pytest
-from triton_helpers import grpc_generate
+from triton_helpers import grpc_generate, metric_sum, wait_for
 
 pytestmark = pytest.mark.serving
 
@@ -31,6 +31,8 @@ def _guided(served, model: str, kind: str, guide: str, seed: int, **extra):
 
 @pytest.mark.parametrize("model", ["llm", "ensemble"])
 def test_outputs_follow_their_guides(served, model):
+    before = metric_sum(served.metrics_url, "splitfuse_constrained_requests_total")
+    compiles = metric_sum(served.metrics_url, "splitfuse_grammar_compile_seconds_count")
     for seed in range(3):
         r = _guided(served, model, "json_schema", json.dumps(SCHEMA), seed, stream=True)
         assert r.error is None and r.finish_reason == "stop", (r.error, r.text)
@@ -39,6 +41,10 @@ def test_outputs_follow_their_guides(served, model):
         assert r.error is None and re.fullmatch("[a-z]{2}-[0-9]{3}", r.text.decode()), r.text
         r = _guided(served, model, "choice", json.dumps(["alpha", "beta"]), seed)
         assert r.error is None and r.text.decode() in ("alpha", "beta")
+    # Nine constrained requests, each with its compile time (cached after the first per guide).
+    assert wait_for(lambda: metric_sum(served.metrics_url, "splitfuse_constrained_requests_total") - before == 9)
+    assert metric_sum(served.metrics_url, "splitfuse_grammar_compile_seconds_count") - compiles == 9
+    assert metric_sum(served.metrics_url, "splitfuse_grammar_mask_seconds_total") > 0
 
 
 def test_a_guide_that_does_not_compile_is_invalid_arg(served):

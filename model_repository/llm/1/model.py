@@ -156,6 +156,11 @@ class TritonPythonModel:
             raise InputError("num_cached_tokens is reported only for requests with a cache_salt on this server "
                              "(it would tell whether another client sent the same prompt; the operator can allow "
                              "it with the report_num_cached_tokens parameter)")
+        if parsed.params.guide is not None:  # compiled here first, to time it (submit then finds it
+            # cached); a guide that does not compile is refused before the request is held
+            start = time.perf_counter()
+            self.engine.grammars().compile(parsed.params.guide)
+            self.recorder.constrained(time.perf_counter() - start)
         # Unguessable, and led by this instance's tag so that a stop landing on another instance
         # finds it (request ids are the client's choice: any client could reuse another's).
         handle = f"{self.control.tag}.{secrets.token_hex(16)}"
