@@ -15,11 +15,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
-from splitfuse.kernels.toolchain import compiler
+from splitfuse.kernels.toolchain import compile_library, compiler
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +51,11 @@ def shim() -> Path | None:
     out = cache_dir() / f"libsplitfuse_argv_secrets-{hashlib.sha256(source + cxx.encode()).hexdigest()[:16]}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    proc = subprocess.run([cxx, "-O2", "-shared", "-fPIC", "-std=c++17", str(SOURCE), "-o", tmp],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        log.warning("building the argument shim failed (%s): %s", cxx, proc.stderr[-2000:])
+    try:
+        compile_library(cxx, ["-O2", "-shared", "-fPIC", "-std=c++17", str(SOURCE)], out)
+    except RuntimeError as e:
+        log.warning("building the argument shim failed: %s", str(e)[-2000:])
         return None
-    os.replace(tmp, out)  # concurrent launchers never load a half-written file
     return out
 
 

@@ -36,7 +36,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import Generic, TypeVar
 
 import torch  # noqa: F401  (loads torch's libgomp before the library binds to one)
 
-from splitfuse.kernels.toolchain import compiler
+from splitfuse.kernels.toolchain import compile_library, compiler
 
 log = logging.getLogger(__name__)
 
@@ -169,19 +168,13 @@ def build(force: bool = False) -> Path:
         found = prebuilt()  # a read-only cache built ahead by another compiler (an image's)
         if found is not None:
             return found
-    out.parent.mkdir(parents=True, exist_ok=True)
     sources = [str(s) for s in sorted(CSRC.glob("*.cpp"))]
-    # Build under a temporary name and rename: concurrent builders (Triton instances, test
-    # workers) never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *flags(), "-I", str(CSRC), *sources, "-o", tmp]
-    log.info("splitfuse: building CPU kernels (%s): %s", isa(), " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"CPU kernel build failed ({cxx}):\n{proc.stderr[-4000:]}")
-    os.replace(tmp, out)
+    args = [*flags(), "-I", str(CSRC), *sources]
+    log.info("splitfuse: building CPU kernels (%s): %s %s", isa(), cxx, " ".join(args))
+    try:
+        compile_library(cxx, args, out)
+    except RuntimeError as e:
+        raise RuntimeError(f"CPU kernel build failed: {e}") from None
     return out
 
 
