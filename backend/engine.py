@@ -250,10 +250,11 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         forward_s = time.perf_counter() - forward_start
         rows = sampling_rows(sampling)
-        mask_start = time.perf_counter()
+        grammar_mask_s = 0.0
         if self._matchers:
+            mask_start = time.perf_counter()
             self._mask_constrained(logits, rows)
-        grammar_mask_s = time.perf_counter() - mask_start if self._matchers else 0.0
+            grammar_mask_s = time.perf_counter() - mask_start
         sampled = self._sample(logits, rows) if rows else []
         num_prompt_tokens = 0
         for c in chunks:

@@ -55,6 +55,12 @@ def _left(pids) -> dict[int, str]:
     return out
 
 
+def _assert_all_gone(lau: "Launcher") -> None:
+    """No process the launcher started runs any more, and its ports are free, within seconds."""
+    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), _left(lau.seen)
+    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10), lau.ports
+
+
 def _wait(condition, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -316,8 +322,7 @@ def test_a_fault_loop_past_the_restart_budget_ends_the_launcher(launch):
     assert lau.proc.wait(timeout=60) == 1, lau.log()
     lau.reader.join(timeout=5)
     assert "giving up; the OpenAI front is stopped, exiting 1" in lau.log()
-    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), _left(lau.seen)
-    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10)
+    _assert_all_gone(lau)
 
 
 def test_tritonserver_dying_with_no_restart_allowed_exits_1(launch):
@@ -326,8 +331,7 @@ def test_tritonserver_dying_with_no_restart_allowed_exits_1(launch):
     assert lau.proc.wait(timeout=60) == 1, lau.log()
     lau.reader.join(timeout=5)
     assert "tritonserver died while serving (killed by SIGKILL)" in lau.log()
-    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), _left(lau.seen)
-    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10)
+    _assert_all_gone(lau)
 
 
 def test_killing_the_launcher_leaves_no_process_and_no_port(launch):
@@ -337,6 +341,5 @@ def test_killing_the_launcher_leaves_no_process_and_no_port(launch):
     load = Load(lau, grpc_clients=2, openai_clients=1)  # busy: a busy llm stub outlived its server before
     lau.proc.send_signal(signal.SIGKILL)
     lau.proc.wait()
-    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), _left(lau.seen)
-    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10), lau.ports
+    _assert_all_gone(lau)
     load.ends(time.monotonic())  # every client's request ended (the connections were cut)
