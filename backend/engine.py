@@ -34,7 +34,8 @@ from splitfuse.scheduler import ScheduledChunk, Scheduler
 from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
 from splitfuse.spec_decode.ngram import NgramProposer
 from splitfuse.spec_decode.decoder import SpeculativeDecoder, sampling_rows
-from splitfuse.structured.grammars import GrammarCache, Matcher
+from splitfuse.structured.grammars import GrammarCache
+from splitfuse.structured.matcher import Matcher
 
 log = logging.getLogger(__name__)
 

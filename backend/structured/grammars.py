@@ -6,6 +6,7 @@ sequence gets a matcher: before sampling, its row of logits is masked to the tok
 allows next; after sampling, the matcher accepts the token. Speculation skips constrained
 sequences (their proposals are never made), so a matcher only ever moves forward; a preempted
 sequence keeps its matcher, as its tokens do not change when they are recomputed.
+Matchers live in matcher.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from splitfuse.structured.guide import Guide
+from splitfuse.structured.matcher import Matcher
 
 
 class GrammarCache:
@@ -75,39 +77,6 @@ class GrammarCache:
             self._compiled[guide] = compiled
         return compiled
 
-    def matcher(self, guide: Guide) -> "Matcher":
+    def matcher(self, guide: Guide) -> Matcher:
         forbidden = {"json_schema": self._no_control, "json": self._no_bad_space}.get(guide.kind)
         return Matcher(self._xgr, self.compile(guide), self.vocab_size, forbidden)
-
-
-class Matcher:
-    """One sequence's position in its grammar."""
-
-    def __init__(self, xgr: Any, compiled: Any, vocab_size: int, forbidden: torch.Tensor | None = None) -> None:
-        self._m = xgr.GrammarMatcher(compiled)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._bits = torch.arange(32, dtype=torch.int32)
-        self.vocab_size = vocab_size
-        self._forbidden = forbidden
-        """Tokens never to sample besides what the grammar forbids (see GrammarCache)."""
-
-    @property
-    def terminated(self) -> bool:
-        """The grammar is complete and its end token was accepted: nothing may follow."""
-        return self._m.is_terminated()
-
-    def mask_(self, logits_row: torch.Tensor) -> None:
-        """Set the logits of the tokens the grammar does not allow next to -inf, in place."""
-        self._m.fill_next_token_bitmask(self._bitmask, 0)
-        allowed = ((self._bitmask[0].unsqueeze(-1) >> self._bits) & 1).reshape(-1)[: self.vocab_size].bool()
-        if self._forbidden is not None:
-            allowed &= ~self._forbidden
-        n = min(logits_row.shape[-1], self.vocab_size)
-        row = logits_row[:n]
-        row.masked_fill_(~allowed[:n].to(row.device), float("-inf"))
-        if logits_row.shape[-1] > n:  # padded vocabulary rows no tokenizer token maps to
-            logits_row[n:] = float("-inf")
-
-    def accept(self, token: int) -> None:
-        if not self._m.accept_token(token):
-            raise RuntimeError(f"token {token} does not follow the request's grammar")
