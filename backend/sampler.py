@@ -18,7 +18,7 @@ from itertools import chain
 
 import torch
 
-from splitfuse.sequence import SamplingParams, Sequence
+from splitfuse.sequence import SamplingParams, Sequence, TopLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -28,6 +28,9 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]
     """Log-prob of each chosen token under the raw logits; None where not asked for."""
+    top_logprobs: list[TopLogprobs | None]
+    """Per row, its `params.top_logprobs` most likely (token, log-prob) pairs under the same
+    distribution as `logprobs`, most likely first; None where not asked for."""
 
 
 def _needs_processing(seq: Sequence) -> bool:
@@ -61,13 +64,14 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs), V], got {tuple(logits.shape)} for {len(seqs)} seqs")
         if not seqs:
-            return SamplerOutput([], [])
+            return SamplerOutput([], [], [])
         if not any(_needs_processing(s) for s in seqs):
             # Hot path: all greedy, nothing to mask or penalise.
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, seqs)
-        return SamplerOutput(tokens.tolist(), self._logprobs(logits, seqs, tokens))
+        logprobs, top_logprobs = self._logprobs(logits, seqs, tokens)
+        return SamplerOutput(tokens.tolist(), logprobs, top_logprobs)
 
     # -- logit processing ------------------------------------------------------------
 
@@ -162,16 +166,34 @@ class Sampler:
             self._generators[device] = gen
         return gen
 
-    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> list[float | None]:
-        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs]
+    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence],
+                  tokens: torch.Tensor) -> tuple[list[float | None], list[TopLogprobs | None]]:
+        """The chosen tokens' log-probs and the top-k alternatives, for the rows that ask.
+
+        Both are read from one log_softmax of the logits as given (before penalties,
+        temperature and truncation: the model's distribution). A constrained row's logits
+        arrive already masked by its grammar, so the tokens it disallows have log-prob -inf:
+        a top-k wider than what the grammar allows lists some of them, with -inf.
+        """
         out: list[float | None] = [None] * len(seqs)
-        if wanted:
-            rows = _idx(wanted, logits)
-            logp = torch.log_softmax(logits[rows].float(), dim=-1)
-            chosen = logp.gather(1, tokens[rows][:, None]).squeeze(1).tolist()
-            for i, lp in zip(wanted, chosen):
+        top: list[TopLogprobs | None] = [None] * len(seqs)
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs or s.params.top_logprobs]
+        if not wanted:
+            return out, top
+        rows = _idx(wanted, logits)
+        logp = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen = logp.gather(1, tokens[rows][:, None]).squeeze(1).tolist()
+        for i, lp in zip(wanted, chosen):
+            if seqs[i].params.logprobs:
                 out[i] = lp
-        return out
+        ranked = [(j, i) for j, i in enumerate(wanted) if seqs[i].params.top_logprobs]
+        if ranked:
+            # One topk for every row that asks, at the widest k; each row keeps its own k.
+            ks = [min(seqs[i].params.top_logprobs, logp.shape[1]) for _, i in ranked]
+            values, ids = logp[_idx([j for j, _ in ranked], logp)].topk(max(ks), dim=-1)
+            for (_, i), k, row_ids, row_values in zip(ranked, ks, ids.tolist(), values.tolist()):
+                top[i] = list(zip(row_ids[:k], row_values[:k]))
+        return out, top
 
 
 def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

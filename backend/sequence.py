@@ -22,6 +22,11 @@ MAX_STOP_TOKEN_IDS = 1024
 # OpenAI's range for the presence and frequency penalties, on every path.
 MAX_PENALTY = 2.0
 MAX_CACHE_SALT_LENGTH = 256
+# OpenAI's bound on top_logprobs: every alternative is a row of the response per output token.
+MAX_TOP_LOGPROBS = 20
+
+TopLogprobs = list[tuple[int, float]]
+"""One output token's most likely alternatives: (token id, log-prob), most likely first."""
 
 
 @dataclass
@@ -45,6 +50,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
     """Return the log-probability of each chosen token (under the model's raw distribution)."""
+    top_logprobs: int = 0
+    """Return, for each output token, this many most likely tokens (0..MAX_TOP_LOGPROBS) with
+    their log-probabilities, under the distribution `logprobs` uses (the model's raw one, after
+    a guide's mask: tokens the grammar disallows have -inf). Independent of `logprobs`."""
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     """Keys the prefix cache (vLLM's name): a request reuses cached KV only from requests with
@@ -72,6 +81,9 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         _check_int("top_k", self.top_k, minimum=0)
+        _check_int("top_logprobs", self.top_logprobs, minimum=0)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         _check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -159,6 +171,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """Per output token, its params.top_logprobs alternatives (empty when not asked for)."""
     num_preemptions: int = 0
     num_cached_tokens: int | None = None
     """Prompt tokens whose KV came from the prefix cache when first scheduled (None before)."""
@@ -194,19 +208,22 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(self, token_id: int, logprob: float | None = None,
+                     top_logprobs: TopLogprobs | None = None) -> None:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
 
 
 @dataclass
 class RequestOutput:
     """What one step produced for one request, and everything so far.
 
-    `token_ids`, `text` and `logprobs` (everything so far) are read from the request's
-    growing state, cut at this step's length, when asked for: a step costs the new tokens,
-    not a copy of the whole output (a stream reads only the deltas).
+    `token_ids`, `text`, `logprobs` and `top_logprobs` (everything so far) are read from the
+    request's growing state, cut at this step's length, when asked for: a step costs the new
+    tokens, not a copy of the whole output (a stream reads only the deltas).
     """
 
     request_id: str
@@ -216,10 +233,13 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     delta_logprobs: list[float] | None = None
+    delta_top_logprobs: list[TopLogprobs] | None = None
+    """Per new token, its most likely alternatives (SamplingParams.top_logprobs > 0)."""
     # Snapshot of the request's state: lists and text only ever grow, so lengths suffice.
     seq_token_ids: list[int] = field(default_factory=list, repr=False)
     num_tokens: int = 0
     seq_logprobs: list[float] | None = field(default=None, repr=False)
+    seq_top_logprobs: list[TopLogprobs] | None = field(default=None, repr=False)
     text_source: Any = field(default=None, repr=False)  # has a `.text` str (the detokenizer)
     text_len: int = 0
     error: str | None = None
@@ -245,12 +265,28 @@ class RequestOutput:
         return self.seq_logprobs[: self.num_tokens - len(self.prompt_token_ids)]
 
     @property
+    def top_logprobs(self) -> list[TopLogprobs] | None:
+        """Most likely alternatives of each output token up to this step, when asked for."""
+        if self.seq_top_logprobs is None:
+            return None
+        return self.seq_top_logprobs[: self.num_tokens - len(self.prompt_token_ids)]
+
+    @property
     def is_first(self) -> bool:
         """Whether the deltas hold every output token so far (nothing was delivered before)."""
         return self.num_tokens - len(self.prompt_token_ids) == len(self.delta_token_ids)
 
     def after(self, earlier: RequestOutput) -> RequestOutput:
         """This output with an earlier, undelivered one's deltas in front of its own."""
-        logprobs = None if self.delta_logprobs is None else (earlier.delta_logprobs or []) + self.delta_logprobs
         return replace(self, delta_token_ids=earlier.delta_token_ids + self.delta_token_ids,
-                       delta_text=earlier.delta_text + self.delta_text, delta_logprobs=logprobs)
+                       delta_text=earlier.delta_text + self.delta_text,
+                       delta_logprobs=_joined(earlier.delta_logprobs, self.delta_logprobs),
+                       delta_top_logprobs=_joined(earlier.delta_top_logprobs, self.delta_top_logprobs))
+
+
+def _joined(earlier: list | None, later: list | None) -> list | None:
+    """Two outputs' per-token deltas in order. A later None (not asked for, or no tokens, as in
+    the final output of an abort) must not drop what the earlier one carries."""
+    if earlier is None and later is None:
+        return None
+    return (earlier or []) + (later or [])

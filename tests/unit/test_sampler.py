@@ -266,3 +266,65 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     # Greedy fast path with logprobs too.
     fast = Sampler([EOS])(logits, [make_seq(temperature=0.0, logprobs=True) for _ in range(4)])
     assert fast.logprobs == pytest.approx(ref.gather(1, logits.argmax(-1, keepdim=True)).squeeze(1).tolist(), abs=1e-5)
+
+
+# -- top logprobs -----------------------------------------------------------------------
+
+
+def test_top_logprobs_are_the_log_softmax_topk_of_raw_logits_most_likely_first():
+    logits = rand_logits(5, seed=6)
+    seqs = [
+        make_seq(temperature=0.0, top_logprobs=3),
+        make_seq(temperature=0.9, top_k=4, repetition_penalty=1.4, output=(1, 2), top_logprobs=5, seed=2),
+        make_seq(temperature=0.0, logprobs=True),
+        make_seq(temperature=0.7, presence_penalty=1.5, output=(3,), logprobs=True, top_logprobs=20),
+        make_seq(temperature=0.0),
+    ]
+    out = Sampler([EOS])(logits, seqs)
+    ref = torch.log_softmax(logits, -1)
+    for i, k in ((0, 3), (1, 5), (3, 20)):
+        values, ids = ref[i].topk(k)
+        assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
+        assert [lp for _, lp in out.top_logprobs[i]] == pytest.approx(values.tolist(), abs=1e-5)
+        lps = [lp for _, lp in out.top_logprobs[i]]
+        assert lps == sorted(lps, reverse=True)
+    assert out.top_logprobs[2] is None and out.top_logprobs[4] is None
+    # Asking for alternatives changes neither the tokens nor the chosen token's log-prob.
+    plain = [make_seq(**{**vars(s.params), "top_logprobs": 0}, output=s.output_token_ids) for s in seqs]
+    again = Sampler([EOS])(logits, plain)
+    assert again.token_ids == out.token_ids
+    assert again.logprobs == out.logprobs
+    assert out.logprobs[3] == pytest.approx(ref[3, out.token_ids[3]].item(), abs=1e-5)
+    # Greedy: the chosen token is the most likely one, with the same log-prob.
+    assert out.top_logprobs[0][0][0] == out.token_ids[0]
+
+
+def test_top_logprobs_on_the_greedy_fast_path_and_a_small_vocab():
+    logits = rand_logits(3, seed=7, vocab=8)
+    out = Sampler([EOS])(logits, [make_seq(temperature=0.0, top_logprobs=20, logprobs=True) for _ in range(3)])
+    ref = torch.log_softmax(logits, -1)
+    for i in range(3):
+        assert len(out.top_logprobs[i]) == 8  # no more alternatives than tokens
+        assert sorted(t for t, _ in out.top_logprobs[i]) == list(range(8))
+        assert out.top_logprobs[i][0] == (out.token_ids[i], pytest.approx(out.logprobs[i], abs=1e-6))
+        assert out.logprobs[i] == pytest.approx(ref[i].max().item(), abs=1e-5)
+
+
+def test_masked_tokens_are_reported_with_minus_infinity():
+    logits = rand_logits(1, seed=8)
+    logits[0, 4:] = float("-inf")  # as a grammar's mask leaves a constrained row
+    out = Sampler([EOS])(logits, [make_seq(temperature=0.0, top_logprobs=6)])
+    lps = [lp for _, lp in out.top_logprobs[0]]
+    assert all(math.isfinite(lp) for lp in lps[:4]) and lps[4:] == [float("-inf")] * 2
+    assert {t for t, _ in out.top_logprobs[0][:4]} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("k", [-1, 21, 1.5, True, "3"])
+def test_top_logprobs_out_of_bounds_name_the_field(k):
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=k)
+
+
+def test_top_logprobs_bounds_accepted():
+    assert SamplingParams(top_logprobs=0).top_logprobs == 0
+    assert SamplingParams(top_logprobs=20).top_logprobs == 20
