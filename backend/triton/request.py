@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from splitfuse.sequence import SamplingParams
+from splitfuse.sequence import MAX_TOP_LOGPROBS, SamplingParams
 from splitfuse.structured.guide import Guide
 
 
@@ -72,6 +72,8 @@ class Parsed:
     stream: bool = False
     exclude_input: bool = True
     return_log_probs: bool = False
+    return_top_log_probs: int = 0
+    """k: each output token's k most likely tokens go out as top_log_probs / top_log_prob_ids."""
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False
@@ -151,6 +153,12 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
         kwargs["cache_salt"] = salt
     return_log_probs = bool(_scalar(request, "return_log_probs", bool))
     kwargs["logprobs"] = return_log_probs
+    top = _scalar(request, "return_top_log_probs", int)
+    if top is not None:
+        # Checked here, not only by SamplingParams, so that the error names the Triton input.
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InputError(f"return_top_log_probs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        kwargs["top_logprobs"] = top
     params = SamplingParams(**kwargs)  # ValueError names the field
 
     exclude = _scalar(request, "exclude_input_in_output", bool)
@@ -161,6 +169,7 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
         stream=bool(_scalar(request, "stream", bool)),
         exclude_input=True if exclude is None else exclude,
         return_log_probs=return_log_probs,
+        return_top_log_probs=params.top_logprobs,
         return_num_input_tokens=bool(_scalar(request, "return_num_input_tokens", bool)),
         return_num_output_tokens=bool(_scalar(request, "return_num_output_tokens", bool)),
         return_num_cached_tokens=bool(_scalar(request, "return_num_cached_tokens", bool)),

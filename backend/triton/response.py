@@ -23,11 +23,17 @@ def response_arrays(parsed: Parsed, out: RequestOutput, echo_prompt: str | None 
     `echo_prompt` (exclude_input_in_output=false, first response only): the prompt's text,
     put before the text; its ids go before the ids. `stop_handle` (return_stop_handle, first
     response only): what a stop request must send to stop this generation.
+
+    `log_probs` ([1, n]) and, with return_top_log_probs=k, `top_log_probs` / `top_log_prob_ids`
+    ([1, n, k], most likely first) describe the n output tokens of the response only: an
+    echoed prompt adds ids to `output_ids` but no rows to them.
     """
     if parsed.stream:
         text, ids, logprobs = out.delta_text, out.delta_token_ids, out.delta_logprobs
+        top = out.delta_top_logprobs
     else:
         text, ids, logprobs = out.text, out.token_ids, out.logprobs
+        top = out.top_logprobs
     if echo_prompt is not None:
         text = echo_prompt + text
         ids = list(out.prompt_token_ids) + list(ids)
@@ -44,6 +50,12 @@ def response_arrays(parsed: Parsed, out: RequestOutput, echo_prompt: str | None 
         arrays["num_cached_tokens"] = np.array([[out.num_cached_tokens]], np.int32)
     if parsed.return_log_probs:
         arrays["log_probs"] = np.array(logprobs or [], np.float32).reshape(1, -1)
+    if parsed.return_top_log_probs:
+        top = top or []
+        # Fewer than k per token only when the vocabulary is smaller than k.
+        k = len(top[0]) if top else parsed.return_top_log_probs
+        arrays["top_log_probs"] = np.array([[lp for _, lp in row] for row in top], np.float32).reshape(1, -1, k)
+        arrays["top_log_prob_ids"] = np.array([[t for t, _ in row] for row in top], np.int32).reshape(1, -1, k)
     if stop_handle is not None:
         arrays["stop_handle"] = _text(stop_handle)
     return arrays

@@ -78,6 +78,18 @@ def test_cache_salt_and_stop_handle_requests_are_parsed():
         parse_request({**BASE, "cache_salt": np.array([[b""]], np.object_)})
 
 
+def test_return_top_log_probs_sets_k_and_refuses_outside_0_to_20():
+    parsed = parse_request({**BASE, "return_top_log_probs": t(5, np.int32)})
+    assert parsed.return_top_log_probs == 5 and parsed.params.top_logprobs == 5
+    assert not parsed.return_log_probs and not parsed.params.logprobs  # independent of return_log_probs
+    assert parse_request({**BASE, "return_top_log_probs": t(20, np.int32)}).params.top_logprobs == 20
+    assert parse_request({**BASE, "return_top_log_probs": t(0, np.int32)}).return_top_log_probs == 0
+    assert parse_request(BASE).return_top_log_probs == 0 and parse_request(BASE).params.top_logprobs == 0
+    for k in (21, -1):
+        with pytest.raises(InputError, match=r"return_top_log_probs must be in \[0, 20\], got " + str(k)):
+            parse_request({**BASE, "return_top_log_probs": t(k, np.int32)})
+
+
 def test_control_board_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv(control.ENV, str(tmp_path))
     a, b = Control("llm", "llm_0"), Control("llm", "llm_1")

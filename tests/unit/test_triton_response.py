@@ -54,6 +54,42 @@ def test_echoed_prompt_leads_text_and_ids():
     assert a["text_output"].tolist() == [[b"hi llo"]] and a["output_ids"].tolist() == [[1, 2, 8]]
 
 
+def top_output(finished: bool) -> RequestOutput:
+    # output() with two alternatives per token: token 7 then token 8.
+    seq_top = [[(7, -0.25), (3, -1.5)], [(8, -0.5), (9, -1.0)]]
+    out = output(finished)
+    out.delta_top_logprobs, out.seq_top_logprobs = seq_top[1:], seq_top
+    return out
+
+
+def parsed_top(k: int, **flags):
+    return parse_request({"text_input": t(b"hi", np.object_), "max_tokens": t(4, np.int32),
+                          "return_top_log_probs": t(k, np.int32), **{n: t(v, np.bool_) for n, v in flags.items()}})
+
+
+def test_top_log_probs_are_shaped_one_by_tokens_by_k():
+    streamed = response_arrays(parsed_top(2, stream=True), top_output(finished=False))
+    assert streamed["top_log_probs"].dtype == np.float32 and streamed["top_log_prob_ids"].dtype == np.int32
+    assert streamed["top_log_probs"].tolist() == [[[-0.5, -1.0]]]
+    assert streamed["top_log_prob_ids"].tolist() == [[[8, 9]]]
+    assert "log_probs" not in streamed
+    whole = response_arrays(parsed_top(2, return_log_probs=True), top_output(finished=True))
+    assert whole["top_log_probs"].tolist() == [[[-0.25, -1.5], [-0.5, -1.0]]]
+    assert whole["top_log_prob_ids"].tolist() == [[[7, 3], [8, 9]]]
+    assert whole["log_probs"].tolist() == [[-0.25, -0.5]]
+
+
+def test_top_log_probs_describe_output_tokens_only_and_are_absent_without_k():
+    echoed = response_arrays(parsed_top(2, stream=True), top_output(finished=False), echo_prompt="hi ")
+    assert echoed["output_ids"].tolist() == [[1, 2, 8]] and echoed["top_log_prob_ids"].shape == (1, 1, 2)
+    empty = top_output(finished=True)
+    empty.delta_token_ids, empty.delta_top_logprobs = [], None  # e.g. the final output of an abort
+    assert response_arrays(parsed_top(2, stream=True), empty)["top_log_probs"].shape == (1, 0, 2)
+    for p in (parsed_top(0), parsed(return_log_probs=True)):
+        a = response_arrays(p, top_output(finished=True))
+        assert "top_log_probs" not in a and "top_log_prob_ids" not in a
+
+
 def test_stop_ack():
     a = stop_ack_arrays()
     assert a["finish_reason"].tolist() == [[b"abort"]] and a["text_output"].tolist() == [[b""]]
