@@ -1,22 +1,23 @@
 """Compiling guides into token-level grammars (xgrammar) and following them while decoding.
 
-A guide is compiled once per text for the engine's tokenizer (on the caller's thread, by
-`LLMEngine.prepare_prompt`, so the engine thread finds it compiled) and each constrained
-sequence gets a matcher: before sampling, its row of logits is masked to the tokens the grammar
-allows next; after sampling, the matcher accepts the token. Speculation skips constrained
-sequences (their proposals are never made), so a matcher only ever moves forward; a preempted
-sequence keeps its matcher, as its tokens do not change when they are recomputed.
-Matchers live in matcher.py.
+A guide is compiled once per text for the engine's tokenizer, in a child process bounded in time
+and memory (compile_worker.py), asked for by `LLMEngine.prepare_prompt` on the caller's thread,
+which waits, so the engine thread finds it compiled. Each constrained sequence gets a matcher:
+before sampling, its row of logits is masked to the tokens the grammar allows next; after
+sampling, the matcher accepts the token. Speculation skips constrained sequences (their
+proposals are never made), so a matcher only ever moves forward; a preempted sequence keeps its
+matcher, as its tokens do not change when they are recomputed. Matchers live in matcher.py.
 """
 
 from __future__ import annotations
 
-import json
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from splitfuse.structured.compile_worker import CompileWorker
 from splitfuse.structured.guide import Guide
 from splitfuse.structured.matcher import Matcher
 
@@ -32,7 +33,8 @@ class GrammarCache:
         self._xgr = xgrammar
         self.vocab_size = vocab_size
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgrammar.GrammarCompiler(info)
+        self._info = info
+        self._worker = CompileWorker(info)  # its process starts at the first compile
         # xgrammar's JSON grammars let a string hold raw control characters (bytes below 0x20),
         # which JSON forbids (json.loads refuses them): tokens holding one are masked out of
         # JSON outputs; between values only the whitespace JSON allows may appear.
@@ -43,39 +45,38 @@ class GrammarCache:
         self._no_control = torch.tensor([c and i not in specials for i, c in enumerate(control)])
         self._no_bad_space = torch.tensor([c and i not in specials for i, c in enumerate(not_json_space)])
         self._compiled: dict[Guide, Any] = {}
+        self._compiling: dict[Guide, Future] = {}
         self._lock = threading.Lock()
 
     def compile(self, guide: Guide) -> Any:
-        """The compiled grammar of `guide`; ValueError naming the problem when it does not compile."""
+        """The compiled grammar of `guide`; ValueError naming the problem when it does not compile.
+        A guide already compiling for another request is waited for, not compiled again."""
         with self._lock:
             found = self._compiled.get(guide)
-        if found is not None:
-            return found
-        c = self._compiler
+            if found is not None:
+                return found
+            future = self._compiling.get(guide)
+            if future is None:
+                future = self._compiling[guide] = self._worker.submit(guide.kind, guide.text)
         try:
-            if guide.kind == "json":
-                compiled = c.compile_builtin_json_grammar()
-            elif guide.kind == "json_schema":
-                try:
-                    json.loads(guide.text)  # a clear message for JSON that is not even JSON
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"guided_decoding_guide (json_schema) is not valid JSON: {e}") from None
-                compiled = c.compile_json_schema(guide.text, any_whitespace=False)
-            elif guide.kind == "regex":
-                compiled = c.compile_regex(guide.text)
-            elif guide.kind == "ebnf_grammar":
-                compiled = c.compile_grammar(guide.text)
-            else:
-                alternatives = " | ".join(json.dumps(option) for option in guide.choices())
-                compiled = c.compile_grammar(f"root ::= {alternatives}")
-        except ValueError:
-            raise
-        except Exception as e:  # xgrammar reports a bad schema, expression or grammar its own ways
-            raise ValueError(f"guided_decoding_guide ({guide.kind}) does not compile: "
-                             f"{type(e).__name__}: {str(e)[:500]}") from None
-        with self._lock:
-            self._compiled[guide] = compiled
+            compiled = future.result()
+        except ValueError as e:  # a fresh exception per waiter: they may raise it at once
+            self._settle(guide, future, None)
+            raise ValueError(str(e)) from None
+        self._settle(guide, future, compiled)
         return compiled
+
+    def _settle(self, guide: Guide, future: Future, compiled: Any) -> None:
+        # One step under the lock: the guide is never neither compiling nor cached in between.
+        with self._lock:
+            if self._compiling.get(guide) is future:
+                del self._compiling[guide]
+            if compiled is not None:
+                self._compiled[guide] = compiled
+
+    def close(self) -> None:
+        """Stop the compiler process (it also stops when this cache is dropped)."""
+        self._worker.close()
 
     def matcher(self, guide: Guide) -> Matcher:
         forbidden = {"json_schema": self._no_control, "json": self._no_bad_space}.get(guide.kind)
