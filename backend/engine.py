@@ -254,7 +254,7 @@ class LLMEngine:
         grammar_mask_s = 0.0
         if self._matchers:
             mask_start = time.perf_counter()
-            self._mask_constrained(logits, rows)
+            self._mask_constrained(logits, sampling)
             grammar_mask_s = time.perf_counter() - mask_start
         sampled = self._sample(logits, rows) if rows else []
         num_prompt_tokens = 0
@@ -319,27 +319,31 @@ class LLMEngine:
                 break
         return out
 
-    def _mask_constrained(self, logits, rows: list[Sequence]) -> None:
-        """Each constrained sequence's row: only the tokens its grammar allows next."""
+    def _mask_constrained(self, logits, sampling: list[ScheduledChunk]) -> None:
+        """Each constrained sequence's rows: only the tokens its grammar allows next (after each
+        of its proposed tokens, for a speculative chunk)."""
+        row = 0
         with torch.inference_mode():  # the logits are the forward pass's inference tensors
-            for i, seq in enumerate(rows):
-                matcher = self._matchers.get(seq.request_id)
+            for chunk in sampling:
+                n = 1 + chunk.num_draft_tokens
+                matcher = self._matchers.get(chunk.seq.request_id)
                 if matcher is not None:
-                    matcher.mask_(logits[i])
+                    matcher.mask_drafts_(logits[row : row + n], chunk.seq.draft_token_ids[: chunk.num_draft_tokens])
+                row += n
 
     def _propose(self) -> None:
-        """Proposals for the sequences the next step decodes, if it may speculate (never for a
-        constrained one: its matcher only moves forward)."""
+        """Proposals for the sequences the next step decodes, if it may speculate; a constrained
+        sequence's are cut at the first token its grammar refuses (verification would reject it)."""
         decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
-        for seq in decoding:
-            if seq.request_id in self._matchers:
-                seq.draft_token_ids = []
-        decoding = [s for s in decoding if s.request_id not in self._matchers]
-        if self.scheduler.may_speculate(len(decoding)):
-            self.speculation.propose(decoding)
-        else:
+        if not self.scheduler.may_speculate(len(decoding)):
             for seq in decoding:
                 seq.draft_token_ids = []
+            return
+        self.speculation.propose(decoding)
+        for seq in decoding:
+            matcher = self._matchers.get(seq.request_id)
+            if matcher is not None and seq.draft_token_ids:
+                del seq.draft_token_ids[matcher.allowed_prefix(seq.draft_token_ids):]
 
     def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, float | None] | Exception]:
         """Per sampling row: (token, log-prob), or what sampling that row raised.

@@ -39,3 +39,32 @@ class Matcher:
     def accept(self, token: int) -> None:
         if not self._m.accept_token(token):
             raise RuntimeError(f"token {token} does not follow the request's grammar")
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, taken in order from here, the grammar allows (the matcher is
+        left where it was)."""
+        n = 0
+        for token in tokens:
+            if self._m.is_terminated() or not self._m.accept_token(token):
+                break
+            n += 1
+        if n:
+            self._m.rollback(n)
+        return n
+
+    def mask_drafts_(self, logits_rows: torch.Tensor, drafts: list[int]) -> None:
+        """Mask the rows of a speculative chunk: row i is sampled after the first i proposed
+        tokens, so it gets the grammar's mask in that state. Rows past a proposal the grammar
+        refuses stay as they are: verification stops at that row (its sampled token is allowed,
+        so it differs from the refused proposal) and never reads them. The matcher is left
+        where it was; the tokens verification accepts are taken with `accept`."""
+        taken = 0
+        for i in range(logits_rows.shape[0]):
+            if self._m.is_terminated():  # a proposal ended the grammar: the sequence ends there
+                break
+            self.mask_(logits_rows[i])
+            if i == len(drafts) or not self._m.accept_token(drafts[i]):
+                break
+            taken += 1
+        if taken:
+            self._m.rollback(taken)

@@ -87,6 +87,43 @@ def test_with_prefix_caching_preemption_and_speculation(tiny_llama):
         jsonschema.validate(json.loads(out.text), schema)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_checks_drafts_against_the_grammar(tiny_llama, method):
+    """Constrained sequences speculate: each proposed token is checked against the grammar (the
+    row after it masked in the grammar's state past it) and the matcher follows only what
+    verification accepts. Greedy tokens equal the run without speculation, for schemas, a regex
+    and choices, while proposals were made and some accepted (the draft model is the target
+    itself, so it proposes the target's unconstrained choices; the grammar refuses some)."""
+    guides = [Guide("json_schema", json.dumps(s)) for s in SCHEMAS] + [
+        Guide("regex", r"(ab|the|answer| |is)+\."), Guide("choice", json.dumps(["the answer is yes", "no"]))]
+    prompt = "the answer is the answer is the answer is"
+    params = [SamplingParams(max_tokens=48, temperature=0.0, guide=g) for g in guides]
+    common = dict(token_budget=64, block_size=4, attention_backend="torch")
+    with LLM(tiny_llama, **common) as plain:
+        expected = [o.token_ids for o in plain.generate([prompt] * len(params), params)]
+    spec = dict(speculative_method=method, num_speculative_tokens=4)
+    if method == "draft":
+        spec["speculative_model"] = tiny_llama
+    with LLM(tiny_llama, **common, **spec) as engine:
+        got = [o.token_ids for o in engine.generate([prompt] * len(params), params)]
+        decoder = engine.engine.speculation
+        assert decoder.num_proposed > 0 and decoder.num_accepted > 0, (decoder.num_proposed, decoder.num_accepted)
+        engine.engine.check_invariants()
+    assert got == expected
+
+
+def test_allowed_prefix_counts_what_the_grammar_takes_and_leaves_the_matcher_alone(llm):
+    tokenizer = llm.engine.tokenizer
+    answer = tokenizer.encode("the answer is yes", add_special_tokens=False)
+    matcher = llm.engine.grammars().matcher(Guide("choice", json.dumps(["the answer is yes", "no"])))
+    assert matcher.allowed_prefix(answer + answer[:1]) == len(answer)  # complete: only the end may follow
+    assert matcher.allowed_prefix(answer[1:]) == 0
+    assert matcher.allowed_prefix(answer[:2]) == 2  # unchanged by the calls before
+    for token in answer:
+        matcher.accept(token)
+    assert matcher.allowed_prefix(answer[:1]) == 0
+
+
 @pytest.mark.parametrize("guide,words", [
     (("json_schema", "{not json"), "JSON"),
     (("json_schema", '{"type": "object", "properties": {"a": {"type": "nosuchtype"}}}'), "does not compile"),
