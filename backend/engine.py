@@ -31,13 +31,17 @@ from splitfuse.prompt_limit import PromptLimit
 from splitfuse.ragged_batch import RaggedBatch
 from splitfuse.sampler import Sampler
 from splitfuse.scheduler import ScheduledChunk, Scheduler
-from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
+from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, TopLogprobs
 from splitfuse.spec_decode.ngram import NgramProposer
 from splitfuse.spec_decode.decoder import SpeculativeDecoder, sampling_rows
 from splitfuse.structured.grammars import GrammarCache
 from splitfuse.structured.matcher import Matcher
 
 log = logging.getLogger(__name__)
+
+SampledToken = tuple[int, float | None, TopLogprobs | None]
+"""What one sampling row yields: the token, its log-prob and its top alternatives (each None
+unless the request asks for it)."""
 
 
 @dataclass
@@ -305,12 +309,12 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _verified_tokens(chunk: ScheduledChunk, rows: list) -> list[tuple[int, float | None]]:
-        """The (token, log-prob) pairs a sampling chunk yields: the proposals its rows confirmed,
-        then the token sampled where the first one failed (or after the last). Raises what
-        sampling a needed row raised."""
+    def _verified_tokens(chunk: ScheduledChunk, rows: list) -> list[SampledToken]:
+        """The tokens (with their log-probs and alternatives, each from its own row) a sampling
+        chunk yields: the proposals its rows confirmed, then the token sampled where the first
+        one failed (or after the last). Raises what sampling a needed row raised."""
         drafts = chunk.seq.draft_token_ids[: chunk.num_draft_tokens]
-        out: list[tuple[int, float | None]] = []
+        out: list[SampledToken] = []
         for i, row in enumerate(rows):
             if isinstance(row, Exception):
                 raise row
@@ -345,8 +349,8 @@ class LLMEngine:
             if matcher is not None and seq.draft_token_ids:
                 del seq.draft_token_ids[matcher.allowed_prefix(seq.draft_token_ids):]
 
-    def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, float | None] | Exception]:
-        """Per sampling row: (token, log-prob), or what sampling that row raised.
+    def _sample(self, logits, seqs: list[Sequence]) -> list[SampledToken | Exception]:
+        """Per sampling row: (token, log-prob, top log-probs), or what sampling that row raised.
 
         The batch is sampled in one call; only when that raises is each row sampled alone, so
         that a failure tied to one request (its parameters, its logits) fails that request
@@ -354,19 +358,19 @@ class LLMEngine:
         seed and position only)."""
         try:
             out = self.sampler(logits, seqs)
-            return list(zip(out.token_ids, out.logprobs))
+            return list(zip(out.token_ids, out.logprobs, out.top_logprobs))
         except Exception:
             log.exception("sampling a batch of %d failed; sampling each request alone", len(seqs))
-        rows: list[tuple[int, float | None] | Exception] = []
+        rows: list[SampledToken | Exception] = []
         for i, seq in enumerate(seqs):
             try:
                 out = self.sampler(logits[i : i + 1], [seq])
-                rows.append((out.token_ids[0], out.logprobs[0]))
+                rows.append((out.token_ids[0], out.logprobs[0], out.top_logprobs[0]))
             except Exception as e:
                 rows.append(e)
         return rows
 
-    def _append_tokens(self, seq: Sequence, tokens: list[tuple[int, float | None]]) -> RequestOutput:
+    def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
         """Append the step's tokens one by one, stopping exactly where decoding them one per
         step would (EOS, stop token, max_tokens, context, stop string): the rest are dropped."""
         params = seq.params
@@ -374,10 +378,10 @@ class LLMEngine:
         new_tokens: list[int] = []
         text = ""
         matcher = self._matchers.get(seq.request_id)
-        for token, logprob in tokens:
+        for token, logprob, top_logprobs in tokens:
             if matcher is not None:
                 matcher.accept(token)
-            seq.append_token(token, logprob)
+            seq.append_token(token, logprob, top_logprobs)
             new_tokens.append(token)
             reason = None
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
@@ -433,6 +437,7 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_tokens: list[int], delta_text: str, reason: FinishReason | None,
                 detokenizer: IncrementalDetokenizer | None = None) -> RequestOutput:
         want_logprobs = seq.params.logprobs
+        want_top = seq.params.top_logprobs > 0
         detok = detokenizer or self._detokenizers[seq.request_id]
         return RequestOutput(
             request_id=seq.request_id,
@@ -442,9 +447,11 @@ class LLMEngine:
             finished=reason is not None,
             finish_reason=reason.value if reason is not None else None,
             delta_logprobs=seq.output_logprobs[-len(new_tokens):] if want_logprobs and new_tokens else None,
+            delta_top_logprobs=seq.output_top_logprobs[-len(new_tokens):] if want_top and new_tokens else None,
             seq_token_ids=seq.token_ids,
             num_tokens=len(seq.token_ids),
             seq_logprobs=seq.output_logprobs if want_logprobs else None,
+            seq_top_logprobs=seq.output_top_logprobs if want_top else None,
             text_source=detok,
             text_len=detok.text_length,
             num_cached_tokens=seq.num_cached_tokens or 0,
