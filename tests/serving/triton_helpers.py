@@ -26,7 +26,7 @@ INPUT_DTYPES = {
     "return_log_probs": "BOOL", "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL",
     "return_num_cached_tokens": "BOOL", "stop": "BOOL", "apply_chat_template": "BOOL",
     "cache_salt": "BYTES", "return_stop_handle": "BOOL", "stop_handle": "BYTES",
-    "guided_decoding_guide_type": "BYTES", "guided_decoding_guide": "BYTES",
+    "guided_decoding_guide_type": "BYTES", "guided_decoding_guide": "BYTES", "return_top_log_probs": "INT32",
 }
 NP_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32,
              "BOOL": np.bool_, "INT64": np.int64, "FP64": np.float64}
@@ -59,6 +59,9 @@ class Response:
     num_output_tokens: int | None = None
     num_cached_tokens: int | None = None
     log_probs: list[float] | None = None
+    top_log_probs: np.ndarray | None = None
+    """[1, tokens, k] as sent (return_top_log_probs=k); top_log_prob_ids likewise."""
+    top_log_prob_ids: np.ndarray | None = None
     stop_handle: str | None = None
     final: bool = False
 
@@ -114,6 +117,7 @@ def _parse(result) -> Response:
     lp = get("log_probs")
     if lp is not None:
         r.log_probs = lp.astype(float).tolist()
+    r.top_log_probs, r.top_log_prob_ids = result.as_numpy("top_log_probs"), result.as_numpy("top_log_prob_ids")
     return r
 
 
