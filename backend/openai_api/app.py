@@ -1,8 +1,8 @@
 """The FastAPI application: OpenAI routes over the Triton `llm` model.
 
 Each route reads its body within --max-body-bytes (413 beyond), validates it (400 naming the
-parameter), checks the model name (404), tokenizes, and runs one generation through
-`TritonLLM`. Decoding, validation and tokenizing (chat template included) run in a small pool
+parameter), checks the model name (404), tokenizes, and runs a generation per choice through
+`TritonLLM` (choices.py: the first, then the others on its cached prompt). Decoding, validation and tokenizing (chat template included) run in a small pool
 of threads, not on the event loop: a long prompt must not stall the other clients' streams.
 Streaming answers are server-sent events; the first engine response is awaited before the 200
 goes out, so a request the engine refuses still gets its 400 (or 429 when it is busy). A client
@@ -31,6 +31,8 @@ from starlette.requests import ClientDisconnect
 from splitfuse.openai_api import openapi
 from splitfuse.openai_api import responses as R
 from splitfuse.openai_api.body import decode_json, default_body_limit, read_body
+from splitfuse.openai_api.choice_output import ChatChoiceOutput, CompletionChoiceOutput
+from splitfuse.openai_api.choices import run_choices
 from splitfuse.openai_api.config import ApiConfig
 from splitfuse.openai_api.prompts import Prompts
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
@@ -49,15 +51,20 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 TOKENIZE_THREADS = 2
 # What a client told to retry waits (seconds): the engine's queue moves within a few steps.
 RETRY_AFTER_S = 1
+# Seeds are UINT64: choice i of a seeded request samples with (seed + i) modulo this.
+SEED_MODULUS = 2**64
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected while its generation was running."""
 
 
+ChoiceOutput = ChatChoiceOutput | CompletionChoiceOutput
+
+
 @dataclass
 class Job:
-    """One generation as the routes describe it to the shared runner."""
+    """One request's generations as the routes describe them to the shared runner."""
 
     chat: bool
     meta: R.Meta
@@ -65,11 +72,22 @@ class Job:
     inputs: dict[str, Any]
     stream: bool
     include_usage: bool
-    logprobs: bool
-    echo: str = ""
+    n: int
+    new_output: Callable[[int], ChoiceOutput]
+    """Choice i's output assembly."""
+
+    def choice_inputs(self, i: int) -> dict[str, Any]:
+        """Choice i's `llm` inputs: its own seed, and streamed when it must report its first
+        response (choice 0 of several starts the others then)."""
+        inputs = {"input_ids": self.prompt_ids, "input_lengths": len(self.prompt_ids),
+                  "stream": self.stream or (i == 0 and self.n > 1), **self.inputs}
+        if i and "seed" in inputs:
+            inputs["seed"] = (inputs["seed"] + i) % SEED_MODULUS
+        return inputs
 
 
-def sampling_inputs(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: bool) -> dict:
+def sampling_inputs(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: bool,
+                    top_logprobs: int = 0) -> dict:
     """OpenAI parameters -> `llm` inputs. Temperature and top_p are always sent, with OpenAI's
     defaults (1.0), so the answer does not depend on the server's own default sampling."""
     inputs: dict[str, Any] = {
@@ -80,6 +98,8 @@ def sampling_inputs(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         "return_num_input_tokens": True,
         "return_num_output_tokens": True,
     }
+    if top_logprobs:
+        inputs["return_top_log_probs"] = top_logprobs
     for name in ("presence_penalty", "frequency_penalty", "seed", "top_k", "min_tokens", "repetition_penalty",
                  "ignore_eos", "cache_salt"):
         value = getattr(req, name)
@@ -151,98 +171,94 @@ class OpenAIServer:
         if want_lp and req.echo:
             raise ApiError(400, "echo with logprobs is not supported (prompt log-probabilities are not "
                                 "computed)", param="echo")
+        echo = text if req.echo else ""
         return Job(chat=False, meta=R.Meta(R.new_id("cmpl"), req.model), prompt_ids=ids,
-                   inputs=sampling_inputs(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, want_lp),
+                   inputs=sampling_inputs(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, want_lp,
+                                          req.logprobs or 0),
                    stream=req.stream,
-                   include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                   logprobs=want_lp, echo=text if req.echo else "")
+                   include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n,
+                   new_output=lambda i: CompletionChoiceOutput(i, req.logprobs, echo, self.prompts.token_strings))
 
     def chat_job(self, raw: bytes) -> Job:
         """A /v1/chat/completions body -> its generation (runs in the tokenizing threads)."""
         req = parse(ChatCompletionRequest, decode_json(raw))
-        req.check_stream_options()
+        req.check()
         self.check_model(req.model)
         ids = self.prompts.chat(req)
         max_tokens = req.max_new_tokens() or self.default_max_tokens(len(ids))
-        return Job(chat=True, meta=R.Meta(R.new_id("chatcmpl"), req.model), prompt_ids=ids,
-                   inputs=sampling_inputs(req, max_tokens, req.logprobs), stream=req.stream,
-                   include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                   logprobs=req.logprobs)
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        inputs = sampling_inputs(req, max_tokens, req.logprobs, top)
+        guide = req.guide()
+        if guide is not None:
+            inputs["guided_decoding_guide_type"] = guide[0]
+            if guide[1]:
+                inputs["guided_decoding_guide"] = guide[1]
+        mode = req.tool_mode()
+        return Job(chat=True, meta=R.Meta(R.new_id("chatcmpl"), req.model), prompt_ids=ids, inputs=inputs,
+                   stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                   n=req.n, new_output=lambda i: ChatChoiceOutput(i, mode, req.logprobs, self.prompts.token_strings))
 
-    def _steps(self, job: Job) -> AsyncIterator[Step]:
+    def _choices(self, job: Job) -> AsyncIterator[tuple[int, Step]]:
         assert self.triton is not None
-        inputs = {"input_ids": job.prompt_ids, "input_lengths": len(job.prompt_ids), "stream": job.stream,
-                  **job.inputs}
-        return self.triton.generate(job.meta.id, inputs)
-
-    def _logprobs(self, job: Job, step_ids: list[int], step_lps: list[float] | None, text_start: int):
-        if not job.logprobs:
-            return None
-        tokens = self.prompts.token_strings(step_ids)
-        lps = list(step_lps or [])
-        if job.chat:
-            return R.chat_logprobs(tokens, lps)
-        return R.completion_logprobs(tokens, lps, text_start)
+        triton = self.triton
+        # One request id per generation: Triton's logs and the engine tell the choices apart.
+        return run_choices(lambda i: triton.generate(f"{job.meta.id}-{i}" if job.n > 1 else job.meta.id,
+                                                     job.choice_inputs(i)), job.n)
 
     async def complete(self, job: Job, request: Request) -> dict:
-        """Non-streaming: one response from `llm` with the whole text."""
-        async def collect() -> Step:
-            async with contextlib.aclosing(self._steps(job)) as steps:
-                async for step in steps:
-                    if step.final:
-                        return step
-            raise GenerationError("no final response")
+        """Non-streaming: every choice's responses gathered into its whole answer."""
+        outputs = [job.new_output(i) for i in range(job.n)]
+        n_in: int | None = None
 
-        step = await _watch_disconnect(request, collect())
-        use = R.usage(step.num_input_tokens or len(job.prompt_ids), step.num_output_tokens or len(step.token_ids))
-        text = job.echo + step.text
-        lp = self._logprobs(job, step.token_ids, step.logprobs, len(job.echo))
-        if job.chat:
-            return R.chat(job.meta, text, step.finish_reason, lp, use)
-        return R.completion(job.meta, text, step.finish_reason, lp, use)
+        async def collect() -> None:
+            nonlocal n_in
+            async with contextlib.aclosing(self._choices(job)) as items:
+                async for i, step in items:
+                    n_in = step.num_input_tokens or n_in
+                    outputs[i].step(step)
+
+        await _watch_disconnect(request, collect())
+        use = R.usage(n_in or len(job.prompt_ids), sum(o.tokens.num_output for o in outputs))
+        choices = [o.whole() for o in outputs]
+        return R.chat(job.meta, choices, use) if job.chat else R.completion(job.meta, choices, use)
 
     async def stream(self, job: Job, request: Request) -> StreamingResponse:
-        steps = self._steps(job)
+        items = self._choices(job)
         try:
-            first = await _watch_disconnect(request, steps.__anext__())
+            first = await _watch_disconnect(request, items.__anext__())
         except BaseException:
-            await steps.aclose()
+            await items.aclose()
             raise
-        return StreamingResponse(self._events(job, steps, first), media_type="text/event-stream")
+        return StreamingResponse(self._events(job, items, first), media_type="text/event-stream")
 
-    async def _events(self, job: Job, steps: AsyncIterator[Step], first: Step) -> AsyncIterator[str]:
+    async def _events(self, job: Job, items: AsyncIterator[tuple[int, Step]],
+                      first: tuple[int, Step]) -> AsyncIterator[str]:
         meta = job.meta
-        n_in, n_out = first.num_input_tokens, 0
-        text_len = 0
+        chunk = R.chat_chunk if job.chat else R.completion_chunk
+        outputs = [job.new_output(i) for i in range(job.n)]
+        n_in = first[1].num_input_tokens
         try:
-            async with contextlib.aclosing(steps):
-                if job.chat:
-                    yield R.sse(R.chat_chunk(meta, {"role": "assistant", "content": ""}, None, None))
-                elif job.echo:
-                    yield R.sse(R.completion_chunk(meta, job.echo, None, None))
-                    text_len = len(job.echo)
-                step: Step | None = first
-                while step is not None:
+            async with contextlib.aclosing(items):
+                # Every choice opens in index order: the SDK's stream accumulation places a
+                # choice by the order it first appears.
+                opening = [c for c in (o.first() for o in outputs) if c is not None]
+                if opening:
+                    yield R.sse(chunk(meta, opening))
+                item: tuple[int, Step] | None = first
+                while item is not None:
+                    i, step = item
                     n_in = step.num_input_tokens or n_in
-                    n_out = step.num_output_tokens if step.num_output_tokens is not None else n_out + len(
-                        step.token_ids)
-                    if step.text or step.token_ids or step.finish_reason:
-                        lp = self._logprobs(job, step.token_ids, step.logprobs, text_len)
-                        text_len += len(step.text)
-                        if job.chat:
-                            delta = {"content": step.text} if step.text else {}
-                            yield R.sse(R.chat_chunk(meta, delta, step.finish_reason, lp))
-                        else:
-                            yield R.sse(R.completion_chunk(meta, step.text, step.finish_reason, lp))
-                    step = None if step.final else await steps.__anext__()
-        except (GenerationError, StopAsyncIteration) as e:
-            message = e.message if isinstance(e, GenerationError) else "the generation ended without a final response"
-            log.warning("%s: generation failed mid-stream: %s", meta.id, message)
-            yield R.sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+                    choice = outputs[i].step(step)
+                    if choice is not None:
+                        yield R.sse(chunk(meta, [choice]))
+                    item = await anext(items, None)
+        except GenerationError as e:
+            log.warning("%s: generation failed mid-stream: %s", meta.id, e.message)
+            yield R.sse({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
             yield R.sse("[DONE]")
             return
         if job.include_usage:
-            use = R.usage(n_in or len(job.prompt_ids), n_out)
+            use = R.usage(n_in or len(job.prompt_ids), sum(o.tokens.num_output for o in outputs))
             yield R.sse(R.chat_usage_chunk(meta, use) if job.chat else R.completion_usage_chunk(meta, use))
         yield R.sse("[DONE]")
 

@@ -18,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 
 from splitfuse.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class _Answer(BaseModel):
@@ -45,7 +45,8 @@ class Usage(_Answer):
 class CompletionLogprobs(_Answer):
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: None
+    top_logprobs: list[dict[str, float]] | None
+    """With logprobs=k > 0: per token, its k most likely tokens and the sampled one."""
     text_offset: list[int]
 
 
@@ -65,20 +66,40 @@ class CompletionResponse(_Answer):
     usage: Usage
 
 
+class ChatTopLogprob(_Answer):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class ChatTokenLogprob(_Answer):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[Any]
+    top_logprobs: list[ChatTopLogprob]
 
 
 class ChatLogprobs(_Answer):
     content: list[ChatTokenLogprob]
 
 
+class CalledFunction(_Answer):
+    name: str
+    arguments: str
+    """A JSON object, as text."""
+
+
+class ToolCall(_Answer):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(_Answer):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    """None when the message only calls tools."""
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Answer):
@@ -108,9 +129,16 @@ class CompletionChunk(_Answer):
     usage: Usage | None = None
 
 
+class ToolCallDelta(ToolCall):
+    """A whole call in one delta; `index` numbers the choice's calls."""
+
+    index: int
+
+
 class ChatDelta(_Answer):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Answer):

@@ -3,7 +3,8 @@
 Tokenizing here, in the API process, keeps the engine's thread free of it and gives exact
 `usage.prompt_tokens`; the ids go to the `llm` model as `input_ids`. Plain prompts get the
 tokenizer's special tokens (BOS), as the `preprocessing` model adds them; chat prompts are
-rendered by the chat template, which writes its own.
+rendered by the chat template, which writes its own; tools and earlier tool calls are rendered
+as tool_prompt.py says.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from splitfuse.openai_api.tool_prompt import TemplateSupport, call_block, tools_instructions, with_instructions
 from splitfuse.prompt_limit import PromptLimit
 
 
@@ -18,6 +20,8 @@ class Prompts:
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.limit = PromptLimit(tokenizer, max_model_len)
+        self.template = TemplateSupport()
+        self._token_text: dict[int, str] = {}
 
     def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -51,16 +55,42 @@ class Prompts:
                 self.limit.check(m.text(), "a message")
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
-        messages = []
-        for m in req.messages:
-            extra = {k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}
-            messages.append({**extra, "role": m.role, "content": m.text()})
+        messages = self._messages(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        if req.tools and not self.template.tools(self.tokenizer):
+            messages, tools = with_instructions(messages, tools_instructions(req.tools)), None
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
         except Exception as e:  # the template's own checks (e.g. roles must alternate)
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return self._tokenize(text, "messages", add_special_tokens=False)
 
+    def _messages(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+        """The messages as the template takes them: string extras (name, ...) kept, earlier tool
+        calls as `tool_calls` when the template renders them, else written into the content."""
+        calls_as_data = self.template.tool_calls(self.tokenizer)
+        messages = []
+        for m in req.messages:
+            extra = {k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}
+            message: dict[str, Any] = {**extra, "role": m.role, "content": m.text()}
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls and calls_as_data:
+                message["tool_calls"] = [c.template_form() for c in m.tool_calls]
+            elif m.tool_calls:
+                blocks = [call_block(c.function.name, c.template_form()["function"]["arguments"])
+                          for c in m.tool_calls]
+                message["content"] = "\n".join(([message["content"]] if message["content"] else []) + blocks)
+            messages.append(message)
+        return messages
+
     def token_strings(self, ids: list[int]) -> list[str]:
         """Each token decoded on its own (a piece of a multi-byte character shows as U+FFFD)."""
-        return [self.tokenizer.decode([i]) for i in ids]
+        out = []
+        for i in ids:
+            text = self._token_text.get(i)
+            if text is None:  # remembered: top log-probs decode up to 21 tokens per output token
+                text = self._token_text[i] = self.tokenizer.decode([i])
+            out.append(text)
+        return out

@@ -1,16 +1,21 @@
 """The OpenAI request bodies this front accepts, and the error it answers with.
 
 Parameters the engine cannot honour are refused with a 400 naming them rather than ignored:
-a client that asks for n=2 or top-5 log-probabilities must not silently get something else.
+a client that asks for logit_bias or a suffix must not silently get something else.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
-from splitfuse.sequence import MAX_CACHE_SALT_LENGTH
+from splitfuse.openai_api.response_format import JsonObjectFormat, JsonSchemaFormat, ResponseFormat, format_guide
+from splitfuse.openai_api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCall, ToolChoice, forced_call_schema, \
+    tools_problem
+from splitfuse.sequence import MAX_CACHE_SALT_LENGTH, MAX_TOP_LOGPROBS
+from splitfuse.structured.guide import MAX_GUIDE_LENGTH
 
 
 class ApiError(Exception):
@@ -33,6 +38,10 @@ class ApiError(Exception):
 
 # The `llm` model's integer inputs are INT32: a larger value must be refused here, not wrapped.
 INT32_MAX = 2**31 - 1
+# Choices of one request (`n`): each is a generation of its own, sharing the prompt's KV.
+MAX_CHOICES = 16
+# OpenAI's limit for /v1/completions' `logprobs`.
+MAX_COMPLETION_LOGPROBS = 5
 
 
 def _doc(*schemas: dict, nullable: bool = True) -> WithJsonSchema:
@@ -61,7 +70,8 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: Annotated[int, _doc({"type": "integer", "minimum": 1, "maximum": 1}, nullable=False)] = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    """Choices, each its own generation; with a seed, choice i samples with seed + i (mod 2**64)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _doc(_TEXT, {"type": "array", "items": _TEXT, "maxItems": 4})] = None
@@ -81,13 +91,6 @@ class _Sampling(BaseModel):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported (one choice per request)")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -119,18 +122,11 @@ class CompletionRequest(_Sampling):
                       _doc(_TEXT, _TOKEN_IDS, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": 1},
                            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}, nullable=False)]
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
-    logprobs: Annotated[int | None, _doc({"type": "integer", "minimum": 0, "maximum": 0})] = Field(default=None, ge=0,
-                                                                                                   le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    """k > 0: each token's k most likely alternatives too (top_logprobs)."""
     echo: bool = False
     best_of: Annotated[int | None, _doc({"type": "integer", "minimum": 1, "maximum": 1})] = None
     suffix: Annotated[str | None, _doc({"type": "string", "maxLength": 0})] = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _chosen_only(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("only the sampled token's log-probability is available: use logprobs=0")
-        return v
 
     @field_validator("best_of")
     @classmethod
@@ -163,10 +159,21 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
+    model_config = ConfigDict(extra="allow")  # name, ...: string extras are passed to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[dict[str, Any]] | None,
                        _doc({"type": "string"}, {"type": "array", "items": _TEXT_PART})] = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant message's calls (its content may then be null)."""
+    tool_call_id: str | None = None
+    """A tool message's answer to this call."""
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _bounded_calls(cls, v: list[ToolCall] | None) -> list[ToolCall] | None:
+        if v is not None and len(v) > MAX_TOOLS:
+            raise ValueError(f"at most {MAX_TOOLS} tool calls per message")
+        return v
 
     def text(self) -> str:
         if self.content is None:
@@ -186,40 +193,44 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: Annotated[int | None, _doc({"type": "integer", "minimum": 0, "maximum": 0})] = Field(
-        default=None, ge=0, le=20)
-    tools: Annotated[list[Any] | None, _doc({"type": "array", "maxItems": 0})] = None
-    tool_choice: Annotated[Any, _doc({"type": "string", "enum": ["none"]})] = None
-    response_format: Annotated[dict[str, Any] | None, _doc({
-        "type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}, "required": ["type"]})] = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Each token's k most likely alternatives (needs logprobs: true)."""
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    """Default: "auto" with tools, "none" without."""
+    response_format: ResponseFormat | None = None
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _chosen_only(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("only the sampled token's log-probability is available: top_logprobs must be 0")
-        return v
+    def check(self) -> None:
+        """What the fields allow alone but not together: a 400 naming the parameter."""
+        self.check_stream_options()
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        problem = tools_problem(self.tools, self.tool_choice)
+        if problem is not None:
+            raise ApiError(400, problem[1], param=problem[0])
+        if self.tool_mode() == "forced" and isinstance(self.response_format, (JsonObjectFormat, JsonSchemaFormat)):
+            raise ApiError(400, "response_format cannot constrain the output of a forced tool call (tool_choice "
+                                "'required' or a named function)", param="response_format")
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("tools are not supported")
-        return v
+    def tool_mode(self) -> Literal["none", "auto", "forced"]:
+        """none: plain content; auto: the model may write <tool_call> blocks; forced: the whole
+        output is one call."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice in ("none", "auto"):
+            return "none" if not self.tools else choice
+        return "forced"
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v: Any) -> Any:
-        if v not in (None, "none"):
-            raise ValueError("tool_choice is not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict | None) -> dict | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return v
+    def guide(self) -> tuple[str, str] | None:
+        """(guide type, guide) constraining the output, or None."""
+        if self.tool_mode() == "forced":
+            assert self.tools
+            only = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+            text = json.dumps(forced_call_schema(self.tools, only), ensure_ascii=False, separators=(",", ":"))
+            if len(text) > MAX_GUIDE_LENGTH:
+                raise ApiError(400, f"the tools' parameters schemas together are longer than {MAX_GUIDE_LENGTH} "
+                                    "characters as JSON: a forced call cannot be constrained by them", param="tools")
+            return "json_schema", text
+        return format_guide(self.response_format)
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -32,57 +32,38 @@ class Meta:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-# ---- /v1/completions ------------------------------------------------------------------------
+# ---- /v1/completions (choices from choice_output.py) -------------------------------------
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], text_start: int) -> dict:
-    """The legacy `logprobs` object; offsets count characters of the choice's text."""
-    offsets, pos = [], text_start
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
-
-
-def completion(meta: Meta, text: str, finish_reason: str | None, logprobs: dict | None, use: dict) -> dict:
+def completion(meta: Meta, choices: list[dict], use: dict) -> dict:
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": use}
+            "choices": choices, "usage": use}
 
 
-def completion_chunk(meta: Meta, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+def completion_chunk(meta: Meta, choices: list[dict]) -> dict:
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": choices}
 
 
 def completion_usage_chunk(meta: Meta, use: dict) -> dict:
-    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [], "usage": use}
+    return {**completion_chunk(meta, []), "usage": use}
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------------
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
-
-
-def chat(meta: Meta, text: str, finish_reason: str | None, logprobs: dict | None, use: dict) -> dict:
+def chat(meta: Meta, choices: list[dict], use: dict) -> dict:
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": use}
+            "choices": choices, "usage": use}
 
 
-def chat_chunk(meta: Meta, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
+def chat_chunk(meta: Meta, choices: list[dict]) -> dict:
     return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": choices}
 
 
 def chat_usage_chunk(meta: Meta, use: dict) -> dict:
-    return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-            "choices": [], "usage": use}
+    return {**chat_chunk(meta, []), "usage": use}
 
 
 # ---- /v1/models -----------------------------------------------------------------------------

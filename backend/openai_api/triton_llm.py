@@ -29,7 +29,8 @@ INPUT_DTYPES = {
     "min_tokens": ("INT32", np.int32), "seed": ("UINT64", np.uint64), "ignore_eos": ("BOOL", np.bool_),
     "stop_words": ("BYTES", np.object_), "return_log_probs": ("BOOL", np.bool_),
     "return_num_input_tokens": ("BOOL", np.bool_), "return_num_output_tokens": ("BOOL", np.bool_),
-    "cache_salt": ("BYTES", np.object_),
+    "cache_salt": ("BYTES", np.object_), "return_top_log_probs": ("INT32", np.int32),
+    "guided_decoding_guide_type": ("BYTES", np.object_), "guided_decoding_guide": ("BYTES", np.object_),
 }
 
 
@@ -71,6 +72,10 @@ class Step:
     num_input_tokens: int | None
     num_output_tokens: int | None
     final: bool
+    top_ids: list[list[int]] | None = None
+    """With return_top_log_probs=k: per token, the k most likely token ids (most likely first)."""
+    top_logprobs: list[list[float]] | None = None
+    """Their log-probabilities, as top_ids."""
 
 
 def build_inputs(values: dict[str, Any]) -> list:
@@ -100,6 +105,7 @@ def parse_step(result) -> Step:
     reason = get("finish_reason")
     lps = get("log_probs")
     n_in, n_out = get("num_input_tokens"), get("num_output_tokens")
+    top_ids, top_lps = result.as_numpy("top_log_prob_ids"), result.as_numpy("top_log_probs")
     finish = bytes(reason[0]).decode() if reason is not None and reason.size else ""
     return Step(
         text=b"".join(bytes(t) for t in text).decode("utf-8") if text is not None else "",
@@ -110,7 +116,16 @@ def parse_step(result) -> Step:
         num_output_tokens=int(n_out[0]) if n_out is not None and n_out.size else None,
         # The last response of a generation carries its finish reason.
         final=final or bool(finish),
+        top_ids=_rows(top_ids, int),
+        top_logprobs=_rows(top_lps, float),
     )
+
+
+def _rows(arr, kind: type) -> list[list] | None:
+    """A [1, tokens, k] output as one list of k values per token."""
+    if arr is None or arr.ndim == 0 or arr.shape[-1] == 0:
+        return None
+    return arr.reshape(-1, arr.shape[-1]).astype(kind).tolist()
 
 
 class TritonLLM:

@@ -200,12 +200,12 @@ def test_logprobs(api):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(n=2), ["n=1"]),
+    (dict(n=17), ["n", "16"]),
     (dict(top_p=0.0), ["top_p"]),
     (dict(temperature=-1.0), ["temperature"]),
     (dict(max_tokens=0), ["max_tokens"]),
     (dict(max_tokens=100_000), ["max_model_len"]),
-    (dict(logprobs=3), ["logprobs"]),
+    (dict(logprobs=6), ["logprobs"]),
     (dict(presence_penalty=5.0), ["presence_penalty"]),
     (dict(seed=-1), ["seed"]),
     (dict(stop=[""]), ["stop"]),
@@ -229,11 +229,12 @@ def test_completion_bad_parameters_are_400(api, kwargs, words):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(n=3), ["n=1"]),
+    (dict(n=17), ["n", "16"]),
     (dict(messages=[]), ["messages"]),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), ["role"]),
-    (dict(top_logprobs=2, logprobs=True), ["top_logprobs"]),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), ["tools"]),
+    (dict(top_logprobs=21, logprobs=True), ["top_logprobs"]),
+    (dict(top_logprobs=2), ["top_logprobs", "logprobs: true"]),
+    (dict(tools=[{"type": "function", "function": {"name": "not a name!"}}]), ["tools"]),
 ])
 def test_chat_bad_parameters_are_400(api, kwargs, words):
     client = api.client()

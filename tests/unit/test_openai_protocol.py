@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("fastapi", reason="fastapi is in the serve extra")
 
 from splitfuse.openai_api import responses as R  # noqa: E402
+from splitfuse.openai_api.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs  # noqa: E402
 from splitfuse.openai_api.app import generation_http_error, sampling_inputs  # noqa: E402
 from splitfuse.openai_api.body import DEFAULT_MAX_BODY_BYTES, decode_json, default_body_limit  # noqa: E402
 from splitfuse.openai_api.prompts import Prompts  # noqa: E402
@@ -20,9 +21,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({**GOOD, "n": 2}, "n", "n=1"),
+    ({**GOOD, "n": 17}, "n", "less than or equal to 16"),
     ({**GOOD, "best_of": 3}, "best_of", "best_of=1"),
-    ({**GOOD, "logprobs": 2}, "logprobs", "logprobs=0"),
+    ({**GOOD, "logprobs": 6}, "logprobs", "less than or equal to 5"),
     ({**GOOD, "temperature": 2.5}, "temperature", "temperature"),
     ({**GOOD, "top_p": 0}, "top_p", "top_p"),
     ({**GOOD, "max_tokens": 0}, "max_tokens", "max_tokens"),
@@ -46,10 +47,10 @@ def test_completion_requests_that_are_refused_name_their_parameter(body, param, 
 @pytest.mark.parametrize("body, param", [
     ({**CHAT, "messages": []}, "messages"),
     ({**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages"),
-    ({**CHAT, "logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-    ({**CHAT, "n": 4}, "n"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ({**CHAT, "n": 17}, "n"),
 ])
 def test_chat_requests_that_are_refused(body, param):
     with pytest.raises(ApiError) as e:
@@ -153,14 +154,18 @@ def test_the_default_body_limit_holds_the_longest_accepted_prompt():
 
 def test_response_bodies():
     meta = R.Meta("cmpl-1", "m", created=5)
-    lp = R.completion_logprobs(["ab", "c", "de"], [-0.1, -0.2, -0.3], text_start=4)
-    assert lp["text_offset"] == [4, 6, 7] and lp["tokens"] == ["ab", "c", "de"]
-    body = R.completion(meta, "abcde", "length", lp, R.usage(3, 3))
+    strings = {1: "ab", 2: "c", 3: "de", 4: "é"}
+    lp = completion_logprobs(TokenLogprobs([1, 2, 3], [-0.1, -0.2, -0.3]), lambda ids: [strings[i] for i in ids],
+                             text_start=4, want_top=False)
+    assert lp["text_offset"] == [4, 6, 7] and lp["tokens"] == ["ab", "c", "de"] and lp["top_logprobs"] is None
+    choice = {"index": 0, "text": "abcde", "logprobs": lp, "finish_reason": "length"}
+    body = R.completion(meta, [choice], R.usage(3, 3))
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert body["choices"][0]["finish_reason"] == "length" and body["object"] == "text_completion"
-    chat_lp = R.chat_logprobs(["é"], [-1.0])
-    assert chat_lp["content"][0]["bytes"] == [0xC3, 0xA9]
-    event = R.sse(R.chat_chunk(meta, {"content": "é"}, None, None))
+    chat_lp = chat_logprobs(TokenLogprobs([4], [-1.0]), lambda ids: [strings[i] for i in ids])
+    assert chat_lp["content"][0]["bytes"] == [0xC3, 0xA9] and chat_lp["content"][0]["top_logprobs"] == []
+    event = R.sse(R.chat_chunk(meta, [{"index": 0, "delta": {"content": "é"}, "logprobs": None,
+                                       "finish_reason": None}]))
     assert event.startswith("data: ") and event.endswith("\n\n")
     assert json.loads(event[6:])["choices"][0]["delta"]["content"] == "é"
     assert R.sse("[DONE]") == "data: [DONE]\n\n"
