@@ -165,6 +165,7 @@ class _Child:
         if self._in_process is not None:
             return compile_guide(self._in_process, kind, text)
         if self.process is None or self.process.poll() is not None:
+            self.stop()  # the connection of one that died while idle
             try:
                 self._start()
             except _WorkerUnavailable as e:

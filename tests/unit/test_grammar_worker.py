@@ -113,6 +113,15 @@ def test_a_crash_fails_its_own_guide_and_the_next_compile_starts_a_new_child(wor
     assert worker.pid not in (None, first)
 
 
+def test_a_child_killed_while_idle_is_replaced_without_failing_a_guide(worker):
+    worker.submit("regex", "[a-z]+").result()
+    first = worker.pid
+    os.kill(first, signal.SIGKILL)  # the OOM killer, an operator
+    _wait_for(lambda: not _alive(first))
+    assert worker.submit("regex", "[0-9]+").result(timeout=120) is not None
+    assert worker.pid not in (None, first)
+
+
 def test_a_guide_past_the_time_bound_is_refused_and_its_child_killed(worker):
     worker.submit("regex", "[a-z]+").result()
     first = worker.pid
