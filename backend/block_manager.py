@@ -31,12 +31,21 @@ ROOT_HASH = b""
 """Parent hash of a sequence's first block (without a cache salt)."""
 
 
-def root_hash(cache_salt: str | None) -> bytes:
+def root_hash(cache_salt: str | None, lora_name: str | None = None) -> bytes:
     """Parent hash of a sequence's first block: a salt starts a chain of its own, so requests
-    share cached blocks only with requests of the same salt."""
-    if cache_salt is None:
+    share cached blocks only with requests of the same salt; so does a LoRA adapter (its KV
+    differs from the base's and other adapters' for the same tokens)."""
+    if cache_salt is None and lora_name is None:
         return ROOT_HASH
-    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8")).digest()
+    # Adapter names hold no NUL, and the two prefixes differ: no salt can pose as an adapter.
+    key = b"" if lora_name is None else b"lora_name\0" + lora_name.encode("utf-8") + b"\0"
+    if cache_salt is not None:
+        key += b"cache_salt\0" + cache_salt.encode("utf-8")
+    return hashlib.sha256(key).digest()
+
+
+def seq_root_hash(seq: Sequence) -> bytes:
+    return root_hash(seq.params.cache_salt, seq.params.lora_name)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -107,7 +116,7 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if i else root_hash(seq.params.cache_salt)
+            parent = hashes[-1] if i else seq_root_hash(seq)
             hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
@@ -245,7 +254,7 @@ class BlockManager:
             assert not self._block_of_hash, "blocks hashed with prefix caching off"
         bs = self.block_size
         for seq in live:
-            parent = root_hash(seq.params.cache_salt)
+            parent = seq_root_hash(seq)
             for i, block in enumerate(seq.block_table):
                 if (i + 1) * bs > seq.num_tokens:
                     break

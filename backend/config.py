@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 TENSOR_PARALLEL_LAUNCHES = ("spawn", "env")
+LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass
@@ -123,6 +125,18 @@ class EngineConfig:
     and its end at once). Each Triton response is a round trip to the server process (~1 ms on 2
     busy cores): larger values send fewer responses per token under load, the tokens arriving in
     groups. 1 sends every step's tokens."""
+    lora_modules: str = ""
+    """LoRA adapters served over the base model: "name=path[,name=path...]", each path a PEFT
+    folder (adapter_config.json + adapter_model.safetensors), all read and checked at start. A
+    request picks one by name (SamplingParams.lora_name); one step batches several adapters and
+    the base. Names: 1-64 of A-Z a-z 0-9 . _ -, unique. Not with tensor_parallel_size > 1 or
+    speculative_method=draft."""
+    max_loras: int = 4
+    """Adapters resident (weights in memory) at once; with more configured, the least recently
+    used one is dropped and read again from its folder when a request needs it. Running
+    sequences together use at most this many adapters: a request for another one waits."""
+    max_lora_rank: int = 64
+    """Largest LoRA rank accepted; an adapter of a higher rank is refused at start."""
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
@@ -165,6 +179,34 @@ class EngineConfig:
                              f"{self.tensor_parallel_timeout_s!r}")
         if not (isinstance(self.default_temperature, (int, float)) and 0.0 <= self.default_temperature < float("inf")):
             raise ValueError(f"default_temperature must be a finite number >= 0, got {self.default_temperature!r}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        adapters = self.lora_adapters()  # raises naming lora_modules
+        if adapters and self.tensor_parallel_size > 1:
+            raise ValueError("lora_modules cannot be combined with tensor_parallel_size > 1 (adapters are not "
+                             "sharded across ranks)")
+        if adapters and self.speculative_method == "draft":
+            raise ValueError("lora_modules cannot be combined with speculative_method=draft (the draft model has "
+                             "no adapters); use speculative_method=ngram or none")
+
+    def lora_adapters(self) -> dict[str, str]:
+        """`lora_modules` parsed: adapter name -> PEFT folder, in the order given."""
+        if not isinstance(self.lora_modules, str):
+            raise ValueError(f"lora_modules must be a string \"name=path[,name=path...]\", got {self.lora_modules!r}")
+        adapters: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in self.lora_modules.split(","))):
+            name, sep, path = (s.strip() for s in item.partition("="))
+            if not sep or not path:
+                raise ValueError(f"lora_modules: {item!r} is not name=path")
+            if not LORA_NAME.fullmatch(name):
+                raise ValueError(f"lora_modules: adapter name {name!r} must be 1-64 characters of A-Z a-z 0-9 . _ -")
+            if name in adapters:
+                raise ValueError(f"lora_modules: adapter name {name!r} is given twice")
+            adapters[name] = path
+        return adapters
 
     def _check_speculation(self) -> None:
         _check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)

@@ -25,6 +25,7 @@ from splitfuse.block_manager import BlockManager
 from splitfuse.config import EngineConfig
 from splitfuse.detokenizer import IncrementalDetokenizer
 from splitfuse.errors import SERVER_BUSY
+from splitfuse.lora.registry import LoraStats
 from splitfuse.model_runner import ModelRunner
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 from splitfuse.prompt_limit import PromptLimit
@@ -103,7 +104,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, config.kv_watermark,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.token_budget, config.max_num_seqs, config.scheduler_policy,
-                                   config.speculative_disable_batch_size)
+                                   config.speculative_disable_batch_size, max_loras=config.max_loras)
+        self._lora_requests: dict[str, int] = {name: 0 for name in self.lora_names()}
         self.speculation = _speculative_decoder(config, self.max_model_len, self.vocab_size)
         self.eos_token_ids = set(_generation_eos_ids(config.model) or self.runner.args.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -124,6 +126,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        self._check_lora(params)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -153,6 +156,23 @@ class LLMEngine:
         # always make room for it.)
         return token_ids
 
+    def _check_lora(self, params: SamplingParams) -> None:
+        if params.lora_name is not None and params.lora_name not in self._lora_requests:
+            served = ", ".join(self._lora_requests)
+            raise ValueError(f"unknown LoRA adapter {params.lora_name!r}; "
+                             + (f"this engine serves: {served}" if served else "no LoRA adapters are configured"))
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters requests may name (SamplingParams.lora_name), as configured."""
+        return self.runner.lora.names if self.runner.lora is not None else []
+
+    def lora_stats(self) -> LoraStats:
+        """Adapters configured and resident, loads, evictions and requests per adapter."""
+        lora = self.runner.lora
+        stats = lora.stats() if lora is not None else LoraStats(configured=[], resident=[], loads=0, evictions=0)
+        stats.requests = dict(self._lora_requests)
+        return stats
+
     def grammars(self) -> GrammarCache:
         """The compiled-grammar cache for this tokenizer (ValueError without xgrammar)."""
         with self._grammars_lock:
@@ -173,6 +193,7 @@ class LLMEngine:
         is when a server took it, if earlier than now."""
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_lora(params)
         seq = Sequence(request_id, token_ids, params, next(self._arrivals))
         if arrival_time is not None:
             seq.arrival_time = arrival_time
@@ -187,6 +208,8 @@ class LLMEngine:
             raise
         if matcher is not None:
             self._matchers[request_id] = matcher
+        if params.lora_name is not None:
+            self._lora_requests[params.lora_name] += 1
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its KV blocks now. Returns its final output, or None if
@@ -218,8 +241,12 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def shutdown(self) -> None:
-        """Release what outlives the object (the other tensor-parallel ranks' processes)."""
+        """Release what outlives the object (the other tensor-parallel ranks' processes, the
+        grammar compiler's)."""
         self.runner.shutdown()
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)

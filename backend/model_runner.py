@@ -16,6 +16,9 @@ from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import check_quantization, native_bf16_cpu, resolve_linear_backend
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
+from splitfuse.lora.adapter import TARGETS, BaseShape
+from splitfuse.lora.batching import LoraProjection, LoraState
+from splitfuse.lora.registry import LoraRegistry
 from splitfuse.models.llama import ModelArgs
 from splitfuse.models.loader import load_model, read_hf_config
 from splitfuse.parallel.group import RankGroup, rank_device
@@ -119,6 +122,7 @@ class ModelRunner:
         shard = Sharder(full_args, group.rank, group.world_size) if group is not None else None
         self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device, shard=shard,
                                 all_reduce=group.all_reduce if group is not None else None)
+        self._attach_lora()
         self.model.prepare_linears(self.linear_backend, config.quantization)
         log.info("splitfuse: device=%s dtype=%s kv_cache_dtype=%s attention_backend=%s (requested %s) "
                  "linear_backend=%s (requested %s) quantization=%s weights=%s threads=%d", self.device,
@@ -140,11 +144,35 @@ class ModelRunner:
                                                    self.args.head_dim)
         # Zeroed so padded block slots read by batched kernels are finite.
         self.kv_caches = [(self._zeroed_cache(shape), self._zeroed_cache(shape)) for _ in range(self.args.num_layers)]
-        why = self.model.prepare_decoder_stack(self.kv_caches) if config.fused_decoder else "fused_decoder=false"
+        if not config.fused_decoder:
+            why = "fused_decoder=false"
+        elif self.lora is not None and self.lora.adapts_mlp_activation_input:
+            # (Adapters elsewhere keep it for steps without adapter rows.)
+            why = "LoRA adapters on gate_proj / up_proj: their deltas go in before SwiGLU's fused activation"
+        else:
+            why = self.model.prepare_decoder_stack(self.kv_caches)
         self.decoder_layers = "one C++ call" if why is None else f"Python ({why})"
         log.info("splitfuse: decoder layers in %s", self.decoder_layers)
         if group is not None:
             group.barrier()  # every rank has its shard and cache
+
+    def _attach_lora(self) -> None:
+        """Read the configured LoRA adapters and hook the projections they adapt (before the
+        kernels are prepared: a hooked gate_up projection leaves its activation out)."""
+        self.lora: LoraRegistry | None = None
+        self.lora_state: LoraState | None = None
+        adapters = self.config.lora_adapters()
+        if not adapters:
+            return
+        a = self.args
+        base = BaseShape(num_layers=a.num_layers, hidden_size=a.hidden_size, q_size=a.num_heads * a.head_dim,
+                         kv_size=a.num_kv_heads * a.head_dim, intermediate_size=a.intermediate_size,
+                         moe=a.num_experts > 0)
+        self.lora = LoraRegistry(adapters, base, self.config.max_loras, self.config.max_lora_rank, self.dtype,
+                                 self.device)
+        state = self.lora_state = LoraState()
+        self.model.attach_lora(state, lambda layer, name: LoraProjection(layer, name, state),
+                               {TARGETS[t][0] for t in self.lora.targets})
 
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -217,6 +245,11 @@ class ModelRunner:
         logits). The last layer writes every row's K/V and computes nothing else for the rest."""
         attention, kv_heads = self.kernels.attention, self.args.num_kv_heads
         attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, kv_heads)
+        if self.lora_state is not None:
+            adapters = self.lora.acquire(batch.lora.names) if batch.lora is not None else []
+            self.lora_state.set_step(adapters, batch.lora)
+        elif batch.lora is not None:
+            raise ValueError(f"LoRA adapters {batch.lora.names} requested but this model serves none")
         keep = None
         if (last := batch.last_layer) is not None:
             attention.prepare(last.attn, last.query_lens, last.seq_lens, kv_heads)

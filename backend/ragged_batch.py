@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from splitfuse.layers.attention import AttentionMetadata
+from splitfuse.lora.batching import LoraRows
 from splitfuse.scheduler import ScheduledChunk
 
 
@@ -33,6 +34,9 @@ class RaggedBatch:
     # row still writes its K/V there): no other row's hidden state is read after it. None when
     # every row is a sample row (a step of decodes), so such a step runs as it is.
     last_layer: SampleRows | None
+    # Which rows each LoRA adapter owns (each sequence's SamplingParams.lora_name); None when no
+    # sequence of the step has one.
+    lora: LoraRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +104,8 @@ class RaggedBatch:
                 query_lens=num_rows.tolist(),
                 seq_lens=sample_seq_lens.tolist(),
             )
+        lora = LoraRows.build([c.seq.params.lora_name for c in chunks], query_lens,
+                              sample_rows if last_layer is not None else None, device)
         return cls(
             input_ids=tensor(np.asarray(token_ids, dtype=np.int64)),
             positions=tensor(positions),
@@ -108,6 +114,7 @@ class RaggedBatch:
             query_lens=query_lens.tolist(),
             seq_lens=seq_lens.tolist(),
             last_layer=last_layer,
+            lora=lora,
         )
 
 

@@ -26,7 +26,7 @@ step `advance` makes the blocks a chunk filled findable for requests admitted la
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from splitfuse.block_manager import BlockManager
@@ -67,12 +67,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, token_budget: int, max_num_seqs: int, policy: str,
-                 speculative_disable_batch_size: int = 0) -> None:
+                 speculative_disable_batch_size: int = 0, max_loras: int | None = None) -> None:
         self.blocks = block_manager
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
         self.policy = policy
         self.speculative_disable_batch_size = speculative_disable_batch_size
+        # Running sequences use at most max_loras LoRA adapters together, so every step's fit in
+        # the resident set (None: no bound).
+        self.max_loras = max_loras
+        self._running_loras: Counter[str] = Counter()
         self._schedule_fn = {
             "splitfuse": self._schedule_splitfuse,
             "prefill_first": self._schedule_prefill_first,
@@ -236,6 +240,10 @@ class Scheduler:
             # preemption just freed (a victim's cached prefix) and preempt again next step.
             return None
         seq = self.waiting[0]
+        lora = seq.params.lora_name
+        if (lora is not None and self.max_loras is not None and lora not in self._running_loras
+                and len(self._running_loras) >= self.max_loras):
+            return None  # waits (FIFO) until a running adapter's sequences are done
         cached = self.blocks.lookup(seq)
         if not self.blocks.can_admit(seq, seq.num_tokens, cached):
             return None
@@ -252,6 +260,8 @@ class Scheduler:
         idx = bisect.bisect(self._running_arrivals, seq.arrival)
         self.running.insert(idx, seq)
         self._running_arrivals.insert(idx, seq.arrival)
+        if lora is not None:
+            self._running_loras[lora] += 1
         return seq
 
     def _preempt(self, seq: Sequence) -> None:
@@ -268,3 +278,8 @@ class Scheduler:
         idx = self.running.index(seq)
         del self.running[idx]
         del self._running_arrivals[idx]
+        lora = seq.params.lora_name
+        if lora is not None:
+            self._running_loras[lora] -= 1
+            if not self._running_loras[lora]:
+                del self._running_loras[lora]

@@ -62,6 +62,8 @@ class SamplingParams:
     """Constrains the output to a JSON schema, any JSON, a regex, an EBNF grammar or a choice
     (splitfuse.structured): every token sampled is one the grammar allows, and the output ends
     when the grammar is complete."""
+    lora_name: str | None = None
+    """The LoRA adapter (EngineConfig.lora_modules) to generate with; None: the base model."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +126,8 @@ class SamplingParams:
             isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH
         ):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LENGTH} characters")
+        if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
+            raise ValueError(f"lora_name must be a non-empty string or None, got {self.lora_name!r}")
 
 
 def _check_int(name: str, value: object, minimum: int | None) -> None:

@@ -240,13 +240,17 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel: LinearKernel | None = None
         self.silu_and_mul = silu_and_mul
+        # LoRA (splitfuse.lora.batching.LoraProjection): adds the step's adapters' deltas to the
+        # product; set before `prepare`, so a SwiGLU kernel then leaves the activation out (the
+        # deltas go in before it).
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def prepare(self, backend: str, quantization: str = "none", release_weight: bool = True) -> None:
         """Build the kernel for `backend` (or `quantization`). With a packed kernel and
         `release_weight`, the plain weight's storage is freed (pass False for a weight shared
         with another module, such as a tied LM head)."""
         self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization,
-                                         swiglu=self.silu_and_mul is not None)
+                                         swiglu=self.silu_and_mul is not None and self.lora is None)
         if release_weight:
             release_if_packed(self.kernel, self.weight)
 
@@ -255,6 +259,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._unprepared if self.kernel is None else self.kernel
+        if self.lora is not None:  # the kernel gives the plain product (see prepare)
+            out = self.lora(x, kernel(x))
+            return out if self.silu_and_mul is None else self.silu_and_mul(out)
         return kernel(x) if self.silu_and_mul is None else swiglu(kernel, x, self.silu_and_mul)
 
     def extra_repr(self) -> str:

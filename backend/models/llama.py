@@ -8,6 +8,7 @@ name `mlp`, with the experts' weights stacked.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +21,8 @@ from splitfuse.layers.int8_linear import CpuInt8Linear
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import CpuLinear, Linear, fuses_swiglu
 from splitfuse.layers.moe import Experts, SparseMoeBlock
+
+log = logging.getLogger(__name__)
 
 # Rows to keep after the last layer's K/V write, and the attention metadata of those rows alone.
 Keep = tuple[torch.Tensor, AttentionMetadata]
@@ -231,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Set by prepare_decoder_stack: the decoder layers in one C++ call.
         self.decoder_stack: cpu_decoder.DecoderStack | None = None
+        # Set by attach_lora: the step's LoRA adapters (splitfuse.lora.batching.LoraState).
+        self.lora_state = None
+        self._logged_stack_declined = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor,
@@ -242,11 +248,19 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         last = len(self.model.layers) - 1
         start = 0
-        if self.decoder_stack is not None:
+        stack = self.decoder_stack
+        if stack is not None and self.lora_state is not None and self.lora_state.active:
+            # The C++ stack has no LoRA: a step with adapter rows runs its layers in Python.
+            stack = None
+            if not self._logged_stack_declined:
+                self._logged_stack_declined = True
+                log.info("splitfuse: steps with LoRA adapter rows run the decoder layers in Python "
+                         "(the fused C++ decoder has no LoRA)")
+        if stack is not None:
             # All layers in one call, but a last layer that keeps some rows only (Python's).
             start = last if keep is not None else last + 1
             if start:
-                h, residual = self.decoder_stack.run(h, start, positions, cos, sin, meta.slot_mapping,
+                h, residual = stack.run(h, start, positions, cos, sin, meta.slot_mapping,
                                                      meta.query_start_loc, meta.seq_lens, meta.block_tables)
         for i in range(start, last + 1):
             k_cache, v_cache = kv_caches[i]
@@ -298,6 +312,19 @@ class LlamaForCausalLM(nn.Module):
                                                       scale=layers[0].self_attn.scale, int8_levels=levels,
                                                       int8_zero_point=zero_point)
         return None
+
+    def attach_lora(self, state, hook: Callable[[int, str], Callable], projections: set[str]) -> None:
+        """Give the `projections` (our names: qkv_proj, o_proj, gate_up_proj, down_proj) of every
+        layer the LoRA hook `hook(layer, name)`, `state` being the step's adapters. Before
+        prepare_linears (a hooked gate_up_proj is prepared without the fused activation)."""
+        for i, layer in enumerate(self.model.layers):
+            modules = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj}
+            if isinstance(layer.mlp, MLP):
+                modules.update(gate_up_proj=layer.mlp.gate_up_proj, down_proj=layer.mlp.down_proj)
+            for name, module in modules.items():
+                if name in projections:
+                    module.lora = hook(i, name)
+        self.lora_state = state
 
     def prepare_linears(self, backend: str, quantization: str = "none") -> None:
         """Give every projection its kernel for `backend` and `quantization` (after the weights

@@ -1,0 +1,87 @@
+"""The configured adapters and the resident set: at most `max_loras` adapters' weights in memory,
+the least recently used dropped when another one is needed (and read again from its folder)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from splitfuse.lora.adapter import MLP_TARGETS, BaseShape, LoraAdapter, load_adapter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoraStats:
+    """What the adapters are doing, for metrics."""
+
+    configured: list[str]
+    resident: list[str]
+    """Adapters whose weights are in memory, least recently used first."""
+    loads: int
+    """Times an adapter's weights were read into memory (at start and after evictions)."""
+    evictions: int
+    requests: dict[str, int] = field(default_factory=dict)
+    """Requests accepted per adapter."""
+
+
+class LoraRegistry:
+    def __init__(self, adapters: dict[str, str], base: BaseShape, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        """Read and check every configured adapter now (a bad folder fails the start, not a
+        request); the first `max_loras` stay resident."""
+        self.paths = dict(adapters)
+        self.base, self.max_loras, self.max_rank = base, max_loras, max_rank
+        self.dtype, self.device = dtype, device
+        self.loads = self.evictions = 0
+        self._resident: OrderedDict[str, LoraAdapter] = OrderedDict()
+        targets: set[str] = set()
+        for name, path in self.paths.items():
+            adapter = load_adapter(name, path, base, max_rank)
+            targets |= adapter.targets
+            if len(self._resident) < max_loras:
+                self._resident[name] = adapter.to(device, dtype)
+                self.loads += 1
+            log.info("splitfuse: LoRA adapter %r from %s: rank %d on %s%s", name, path, adapter.rank,
+                     ", ".join(sorted(adapter.targets)), "" if name in self._resident else " (not resident)")
+        self.targets = frozenset(targets)
+        """HF projection names some configured adapter adapts."""
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.paths)
+
+    @property
+    def adapts_mlp_activation_input(self) -> bool:
+        """Whether some adapter changes gate_proj / up_proj, the inputs of SwiGLU's activation."""
+        return bool(self.targets & set(MLP_TARGETS[:2]))
+
+    def acquire(self, names: list[str]) -> list[LoraAdapter]:
+        """The adapters `names` (distinct, at most max_loras: the scheduler keeps running sequences
+        within that), made resident, evicting the least recently used others."""
+        if len(names) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(names)} LoRA adapters, more than max_loras={self.max_loras}")
+        wanted = set(names)
+        out = []
+        for name in names:
+            adapter = self._resident.get(name)
+            if adapter is None:
+                while len(self._resident) >= self.max_loras:
+                    victim = next(n for n in self._resident if n not in wanted)
+                    del self._resident[victim]
+                    self.evictions += 1
+                    log.info("splitfuse: LoRA adapter %r evicted (max_loras=%d)", victim, self.max_loras)
+                adapter = load_adapter(name, self.paths[name], self.base, self.max_rank).to(self.device, self.dtype)
+                self._resident[name] = adapter
+                self.loads += 1
+                log.info("splitfuse: LoRA adapter %r loaded", name)
+            self._resident.move_to_end(name)
+            out.append(adapter)
+        return out
+
+    def stats(self) -> LoraStats:
+        return LoraStats(configured=self.names, resident=list(self._resident), loads=self.loads,
+                         evictions=self.evictions)
