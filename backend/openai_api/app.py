@@ -2,8 +2,9 @@
 
 Each route reads its body within --max-body-bytes (413 beyond), validates it (400 naming the
 parameter), checks the model name (404), tokenizes, and runs a generation per choice through
-`TritonLLM` (choices.py: the first, then the others on its cached prompt). Decoding, validation and tokenizing (chat template included) run in a small pool
-of threads, not on the event loop: a long prompt must not stall the other clients' streams.
+`TritonLLM` (choices.py: the first, then the others on its cached prompt). Decoding, validation
+and tokenizing (chat template included) run in a small pool of threads, not on the event loop:
+a long prompt must not stall the other clients' streams.
 Streaming answers are server-sent events; the first engine response is awaited before the 200
 goes out, so a request the engine refuses still gets its 400 (or 429 when it is busy). A client
 that goes away cancels its generation (see `TritonLLM.generate`), whether it was streaming or

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from splitfuse.openai_api.response_format import JsonObjectFormat, JsonSchemaFormat, ResponseFormat, format_guide
 from splitfuse.openai_api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCall, ToolChoice, forced_call_schema, \
@@ -174,6 +174,14 @@ class ChatMessage(BaseModel):
         if v is not None and len(v) > MAX_TOOLS:
             raise ValueError(f"at most {MAX_TOOLS} tool calls per message")
         return v
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:

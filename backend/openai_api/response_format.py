@@ -14,7 +14,9 @@ NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # strict: a JSON value of another type is refused, never coerced ("true" is not a boolean),
+    # so what is accepted is what the OpenAPI document says.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
 
 class JsonSchemaSpec(_Strict):

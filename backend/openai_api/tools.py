@@ -26,7 +26,8 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additional
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: values of another JSON type are refused, not coerced (see response_format.py).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class FunctionDefinition(_Strict):
@@ -64,6 +65,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
     name: str = Field(min_length=1)
     arguments: str
     """The arguments as a JSON text (OpenAI's form)."""
@@ -72,6 +74,7 @@ class CalledFunction(BaseModel):
 class ToolCall(BaseModel):
     """A call of an earlier assistant message in the conversation."""
 
+    model_config = ConfigDict(strict=True)
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
