@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 
@@ -33,3 +34,18 @@ def die_with_parent() -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def python_executable() -> str:
+    """The Python interpreter of this environment, for the processes the engine starts (tensor-
+    parallel ranks, the grammar compiler): inside Triton's stub `sys.executable` is the stub."""
+    exe = Path(sys.executable) if sys.executable else None
+    if exe is not None and exe.name.startswith("python"):
+        return str(exe)
+    roots = [Path(sys.prefix), Path(os.environ["VIRTUAL_ENV"])] if "VIRTUAL_ENV" in os.environ else [Path(sys.prefix)]
+    for root in roots:
+        for name in (f"python{sys.version_info.major}.{sys.version_info.minor}", "python3", "python"):
+            if (root / "bin" / name).is_file():
+                return str(root / "bin" / name)
+    raise RuntimeError(f"no Python interpreter found to start a child process with "
+                       f"(sys.executable={sys.executable!r}, sys.prefix={sys.prefix!r})")

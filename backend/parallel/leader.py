@@ -14,9 +14,7 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -137,6 +135,8 @@ def _spawn_workers(world_size: int, addr: str, port: int) -> list[subprocess.Pop
     child: a spawned child re-runs the parent's `__main__` (a user's script without a main
     guard would start engines recursively) and, inside Triton's Python backend, sys.executable
     is the backend stub, not a Python."""
+    from splitfuse.launcher.children import python_executable  # the launcher package, not at import
+
     env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                SPLITFUSE_PARENT_PID=str(os.getpid()))
     env.pop("LOCAL_RANK", None)
@@ -153,20 +153,6 @@ def _wait(process: subprocess.Popen, timeout: float) -> None:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
         pass
-
-
-def python_executable() -> str:
-    """The Python interpreter of this environment (what spawned ranks run)."""
-    exe = Path(sys.executable) if sys.executable else None
-    if exe is not None and exe.name.startswith("python"):
-        return str(exe)
-    roots = [Path(sys.prefix), Path(os.environ["VIRTUAL_ENV"])] if "VIRTUAL_ENV" in os.environ else [Path(sys.prefix)]
-    for root in roots:
-        for name in (f"python{sys.version_info.major}.{sys.version_info.minor}", "python3", "python"):
-            if (root / "bin" / name).is_file():
-                return str(root / "bin" / name)
-    raise RuntimeError(f"tensor parallelism: no Python interpreter found to start ranks with "
-                       f"(sys.executable={sys.executable!r}, sys.prefix={sys.prefix!r})")
 
 
 def _env_rendezvous(world_size: int) -> tuple[str, int]:

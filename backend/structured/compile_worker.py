@@ -43,11 +43,17 @@ COMPILE_TIMEOUT_S = 30.0
 MEMORY_LIMIT_BYTES = 4 << 30
 """The child's address space; it peaks near 1.2 GiB compiling the 49k-token built-in JSON grammar."""
 START_TIMEOUT_S = 120.0
+COMPILER_NICENESS = 10
 """For the child to import xgrammar (with torch, ~1.5 s) and load the tokenizer info."""
 _EXIT_WAIT_S = 5.0
 
 # Replies from the child: one tag byte, then the payload.
 _HELLO, _READY, _GRAMMAR, _ERROR, _OUT_OF_MEMORY = b"H", b"R", b"G", b"E", b"M"
+
+
+class CompilerUnavailable(ValueError):
+    """The compiler process could not be restarted: the guide was never tried (the request
+    fails, and the guide is not to be held against it)."""
 
 
 class _WorkerUnavailable(Exception):
@@ -170,10 +176,10 @@ class _Child:
                 self._start()
             except _WorkerUnavailable as e:
                 if self._started_once:
-                    raise ValueError(f"the grammar compiler process could not be restarted: {e}") from None
+                    raise CompilerUnavailable(f"the grammar compiler process could not be restarted: {e}") from None
                 log.warning("splitfuse: guides compile in this process, without time or memory bounds: "
                             "no compiler process could start (%s)", e)
-                self._in_process = self._xgr.GrammarCompiler(self.info)
+                self._in_process = self._xgr.GrammarCompiler(self.info, max_threads=1)
                 return compile_guide(self._in_process, kind, text)
         self.requests += 1
         try:
@@ -204,8 +210,7 @@ class _Child:
         raise ValueError("the grammar compiler answered nonsense")
 
     def _start(self) -> None:
-        from splitfuse.launcher.children import die_with_parent
-        from splitfuse.parallel.leader import python_executable
+        from splitfuse.launcher.children import die_with_parent, python_executable
 
         if self._info_json is None:
             self._info_json = self.info.serialize_json().encode()
@@ -279,7 +284,11 @@ def _serve(conn: Connection, memory_limit: int, test_seams: bool) -> int:
     conn.send_bytes(_HELLO)
     info = xgrammar.TokenizerInfo.deserialize_json(conn.recv_bytes().decode())
     # The parent caches by guide text; xgrammar's own cache would only grow toward the limit here.
-    compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+    # One thread at a lower priority: the engine's threads own the cores; xgrammar's default of
+    # eight threads made a 0.3 s compile take 12 s and slowed the engine's steps eightfold on two
+    # busy cores (perf/structured_bench.py).
+    os.nice(COMPILER_NICENESS)
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
     conn.send_bytes(_READY)
     while True:

@@ -4,22 +4,27 @@ A guide is compiled once per text for the engine's tokenizer, in a child process
 and memory (compile_worker.py), asked for by `LLMEngine.prepare_prompt` on the caller's thread,
 which waits, so the engine thread finds it compiled. Each constrained sequence gets a matcher:
 before sampling, its row of logits is masked to the tokens the grammar allows next; after
-sampling, the matcher accepts the token. Speculation skips constrained sequences (their
-proposals are never made), so a matcher only ever moves forward; a preempted sequence keeps its
-matcher, as its tokens do not change when they are recomputed. Matchers live in matcher.py.
+sampling, the matcher accepts the token (matcher.py, which also checks speculative proposals).
+A preempted sequence keeps its matcher, as its tokens do not change when they are recomputed.
+A guide that failed is remembered (the last MAX_FAILED_GUIDES, by text): sending it again is
+refused at once, not compiled again, so a guide that crashes the compiler cannot be used to keep
+restarting it.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from splitfuse.structured.compile_worker import CompileWorker
+from splitfuse.structured.compile_worker import CompilerUnavailable, CompileWorker
 from splitfuse.structured.guide import Guide
 from splitfuse.structured.matcher import Matcher
+
+MAX_FAILED_GUIDES = 1024
 
 
 class GrammarCache:
@@ -46,6 +51,7 @@ class GrammarCache:
         self._no_bad_space = torch.tensor([c and i not in specials for i, c in enumerate(not_json_space)])
         self._compiled: dict[Guide, Any] = {}
         self._compiling: dict[Guide, Future] = {}
+        self._failed: OrderedDict[Guide, str] = OrderedDict()  # guide -> its error, oldest first
         self._lock = threading.Lock()
 
     def compile(self, guide: Guide) -> Any:
@@ -55,24 +61,37 @@ class GrammarCache:
             found = self._compiled.get(guide)
             if found is not None:
                 return found
+            error = self._failed.get(guide)
+            if error is not None:
+                self._failed.move_to_end(guide)
+                raise ValueError(error)
             future = self._compiling.get(guide)
             if future is None:
                 future = self._compiling[guide] = self._worker.submit(guide.kind, guide.text)
         try:
             compiled = future.result()
         except ValueError as e:  # a fresh exception per waiter: they may raise it at once
-            self._settle(guide, future, None)
+            self._settle(guide, future, None, None if isinstance(e, CompilerUnavailable) else str(e))
             raise ValueError(str(e)) from None
         self._settle(guide, future, compiled)
         return compiled
 
-    def _settle(self, guide: Guide, future: Future, compiled: Any) -> None:
+    def _settle(self, guide: Guide, future: Future, compiled: Any, error: str | None = None) -> None:
         # One step under the lock: the guide is never neither compiling nor cached in between.
         with self._lock:
             if self._compiling.get(guide) is future:
                 del self._compiling[guide]
             if compiled is not None:
                 self._compiled[guide] = compiled
+            elif error is not None:
+                self._failed[guide] = error
+                while len(self._failed) > MAX_FAILED_GUIDES:
+                    self._failed.popitem(last=False)
+
+    @property
+    def num_compiles(self) -> int:
+        """Guides sent to the compiler process so far (cache hits and remembered failures not)."""
+        return self._worker.requests
 
     def close(self) -> None:
         """Stop the compiler process (it also stops when this cache is dropped)."""

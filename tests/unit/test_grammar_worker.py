@@ -21,7 +21,7 @@ xgrammar = pytest.importorskip("xgrammar")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-import splitfuse.parallel.leader  # noqa: E402
+import splitfuse.launcher.children  # noqa: E402
 from splitfuse.structured.compile_worker import MEMORY_LIMIT_BYTES, CompileWorker, compile_guide  # noqa: E402
 from splitfuse.structured.grammars import GrammarCache  # noqa: E402
 from splitfuse.structured.guide import Guide  # noqa: E402
@@ -171,7 +171,7 @@ def test_without_a_child_guides_compile_in_process_after_a_warning(tokenizer, mo
     def no_python() -> str:
         raise RuntimeError("no Python interpreter found")
 
-    monkeypatch.setattr(splitfuse.parallel.leader, "python_executable", no_python)
+    monkeypatch.setattr(splitfuse.launcher.children, "python_executable", no_python)
     cache = GrammarCache(tokenizer, len(tokenizer))
     try:
         with caplog.at_level(logging.WARNING, logger="splitfuse.structured.compile_worker"):

@@ -141,6 +141,19 @@ def test_bad_guides_are_refused_before_anything_runs(llm, guide, words):
     assert len(out.token_ids) == 3
 
 
+def test_a_guide_that_failed_is_refused_again_without_compiling(llm):
+    grammars = llm.engine.grammars()
+    bad = Guide("regex", "(unclosed[")
+    with pytest.raises(ValueError, match="does not compile") as first:
+        llm.generate(["x"], SamplingParams(max_tokens=4, guide=bad))
+    compiles = grammars.num_compiles
+    with pytest.raises(ValueError) as again:
+        llm.generate(["x"], SamplingParams(max_tokens=4, guide=bad))
+    assert str(again.value) == str(first.value) and grammars.num_compiles == compiles
+    llm.generate(["x"], SamplingParams(max_tokens=4, guide=Guide("regex", "(closed)")))
+    assert grammars.num_compiles == compiles + 1
+
+
 def test_min_tokens_with_a_guide_is_refused():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=8, min_tokens=2, guide=Guide("json"))
