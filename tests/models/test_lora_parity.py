@@ -1,0 +1,192 @@
+"""Multi-LoRA greedy parity: one engine serving several PEFT adapters and the base, all in the
+same batches, gives each request transformers + peft's greedy fp32 tokens for its adapter.
+
+The adapters are made with peft on the tiny random models, with random (non-zero) B, different
+ranks and targets: attention only (q, v, o: k's slice of the fused qkv untouched), the MLP only
+(gate, up, down), all seven with rsLoRA scaling.
+"""
+
+import json
+import random
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from splitfuse import LLM, SamplingParams
+from test_parity import _hf_reference
+
+ADAPTERS = {
+    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]),
+    "mlp": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "all": dict(r=16, lora_alpha=8, use_rslora=True,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+PROMPT_LENGTHS = [1, 3, 8, 17, 33]
+
+
+def make_adapter(base: str, out_dir, seed: int, **lora) -> str:
+    """A PEFT folder for `base` with random A and B (peft's default B is zero: no effect)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora))
+    peft_model.save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+def _max_tokens(i: int) -> int:
+    return 5 + (i * 3) % 7
+
+
+def _prompts(path: str, seed: int = 0) -> list[list[int]]:
+    vocab = json.loads(open(f"{path}/config.json").read())["vocab_size"]
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, vocab) for _ in range(n - 1)] for n in PROMPT_LENGTHS]
+
+
+class Setup:
+    """A base model, its adapters and every (prompt, adapter) reference."""
+
+    def __init__(self, base: str, adapters: dict[str, str]) -> None:
+        self.base, self.adapters = base, adapters
+        self.prompts = _prompts(base)
+        self.refs = {None: _hf_reference(base, self.prompts, _max_tokens)}
+        for name, folder in adapters.items():
+            self.refs[name] = _hf_reference(folder, self.prompts, _max_tokens)
+            assert self.refs[name] != self.refs[None], f"adapter {name} changes nothing: the test could not fail"
+
+    @property
+    def lora_modules(self) -> str:
+        return ",".join(f"{name}={folder}" for name, folder in self.adapters.items())
+
+    def mixed(self, names=None) -> tuple[list[list[int]], list[SamplingParams], list[list[int]]]:
+        """Every prompt with every adapter and the base, interleaved: (prompts, params, refs)."""
+        names = [None, *self.adapters] if names is None else names
+        prompts, params, refs = [], [], []
+        for i, p in enumerate(self.prompts):
+            for name in names:
+                prompts.append(p)
+                params.append(SamplingParams(max_tokens=_max_tokens(i), temperature=0.0, lora_name=name))
+                refs.append(self.refs[name][i])
+        return prompts, params, refs
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def setup(request, tiny_model_factory, tmp_path_factory):
+    base = tiny_model_factory(request.param)
+    root = tmp_path_factory.mktemp(f"lora_{request.param}")
+    adapters = {name: make_adapter(base, root / name, seed, **spec)
+                for seed, (name, spec) in enumerate(ADAPTERS.items(), start=1)}
+    return Setup(base, adapters)
+
+
+def _generate(setup: Setup, prompts, params, **config) -> tuple[list[list[int]], LLM]:
+    llm = LLM(setup.base, dtype="float32", lora_modules=setup.lora_modules, **config)
+    outs = llm.generate(prompts, params)
+    llm.engine.check_invariants()
+    assert llm.engine.blocks.num_used_blocks == 0
+    return [o.token_ids for o in outs], llm
+
+
+def _assert_refs(got, refs, params, what: str) -> None:
+    for i, (g, r, p) in enumerate(zip(got, refs, params)):
+        assert g == r, f"{what}: request #{i} lora={p.lora_name}"
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("token_budget", [7, 64])
+def test_mixed_batch_matches_peft(setup, cpu_path, token_budget, block_size):
+    prompts, params, refs = setup.mixed()
+    got, llm = _generate(setup, prompts, params, token_budget=token_budget, block_size=block_size, **cpu_path)
+    _assert_refs(got, refs, params, f"budget={token_budget} block={block_size}")
+    stats = llm.engine.lora_stats()
+    assert stats.requests == {name: len(setup.prompts) for name in setup.adapters}
+    assert stats.loads == len(setup.adapters) and stats.evictions == 0
+
+
+def test_fused_cpu_decoder_declines_steps_with_adapters(setup, cpu_path):
+    """Adapters off gate/up keep the fused C++ decoder for base-only steps; steps with adapter rows
+    run in Python. Base requests first, then mixed: both kinds of step, each request its tokens."""
+    adapters = {"attn": setup.adapters["attn"]}
+    prompts, params, refs = setup.mixed([None, "attn"])
+    llm = LLM(setup.base, dtype="float32", lora_modules=f"attn={adapters['attn']}", token_budget=64, **cpu_path)
+    if cpu_path["attention_backend"] == "cpu":
+        assert llm.engine.runner.decoder_layers == "one C++ call"
+    base_only = [i for i, p in enumerate(params) if p.lora_name is None]
+    got_base = llm.generate([prompts[i] for i in base_only], [params[i] for i in base_only])
+    assert [o.token_ids for o in got_base] == [refs[i] for i in base_only]
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    _assert_refs(got, refs, params, "fused decoder")
+
+
+def test_prefix_cache_keyed_by_adapter(setup):
+    """The same long prompt under two adapters and the base, one after another with prefix
+    caching on: no request reuses another adapter's KV, each gets its own tokens; the same
+    adapter again reuses its own blocks."""
+    rng = random.Random(7)
+    prompt = [1] + [rng.randrange(3, 400) for _ in range(40)]
+    names = [None, "attn", "all", "attn"]
+    llm = LLM(setup.base, dtype="float32", lora_modules=setup.lora_modules, block_size=4, token_budget=64,
+              enable_prefix_caching=True)
+    refs = {name: _hf_reference(setup.adapters[name] if name else setup.base, [prompt], lambda i: 8)[0]
+            for name in set(names)}
+    for k, name in enumerate(names):
+        out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, lora_name=name))[0]
+        assert out.token_ids == refs[name], f"request {k} lora={name}"
+        expected_hit = names.index(name) < k  # only a request of the same adapter earlier
+        assert (out.num_cached_tokens > 0) == expected_hit, f"request {k} lora={name}: {out.num_cached_tokens}"
+    llm.engine.check_invariants()
+
+
+def test_preemption_with_adapters(setup):
+    prompts, params, refs = setup.mixed()
+    got, llm = _generate(setup, prompts, params, token_budget=32, block_size=4, num_kv_blocks=30, kv_watermark=0.0,
+                         attention_backend="torch", linear_backend="torch")
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    _assert_refs(got, refs, params, "preemption")
+
+
+def test_ngram_speculation_with_adapters(setup):
+    """Proposed tokens are verified in rows carrying their sequence's adapter."""
+    rng = random.Random(3)
+    motif = [rng.randrange(3, 400) for _ in range(5)]
+    prompts = [[1] + motif * 4, [1] + motif * 3 + motif[:2]]
+    names = [None, "attn", "mlp", "all"]
+    refs = {n: _hf_reference(setup.adapters[n] if n else setup.base, prompts, lambda i: 12) for n in names}
+    llm = LLM(setup.base, dtype="float32", lora_modules=setup.lora_modules, token_budget=64,
+              speculative_method="ngram", num_speculative_tokens=3)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, lora_name=n) for n in names for _ in prompts]
+    outs = llm.generate([p for _ in names for p in prompts], params)
+    want = [r for n in names for r in refs[n]]
+    _assert_refs([o.token_ids for o in outs], want, params, "ngram")
+    assert llm.engine.speculation.num_proposed > 0, "nothing was proposed: speculation was not exercised"
+
+
+def test_lru_with_one_resident_adapter(setup):
+    """max_loras=1 and two adapters requested alternately: each is evicted and read again when its
+    turn comes, and every request still gets its reference tokens."""
+    names = ["attn", "mlp", "attn", "mlp"]
+    params = [SamplingParams(max_tokens=_max_tokens(1), temperature=0.0, lora_name=n) for n in names]
+    prompts = [setup.prompts[1]] * len(names)
+    got, llm = _generate(setup, prompts, params, max_loras=1, attention_backend="torch", linear_backend="torch")
+    assert got == [setup.refs[n][1] for n in names]
+    stats = llm.engine.lora_stats()
+    # The start reads "attn" (the first configured); then mlp, attn, mlp in turn.
+    assert (stats.loads, stats.evictions, stats.resident) == (4, 3, ["mlp"])
+    assert stats.requests == {"attn": 2, "mlp": 2, "all": 0}
+
+
+def test_bfloat16_adapters_run_in_model_dtype(setup):
+    prompts, params, _ = setup.mixed()
+    llm = LLM(setup.base, dtype="bfloat16", lora_modules=setup.lora_modules, attention_backend="torch",
+              token_budget=32)
+    resident = llm.engine.runner.lora.acquire(["all"])[0]
+    assert all(p.a.dtype is torch.bfloat16 for p in resident.projections.values())
+    outs = llm.generate(prompts, params)
+    assert all(o.finished and o.token_ids for o in outs)
+    # The adapter is applied in bf16 too: its first tokens are not the base's.
+    by_name = {}
+    for o, p in zip(outs, params):
+        by_name.setdefault(p.lora_name, []).append(o.token_ids[0])
+    assert by_name["all"] != by_name[None]
