@@ -98,10 +98,11 @@ class ChatChoiceOutput:
                 "finish_reason": self.finish_reason if step.final else None}
 
     def whole(self) -> dict:
-        message: dict = {"role": "assistant", "content": "".join(self._content)}
+        # With tools, no content is null, as a stream that never sent any (see `first`).
+        content = "".join(self._content) or (None if self.tool_mode != "none" else "")
+        message: dict = {"role": "assistant", "content": content}
         if self._calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self._calls]
-            message["content"] = message["content"] or None
         return {"index": self.index, "message": message,
                 "logprobs": chat_logprobs(self.tokens.all, self.strings) if self.logprobs else None,
                 "finish_reason": self.finish_reason}

@@ -83,23 +83,23 @@ class ChatLogprobs(_Answer):
     content: list[ChatTokenLogprob]
 
 
-class CalledFunction(_Answer):
+class AnswerFunction(_Answer):
     name: str
     arguments: str
     """A JSON object, as text."""
 
 
-class ToolCall(_Answer):
+class AnswerToolCall(_Answer):
     id: str
     type: Literal["function"]
-    function: CalledFunction
+    function: AnswerFunction
 
 
 class AssistantMessage(_Answer):
     role: Literal["assistant"]
     content: str | None
     """None when the message only calls tools."""
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[AnswerToolCall] | None = None
 
 
 class ChatChoice(_Answer):
@@ -129,7 +129,7 @@ class CompletionChunk(_Answer):
     usage: Usage | None = None
 
 
-class ToolCallDelta(ToolCall):
+class ToolCallDelta(AnswerToolCall):
     """A whole call in one delta; `index` numbers the choice's calls."""
 
     index: int

@@ -163,17 +163,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[dict[str, Any]] | None,
                        _doc({"type": "string"}, {"type": "array", "items": _TEXT_PART})] = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
     """An assistant message's calls (its content may then be null)."""
     tool_call_id: str | None = None
     """A tool message's answer to this call."""
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _bounded_calls(cls, v: list[ToolCall] | None) -> list[ToolCall] | None:
-        if v is not None and len(v) > MAX_TOOLS:
-            raise ValueError(f"at most {MAX_TOOLS} tool calls per message")
-        return v
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
