@@ -119,21 +119,28 @@ def test_every_operation_answers_as_its_document_says(api_schema, fuzzed_api, me
 
 PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
 
 
 def test_answers_that_generate_match_the_document(api_schema, fuzzed_api):
     """The same checks on requests that surely generate (the fuzzed ones may all be refused),
-    whole and streamed, with every optional part of an answer (logprobs, echo, usage)."""
+    whole and streamed, with every optional part of an answer (logprobs and top log-probs, echo,
+    usage, several choices, tool calls)."""
+    forced = {"messages": MESSAGES, "max_tokens": 40, "tools": [TOOL], "tool_choice": "required"}
     bodies = {
         "/v1/completions": [
             {"prompt": PROMPT, "max_tokens": 4, "logprobs": 0},
-            {"prompt": [[1, 2, 3]], "max_tokens": 4, "echo": True, "ignore_eos": True},
+            {"prompt": [[1, 2, 3]], "max_tokens": 4, "echo": True, "ignore_eos": True, "n": 2},
             {"prompt": PROMPT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
-             "logprobs": 0},
+             "logprobs": 3, "n": 2},
         ],
         "/v1/chat/completions": [
             {"messages": MESSAGES, "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 0},
-            {"messages": MESSAGES, "max_tokens": 4, "stream": True, "stop": ["\n"], "logprobs": True},
+            {"messages": MESSAGES, "max_tokens": 4, "stream": True, "stop": ["\n"], "logprobs": True,
+             "top_logprobs": 2, "n": 2},
+            forced, {**forced, "stream": True},
+            {"messages": MESSAGES, "max_tokens": 8, "response_format": {"type": "json_object"}},
         ],
     }
     statuses = []
