@@ -1,7 +1,8 @@
 """The command line: `python -m splitfuse.launcher` (what `make serve` runs).
 
     python -m splitfuse.launcher --model DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
-        [--param NAME=VALUE ...] [--instances N] [--model-repository-out DIR] [--openai-port 9000]
+        [--param NAME=VALUE ...] [--lora NAME=PATH ...] [--instances N] [--model-repository-out DIR]
+        [--openai-port 9000]
 
 Renders the repository, starts tritonserver in the foreground, prints where it listens once
 ready (with --openai-port, starts the OpenAI-compatible front beside it, `splitfuse.openai_api`),
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from splitfuse.launcher.default_model import RANDOM_WARNING, is_random_demo
 from splitfuse.launcher.health import HealthServer
+from splitfuse.launcher.lora import lora_params
 from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import ADMIN_APIS, ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
 from splitfuse.launcher.supervisor import RestartBudget, Watchdog, exit_description
@@ -48,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
                         "0.0.0.0 exposes them on every interface)")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="engine parameter (any EngineConfig field), repeatable")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a LoRA adapter (a PEFT folder) over the model under NAME, repeatable: requests pick it "
+                        "with the lora_name input, OpenAI requests with model=NAME (engine parameter lora_modules; "
+                        "--param max_loras=N bounds how many are in memory at once)")
     p.add_argument("--instances", type=int, default=1, help="llm instance_group count (engine replicas)")
     p.add_argument("--openai-port", type=int, default=0,
                    help="also serve the OpenAI-compatible API on this port (0: not started)")
@@ -89,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        params = parse_params(args.param)
+        params = lora_params(parse_params(args.param), args.lora)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from splitfuse.config import EngineConfig
 from splitfuse.cpu_budget import available_cpus
+from splitfuse.launcher.lora import LORA_MODULES, format_lora_modules, resolve_lora_modules
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 
 # Template repository: $SPLITFUSE_MODEL_REPOSITORY, else the copy an installed (non-editable)
@@ -84,6 +85,8 @@ def render_model_repository(
     params["model"] = str(model_path)
     if params.get("tokenizer"):
         params["tokenizer"] = str(Path(prepare_checkpoint(params["tokenizer"])).resolve())
+    if params.get(LORA_MODULES, "").strip():  # absolute: the server runs elsewhere
+        params[LORA_MODULES] = format_lora_modules(resolve_lora_modules(params[LORA_MODULES]))
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 from splitfuse.engine import EngineStats, StepStats
+from splitfuse.lora.registry import LoraStats
 from splitfuse.sequence import FinishReason, RequestOutput
 
 TOKENS_PER_STEP_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -201,6 +202,22 @@ class TritonMetrics:
                          "max_waiting_requests reached; queue_time: not started within max_queue_time_s)",
                          MF.COUNTER)
         self.refused = {reason: refused.Metric(labels={**labels, "reason": reason}) for reason in REFUSAL_REASONS}
+        self._lora_families = {
+            "requests": family("splitfuse_lora_requests_total", "Requests accepted per LoRA adapter (lora_name)",
+                               MF.COUNTER),
+            "loads": family("splitfuse_lora_adapter_loads_total",
+                            "Times a LoRA adapter's weights were read into memory (at start, and again after an "
+                            "eviction)", MF.COUNTER),
+            "evictions": family("splitfuse_lora_adapter_evictions_total",
+                                "LoRA adapters dropped from memory to make room for another (max_loras)",
+                                MF.COUNTER),
+        }
+        self.lora_resident = family("splitfuse_lora_adapters_resident",
+                                    "LoRA adapters whose weights are in memory (at most max_loras)",
+                                    MF.GAUGE).Metric(labels=labels)
+        self._lora_labels = labels
+        self._lora_counters: dict[tuple[str, str], object] = {}
+        self._lora_published: dict[tuple[str, str], int] = {}
         self._gauges: dict[str, float] = {}
         # The launcher's record of server restarts, the same for every instance: gauges without
         # the instance label, which every instance sets alike (a counter would add up per instance).
@@ -242,6 +259,26 @@ class TritonMetrics:
             self._set("kv_usage", stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
             self._set("running", stats.num_running)
             self._set("waiting", stats.num_waiting)
+
+    def publish_lora(self, stats: LoraStats) -> None:
+        """The engine's LoRA counters (cumulative: each counter grows by what is new since the
+        last call) and its resident set."""
+        totals = {("requests", name): count for name, count in stats.requests.items()}
+        totals[("loads", "")], totals[("evictions", "")] = stats.loads, stats.evictions
+        for key, total in totals.items():
+            counter = self._lora_counter(*key)  # every adapter's series from the start, at 0
+            new = total - self._lora_published.get(key, 0)
+            if new > 0:
+                counter.increment(new)
+                self._lora_published[key] = total
+        self._set("lora_resident", float(len(stats.resident)))
+
+    def _lora_counter(self, kind: str, adapter: str):
+        counter = self._lora_counters.get((kind, adapter))
+        if counter is None:
+            labels = {**self._lora_labels, "adapter": adapter} if adapter else self._lora_labels
+            counter = self._lora_counters[(kind, adapter)] = self._lora_families[kind].Metric(labels=labels)
+        return counter
 
     def record_faults(self, faults: dict) -> None:
         """The launcher's fault record (control.read_faults) for this server's life."""

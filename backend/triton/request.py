@@ -151,6 +151,12 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
     salt = _scalar(request, "cache_salt", str)
     if salt is not None:
         kwargs["cache_salt"] = salt
+    lora = _scalar(request, "lora_name", str)
+    if lora is not None:
+        if not lora:  # checked here so that the error names the Triton input
+            raise InputError("lora_name is empty: name a served LoRA adapter, or leave the input out for the base "
+                             "model")
+        kwargs["lora_name"] = lora
     return_log_probs = bool(_scalar(request, "return_log_probs", bool))
     kwargs["logprobs"] = return_log_probs
     top = _scalar(request, "return_top_log_probs", int)

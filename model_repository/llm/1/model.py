@@ -95,6 +95,7 @@ class TritonPythonModel:
         self.loop = EngineLoop(config, on_step=self.recorder.step)
         self.engine = self.loop.start()  # built on the engine's own thread
         self.tokenizer = self.engine.tokenizer
+        self.lora_names = tuple(self.engine.lora_names())
         labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
         self.metrics = TritonMetrics(labels)
         self.failure_reported = False
@@ -156,6 +157,10 @@ class TritonPythonModel:
             raise InputError("num_cached_tokens is reported only for requests with a cache_salt on this server "
                              "(it would tell whether another client sent the same prompt; the operator can allow "
                              "it with the report_num_cached_tokens parameter)")
+        lora = parsed.params.lora_name
+        if lora is not None and lora not in self.lora_names:  # here: refused even when the queue is full
+            served = ", ".join(self.lora_names) if self.lora_names else "none (no lora_modules parameter)"
+            raise InputError(f"lora_name: unknown LoRA adapter {lora!r}; this server's adapters: {served}")
         if parsed.params.guide is not None:  # compiled here first, to time it (submit then finds it
             # cached); a guide that does not compile is refused before the request is held
             start = time.perf_counter()
@@ -331,6 +336,8 @@ class TritonPythonModel:
             self.failure_reported = True
             self._report_not_ready(failure)
         self.metrics.publish(self.recorder.drain(), self.loop.stats(), healthy=failure is None)
+        if self.lora_names:
+            self.metrics.publish_lora(self.engine.lora_stats())
 
     def _report_not_ready(self, failure: str) -> None:
         """The engine broke (every request it held has failed; new ones get UNAVAILABLE).
