@@ -190,3 +190,16 @@ def test_bfloat16_adapters_run_in_model_dtype(setup):
     for o, p in zip(outs, params):
         by_name.setdefault(p.lora_name, []).append(o.token_ids[0])
     assert by_name["all"] != by_name[None]
+
+
+def test_rank_and_alpha_patterns(setup, tmp_path):
+    """PEFT's per-module rank_pattern / alpha_pattern: each projection its own rank and scale."""
+    folder = make_adapter(setup.base, tmp_path / "patterns", seed=9, r=4, lora_alpha=8,
+                          target_modules=["q_proj", "k_proj", "o_proj", "down_proj"],
+                          rank_pattern={"k_proj": 2, "layers.1.self_attn.o_proj": 8}, alpha_pattern={"down_proj": 32})
+    refs = _hf_reference(folder, setup.prompts, _max_tokens)
+    assert refs != setup.refs[None]
+    llm = LLM(setup.base, dtype="float32", lora_modules=f"p={folder}", token_budget=16)
+    params = [SamplingParams(max_tokens=_max_tokens(i), temperature=0.0, lora_name="p")
+              for i in range(len(setup.prompts))]
+    assert [o.token_ids for o in llm.generate(setup.prompts, params)] == refs
