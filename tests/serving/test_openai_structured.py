@@ -6,6 +6,9 @@ schema, every forced call must name a tool and carry arguments valid for it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from openai_helpers import start_api, stop_api
@@ -152,6 +155,14 @@ def test_tools_and_earlier_calls_are_rendered_into_the_prompt(api):
     answer = _chat(api, messages=conversation, tools=TOOLS, max_tokens=4, temperature=0)
     assert answer.usage.prompt_tokens > with_tools.usage.prompt_tokens
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_the_tools_client_example_calls_and_answers(api):
+    example = Path(__file__).resolve().parents[2] / "client_examples" / "openai_tools.py"
+    run = subprocess.run([sys.executable, str(example), "--base-url", api.base_url + "/v1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "[call get_weather({'city': " in run.stderr and "[finish: " in run.stderr, run.stderr[-2000:]
 
 
 # ---- n > 1 ----------------------------------------------------------------------------------
