@@ -76,6 +76,8 @@ class Job:
     n: int
     new_output: Callable[[int], ChoiceOutput]
     """Choice i's output assembly."""
+    guide_param: str | None = None
+    """The parameter the output's guide came from (response_format or tools)."""
 
     def choice_inputs(self, i: int) -> dict[str, Any]:
         """Choice i's `llm` inputs: its own seed, and streamed when it must report its first
@@ -197,7 +199,8 @@ class OpenAIServer:
         mode = req.tool_mode()
         return Job(chat=True, meta=R.Meta(R.new_id("chatcmpl"), req.model), prompt_ids=ids, inputs=inputs,
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                   n=req.n, new_output=lambda i: ChatChoiceOutput(i, mode, req.logprobs, self.prompts.token_strings))
+                   n=req.n, new_output=lambda i: ChatChoiceOutput(i, mode, req.logprobs, self.prompts.token_strings),
+                   guide_param=None if guide is None else "tools" if mode == "forced" else "response_format")
 
     def _choices(self, job: Job) -> AsyncIterator[tuple[int, Step]]:
         assert self.triton is not None
@@ -286,14 +289,17 @@ def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def generation_http_error(e: GenerationError) -> ApiError:
+def generation_http_error(e: GenerationError, guide_param: str | None = None) -> ApiError:
     """How a Triton error reaches the HTTP client: 429 when the engine is too busy to take the
     request now (OpenAI's rate-limit answer, which its SDK retries after Retry-After), 400 for
-    what the request asked, 503 when the server is unavailable or shutting down."""
+    what the request asked, 503 when the server is unavailable or shutting down. A guide `llm`
+    refused (a schema xgrammar does not compile) names the parameter it came from."""
     if e.is_busy:
         return ApiError(429, e.message, type_="rate_limit_error", code="rate_limit_exceeded",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if e.is_client_error:
+        if guide_param is not None and "guided_decoding_guide" in e.message:
+            return ApiError(400, f"{guide_param}: the schema was refused: {e.message}", param=guide_param)
         return ApiError(400, e.message)
     return ApiError(503, e.message, type_="server_error")
 
@@ -325,7 +331,7 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
                 return await server.stream(job, request)
             return JSONResponse(await server.complete(job, request))
         except GenerationError as e:
-            return _error_response(generation_http_error(e))
+            return _error_response(generation_http_error(e, job.guide_param))
         except ClientGone:
             log.info("%s: client disconnected; generation cancelled", job.meta.id)
             return JSONResponse({}, status_code=499)

@@ -301,4 +301,9 @@ def test_a_schema_that_does_not_compile_is_400(api):
         with pytest.raises(openai.BadRequestError) as e:
             _chat(api, max_tokens=4, response_format=fmt, stream=stream)
         assert "does not compile" in e.value.body["message"], e.value.body
+        assert e.value.body["param"] == "response_format"
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(api, max_tokens=4, tools=[bad_tool], tool_choice="required")
+    assert e.value.body["param"] == "tools" and "does not compile" in e.value.body["message"]
     assert _chat(api, max_tokens=2, temperature=0).usage.completion_tokens == 2

@@ -120,6 +120,10 @@ def test_a_busy_engine_is_429_with_retry_after_and_other_unavailable_stays_503()
     # Only a message that starts so: a prompt quoting the words is the request's own problem.
     quoted = generation_http_error(GenerationError("stop string 'server busy: ' is too long"))
     assert quoted.status == 400
+    # A guide llm could not compile: named by the parameter it came from.
+    guide = generation_http_error(GenerationError("guided_decoding_guide (json_schema) does not compile: x"), "tools")
+    assert (guide.status, guide.param) == (400, "tools") and "does not compile" in guide.message
+    assert generation_http_error(GenerationError("prompt too long"), "tools").param is None
 
 
 @pytest.mark.parametrize("raw, words", [
