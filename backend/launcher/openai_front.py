@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Mapping
 
 from splitfuse.launcher.children import die_with_parent
+from splitfuse.launcher.lora import LORA_MODULES, resolve_lora_modules
 
 
 class OpenAIFront:
@@ -27,6 +28,10 @@ class OpenAIFront:
         # The engine settings the front must agree with (its tokenizer, the default max_tokens).
         if params.get("tokenizer"):
             self.command += ["--tokenizer", params["tokenizer"]]
+        # The adapters' names (model=NAME picks one) and folders (their cards' root); the
+        # launcher made the folders absolute (launcher/lora.py).
+        for name, folder in resolve_lora_modules(params.get(LORA_MODULES, "")).items():
+            self.command += ["--lora", f"{name}={folder}"]
         self.max_model_len = params.get("max_model_len")
         self.process: subprocess.Popen | None = None
 

@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory, when not the checkpoint's")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the engine's max_model_len (default: the checkpoint's max_position_embeddings)")
+    ap.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                    help="a LoRA adapter the Triton server serves (its lora_modules), repeatable: requests with "
+                         "model=NAME use it")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--max-body-bytes", type=int, default=None,
                     help="largest request body taken, 413 beyond (default: 4 MiB, or more when a prompt as long as "
@@ -32,14 +35,22 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     try:
         api_key = key_from(a.api_key_file)
+        adapters = dict(_name_path(item) for item in a.lora)
         config = ApiConfig(model_dir=a.model, triton_grpc_url=a.triton_grpc_url, triton_model=a.triton_model,
                            host=a.host, port=a.port,
                            served_model_name=a.served_model_name, tokenizer=a.tokenizer,
                            max_model_len=a.max_model_len, log_level=a.log_level, api_key=api_key,
-                           max_body_bytes=a.max_body_bytes)
+                           max_body_bytes=a.max_body_bytes, lora_adapters=adapters)
     except (OSError, ValueError) as e:
         ap.error(str(e))
     run(config)
+
+
+def _name_path(item: str) -> tuple[str, str]:
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora expects NAME=PATH, got {item!r}")
+    return name, path
 
 
 if __name__ == "__main__":

@@ -152,10 +152,24 @@ class OpenAIServer:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ---- requests ------------------------------------------------------------------------------
-    def check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> dict[str, Any]:
+        """The `llm` inputs that select model `name`: none for the base, lora_name for an adapter."""
+        if name in self.config.lora_adapters:
+            return {"lora_name": name}
         if name != self.config.served_model_name:
-            raise ApiError(404, f"The model `{name}` does not exist. This server serves "
-                                f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
+            served = ", ".join(f"`{n}`" for n in self.model_names())
+            raise ApiError(404, f"The model `{name}` does not exist. This server serves {served}.", param="model",
+                           code="model_not_found")
+        return {}
+
+    def model_names(self) -> list[str]:
+        return [self.config.served_model_name, *self.config.lora_adapters]
+
+    def model_card(self, name: str) -> dict:
+        base = self.config.served_model_name
+        if name == base:
+            return R.model_card(base, self.created, self.config.model_dir, self.max_model_len)
+        return R.model_card(name, self.created, self.config.lora_adapters[name], self.max_model_len, parent=base)
 
     def default_max_tokens(self, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len
@@ -168,7 +182,7 @@ class OpenAIServer:
         """A /v1/completions body -> its generation (runs in the tokenizing threads)."""
         req = parse(CompletionRequest, decode_json(raw))
         req.check_stream_options()
-        self.check_model(req.model)
+        model = self.check_model(req.model)
         ids, text = self.prompts.completion(req)
         want_lp = req.logprobs is not None
         if want_lp and req.echo:
@@ -176,8 +190,8 @@ class OpenAIServer:
                                 "computed)", param="echo")
         echo = text if req.echo else ""
         return Job(chat=False, meta=R.Meta(R.new_id("cmpl"), req.model), prompt_ids=ids,
-                   inputs=sampling_inputs(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, want_lp,
-                                          req.logprobs or 0),
+                   inputs={**sampling_inputs(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, want_lp,
+                                             req.logprobs or 0), **model},
                    stream=req.stream,
                    include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n,
                    new_output=lambda i: CompletionChoiceOutput(i, req.logprobs, echo, self.prompts.token_strings))
@@ -186,11 +200,11 @@ class OpenAIServer:
         """A /v1/chat/completions body -> its generation (runs in the tokenizing threads)."""
         req = parse(ChatCompletionRequest, decode_json(raw))
         req.check()
-        self.check_model(req.model)
+        model = self.check_model(req.model)
         ids = self.prompts.chat(req)
         max_tokens = req.max_new_tokens() or self.default_max_tokens(len(ids))
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        inputs = sampling_inputs(req, max_tokens, req.logprobs, top)
+        inputs = {**sampling_inputs(req, max_tokens, req.logprobs, top), **model}
         guide = req.guide()
         if guide is not None:
             inputs["guided_decoding_guide_type"] = guide[0]
@@ -363,13 +377,12 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
 
     @app.get("/v1/models", **openapi.MODELS_ROUTE)
     async def models() -> dict:
-        return {"object": "list", "data": [R.model_card(config.served_model_name, server.created, config.model_dir,
-                                                          server.max_model_len)]}
+        return {"object": "list", "data": [server.model_card(name) for name in server.model_names()]}
 
     @app.get("/v1/models/{name:path}", **openapi.MODEL_ROUTE)
     async def model(name: str) -> dict:
         server.check_model(name)
-        return R.model_card(name, server.created, config.model_dir, server.max_model_len)
+        return server.model_card(name)
 
     @app.get("/health", **openapi.HEALTH_ROUTE)
     async def health() -> JSONResponse:

@@ -31,6 +31,9 @@ class ApiConfig:
     max_body_bytes: int | None = None
     """The largest request body taken (413 beyond). None: 4 MiB, or what a prompt as long as the
     context accepts may need as JSON when that is more (body.default_body_limit)."""
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters the server serves (its lora_modules): name -> PEFT folder. A request whose
+    `model` is an adapter's name is served by that adapter; /v1/models lists them."""
     api_key: str | None = field(default=None, repr=False)
     """Clients must send `Authorization: Bearer <api_key>` on every /v1 route (None: no check).
     Read from $SPLITFUSE_API_KEY or a file (`key_from`), never taken from a command line."""
@@ -41,6 +44,8 @@ class ApiConfig:
             self.served_model_name = Path(self.model_dir).resolve().name
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.served_model_name in self.lora_adapters:  # one name, two models
+            raise ValueError(f"LoRA adapter name {self.served_model_name!r} is the served model's name")
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
 

@@ -163,6 +163,8 @@ class ModelCard(_Answer):
     created: int
     owned_by: str
     root: str
+    parent: str | None
+    """A LoRA adapter's base model (null for the base model itself)."""
     max_model_len: int
 
 

@@ -69,7 +69,8 @@ def chat_usage_chunk(meta: Meta, use: dict) -> dict:
 # ---- /v1/models -----------------------------------------------------------------------------
 
 
-def model_card(name: str, created: int, root: str, max_model_len: int) -> dict:
-    """As vLLM's, with the longest prompt + generation the engine takes."""
+def model_card(name: str, created: int, root: str, max_model_len: int, parent: str | None = None) -> dict:
+    """As vLLM's, with the longest prompt + generation the engine takes; a LoRA adapter's has its
+    base model's name as `parent` and its folder as `root`."""
     return {"id": name, "object": "model", "created": created, "owned_by": "splitfuse", "root": root,
-            "max_model_len": max_model_len}
+            "parent": parent, "max_model_len": max_model_len}

@@ -136,3 +136,55 @@ def test_metrics_show_the_resident_adapters_and_their_loads(lora_server):
     assert metric_sum(url, "splitfuse_lora_adapter_loads_total") == 2
     assert metric_sum(url, "splitfuse_lora_adapter_evictions_total") == 0
     assert metric_sum(url, "splitfuse_lora_requests_total", adapter="chat") >= 1
+
+
+# ---- the OpenAI front: model=<adapter> ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_api(lora_server, tmp_path_factory):
+    pytest.importorskip("openai", reason="the openai SDK is in the dev extra")
+    from openai_helpers import start_api, stop_api
+
+    s = lora_server
+    flags = [f for name, folder in s.adapters.items() for f in ("--lora", f"{name}={folder}")]
+    api = start_api(s.model_dir, s.server.grpc_url, tmp_path_factory.mktemp("lora_api"), "api", *flags,
+                    "--max-model-len", "2048")
+    yield api
+    stop_api(api)
+
+
+def test_models_lists_the_adapters_after_the_base_with_their_parent(lora_api, lora_server):
+    import openai
+
+    client = lora_api.client()
+    cards = [m.to_dict() for m in client.models.list().data]
+    assert [c["id"] for c in cards] == [lora_api.model, *ADAPTERS]
+    assert cards[0]["parent"] is None
+    for card in cards[1:]:
+        assert card["parent"] == lora_api.model and card["root"] == lora_server.adapters[card["id"]]
+        assert card["max_model_len"] == 2048
+    assert client.models.retrieve("sql").to_dict() == cards[1]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert "`sql`" in e.value.body["message"]
+
+
+def test_an_adapters_completions_are_its_triton_tokens(lora_api, lora_server):
+    import openai
+
+    s, client = lora_server, lora_api.client()
+    texts = {}
+    for name in NAMES:
+        answer = client.completions.create(model=name or lora_api.model, prompt=PROMPT_IDS[0], max_tokens=MAX_TOKENS,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        triton = grpc_generate(s.server.grpc_url, "llm", _llm_request(PROMPT_IDS[0], name))
+        assert triton.output_ids == s.refs[(name, _key(PROMPT_IDS[0]))]
+        assert answer.model == (name or lora_api.model)
+        assert answer.choices[0].text == triton.text.decode() and answer.usage.completion_tokens == MAX_TOKENS
+        texts[name] = answer.choices[0].text
+    assert len(set(texts.values())) == len(NAMES)  # each adapter answered, not the base
+    chat = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.model == "chat" and chat.usage.completion_tokens >= 1
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)

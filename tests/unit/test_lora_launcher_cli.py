@@ -76,3 +76,18 @@ def test_lora_name_input_reaches_sampling_params():
     assert parse_request(_request()).params.lora_name is None
     with pytest.raises(InputError, match="lora_name is empty"):
         parse_request(_request(lora_name=""))
+
+
+def test_the_openai_front_is_told_the_adapters(tmp_path, monkeypatch):
+    from splitfuse.launcher.openai_front import OpenAIFront
+    from splitfuse.openai_api.config import ApiConfig
+
+    _adapter(tmp_path / "a")
+    monkeypatch.chdir(tmp_path)
+    front = OpenAIFront("m", "127.0.0.1:1", "127.0.0.1", 9000, {"lora_modules": "a=a"})
+    flags = front.command[front.command.index("--lora"):][:2]
+    assert flags == ["--lora", f"a={tmp_path / 'a'}"]
+    assert "--lora" not in OpenAIFront("m", "127.0.0.1:1", "127.0.0.1", 9000, {}).command
+    (tmp_path / "base").mkdir()
+    with pytest.raises(ValueError, match="served model's name"):
+        ApiConfig(model_dir=str(tmp_path / "base"), lora_adapters={"base": str(tmp_path / "a")})
