@@ -4,6 +4,9 @@ Chat: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, byte
 Completions (legacy): `{tokens, token_logprobs, top_logprobs: [{token: logprob}, ...] | None,
 text_offset}`, where each top_logprobs dict also holds the sampled token (so up to k + 1
 entries), as OpenAI's did. Alternatives come most likely first.
+
+A token the sampler could not pick (masked by a grammar or top_k) has log-probability -inf,
+which JSON cannot carry: it reads -9999.0, as in OpenAI's and vLLM's answers.
 """
 
 from __future__ import annotations
@@ -12,6 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 TokenStrings = Callable[[list[int]], list[str]]
+# What -inf (and NaN) log-probabilities read as.
+FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > FLOOR else FLOOR
 
 
 @dataclass
@@ -32,7 +41,7 @@ class TokenLogprobs:
 
 
 def _entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
 
 
 def chat_logprobs(lp: TokenLogprobs, strings: TokenStrings) -> dict:
@@ -61,7 +70,8 @@ def completion_logprobs(lp: TokenLogprobs, strings: TokenStrings, text_start: in
             names = strings([t for t, _ in alternatives])
             row: dict[str, float] = {}
             for name, (_, v) in zip(names, alternatives):
-                row.setdefault(name, v)  # two ids may read the same: the likelier one stays
-            row.setdefault(token, value)
+                row.setdefault(name, _finite(v))  # two ids may read the same: the likelier one stays
+            row.setdefault(token, _finite(value))
             top.append(row)
-    return {"tokens": tokens, "token_logprobs": list(lp.logprobs), "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [_finite(v) for v in lp.logprobs], "top_logprobs": top,
+            "text_offset": offsets}

@@ -117,6 +117,12 @@ def test_logprob_objects_order_alternatives_and_keep_the_sampled_token():
     legacy = completion_logprobs(lp, strings, 0, want_top=True)["top_logprobs"][0]
     assert list(legacy) == ["y", "x", " there", "hi"]  # most likely first, then the sampled token
     assert completion_logprobs(lp, strings, 0, want_top=False)["top_logprobs"] is None
+    # Tokens a grammar or top_k ruled out have -inf, which JSON cannot carry.
+    masked = TokenLogprobs([4], [float("-inf")], top_ids=[[4, 6]], top_logprobs=[[-0.5, float("-inf")]])
+    assert [t["logprob"] for t in chat_logprobs(masked, strings)["content"][0]["top_logprobs"]] == [-0.5, -9999.0]
+    legacy = completion_logprobs(masked, strings, 0, want_top=True)
+    assert legacy["token_logprobs"] == [-9999.0] and legacy["top_logprobs"] == [{"hi": -0.5, "x": -9999.0}]
+    assert chat_logprobs(masked, strings)["content"][0]["logprob"] == -9999.0
 
 
 def test_choice_inputs_give_each_choice_its_seed_and_stream_choice_0():
