@@ -261,6 +261,17 @@ def test_top_logprobs_whole_and_streamed(api):
            [(e.token, [t.token for t in e.top_logprobs]) for e in content]
 
 
+def test_tokens_a_grammar_rules_out_read_minus_9999(api):
+    # A schema's output starts with "{": the other alternatives of the first token have -inf.
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    for stream in (False, True):
+        r = _chat(api, response_format=fmt, logprobs=True, top_logprobs=20, temperature=0, max_tokens=3, stream=stream)
+        choices = [r.choices[0]] if not stream else [c.choices[0] for c in r if c.choices and c.choices[0].logprobs]
+        first = choices[0].logprobs.content[0]
+        assert first.token.startswith("{") and first.top_logprobs[0].token == first.token
+        assert len(first.top_logprobs) == 20 and first.top_logprobs[-1].logprob == -9999.0
+
+
 def test_completion_logprobs_list_the_top_tokens(api):
     r = api.client().completions.create(model=api.model, prompt="the quick brown fox", max_tokens=5, temperature=0,
                                         logprobs=3)
