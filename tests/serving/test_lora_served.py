@@ -6,6 +6,8 @@ the next request is served; the metrics count requests per adapter and the resid
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,3 +190,13 @@ def test_an_adapters_completions_are_its_triton_tokens(lora_api, lora_server):
     assert chat.model == "chat" and chat.usage.completion_tokens >= 1
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
+
+
+def test_the_openai_lora_example_asks_every_model(lora_api):
+    example = Path(__file__).resolve().parents[2] / "client_examples" / "openai_lora.py"
+    proc = subprocess.run([sys.executable, str(example), "--base-url", lora_api.base_url + "/v1", "--max-tokens", "4",
+                           "hello"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"{lora_api.model} (base)",
+                                                      *(f"{n} (LoRA over {lora_api.model})" for n in ADAPTERS)]
