@@ -91,3 +91,20 @@ def test_the_openai_front_is_told_the_adapters(tmp_path, monkeypatch):
     (tmp_path / "base").mkdir()
     with pytest.raises(ValueError, match="served model's name"):
         ApiConfig(model_dir=str(tmp_path / "base"), lora_adapters={"base": str(tmp_path / "a")})
+
+
+def test_the_llm_template_has_a_parameter_for_every_engine_field():
+    """config.pbtxt parameters map one to one onto EngineConfig fields (lora_modules, max_loras and
+    max_lora_rank included)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from splitfuse.config import EngineConfig
+    from splitfuse.launcher.repository import default_template_dir
+
+    text = (default_template_dir() / "llm" / "config.pbtxt").read_text()
+    cfg = text_format.Parse(text, model_config_pb2.ModelConfig())
+    assert sorted(cfg.parameters) == sorted(EngineConfig.field_names())
+    defaults = EngineConfig(model="/m")
+    for name in ("lora_modules", "max_loras", "max_lora_rank"):  # the template's values are the defaults
+        assert cfg.parameters[name].string_value == str(getattr(defaults, name))
