@@ -14,7 +14,7 @@ from splitfuse.host_allocator import keep_freed_memory
 from splitfuse.kernels.cpu.paged_attention import huge_page_empty
 from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
-from splitfuse.layers.linear import check_quantization, native_bf16_cpu, resolve_linear_backend
+from splitfuse.layers.linear import check_quantization, make_linear_kernel, native_bf16_cpu, resolve_linear_backend
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
 from splitfuse.lora.adapter import TARGETS, BaseShape
 from splitfuse.lora.batching import LoraProjection, LoraState
@@ -168,9 +168,10 @@ class ModelRunner:
         base = BaseShape(num_layers=a.num_layers, hidden_size=a.hidden_size, q_size=a.num_heads * a.head_dim,
                          kv_size=a.num_kv_heads * a.head_dim, intermediate_size=a.intermediate_size,
                          moe=a.num_experts > 0)
+        backend = self.linear_backend
         self.lora = LoraRegistry(adapters, base, self.config.max_loras, self.config.max_lora_rank, self.dtype,
-                                 self.device)
-        state = self.lora_state = LoraState()
+                                 self.device, make_kernel=lambda weight: make_linear_kernel(weight, None, backend))
+        state = self.lora_state = LoraState(self.lora.stacks)
         self.model.attach_lora(state, lambda layer, name: LoraProjection(layer, name, state),
                                {TARGETS[t][0] for t in self.lora.targets})
 
@@ -247,7 +248,7 @@ class ModelRunner:
         attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, kv_heads)
         if self.lora_state is not None:
             adapters = self.lora.acquire(batch.lora.names) if batch.lora is not None else []
-            self.lora_state.set_step(adapters, batch.lora)
+            self.lora_state.set_step(adapters, [self.lora.slot(a.name) for a in adapters], batch.lora, self.device)
         elif batch.lora is not None:
             raise ValueError(f"LoRA adapters {batch.lora.names} requested but this model serves none")
         keep = None

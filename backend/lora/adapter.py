@@ -16,12 +16,25 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+MakeKernel = Callable[[torch.Tensor], Kernel]
+"""weight [out, in] -> a function computing x @ weight^T (the engine passes its linear backend's,
+so the small LoRA products run the same kernels as the base: on CPUs several times faster than
+torch.matmul at these shapes)."""
+
+
+def plain_kernel(weight: torch.Tensor) -> Kernel:
+    return lambda x: F.linear(x, weight)
+
 
 # HF projection name -> (our projection, its part index within it)
 TARGETS: dict[str, tuple[str, int]] = {
@@ -86,6 +99,7 @@ class LoraPart:
     rank_start: int
     rank_end: int
     b: torch.Tensor  # [rank_end - rank_start, out_end - out_start], scale folded in
+    b_kernel: Kernel | None = field(default=None, repr=False)  # x @ b, set by LoraAdapter.pack
 
 
 @dataclass
@@ -95,6 +109,7 @@ class ProjectionLora:
     a: torch.Tensor  # [in, total rank]: the parts' A^T side by side
     parts: list[LoraPart]
     out_features: int
+    a_kernel: Kernel | None = field(default=None, repr=False)  # x @ a, set by LoraAdapter.pack
 
     @property
     def covers_output(self) -> bool:
@@ -116,6 +131,14 @@ class LoraAdapter:
             p.a = p.a.to(device=device, dtype=dtype).contiguous()
             for part in p.parts:
                 part.b = part.b.to(device=device, dtype=dtype).contiguous()
+        return self
+
+    def pack(self, make_kernel: MakeKernel = plain_kernel) -> "LoraAdapter":
+        """Build the products' kernels (after `to`)."""
+        for p in self.projections.values():
+            p.a_kernel = make_kernel(p.a.t().contiguous())
+            for part in p.parts:
+                part.b_kernel = make_kernel(part.b.t().contiguous())
         return self
 
     @property

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitfuse.lora.adapter import MLP_TARGETS, BaseShape, LoraAdapter, load_adapter
+from splitfuse.lora.adapter import MLP_TARGETS, BaseShape, LoraAdapter, MakeKernel, load_adapter, plain_kernel
+from splitfuse.lora.stacks import LoraStacks
 
 log = logging.getLogger(__name__)
 
@@ -30,23 +31,27 @@ class LoraStats:
 
 class LoraRegistry:
     def __init__(self, adapters: dict[str, str], base: BaseShape, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, make_kernel: MakeKernel = plain_kernel) -> None:
         """Read and check every configured adapter now (a bad folder fails the start, not a
-        request); the first `max_loras` stay resident."""
+        request; the stacks are shaped for all of them); the first `max_loras` stay resident."""
         self.paths = dict(adapters)
         self.base, self.max_loras, self.max_rank = base, max_loras, max_rank
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.make_kernel = dtype, device, make_kernel
         self.loads = self.evictions = 0
         self._resident: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._slots: dict[str, int] = {}  # resident adapter -> its slot in the stacks
+        self._resident_names: tuple[str, ...] = ()  # for stats() from other threads
+        read = [load_adapter(name, path, base, max_rank) for name, path in self.paths.items()]
+        self.stacks = LoraStacks(read, base, max_loras, dtype, device, make_kernel)
         targets: set[str] = set()
-        for name, path in self.paths.items():
-            adapter = load_adapter(name, path, base, max_rank)
+        for adapter in read:
             targets |= adapter.targets
             if len(self._resident) < max_loras:
-                self._resident[name] = adapter.to(device, dtype)
-                self.loads += 1
-            log.info("splitfuse: LoRA adapter %r from %s: rank %d on %s%s", name, path, adapter.rank,
-                     ", ".join(sorted(adapter.targets)), "" if name in self._resident else " (not resident)")
+                self._make_resident(adapter)
+            log.info("splitfuse: LoRA adapter %r from %s: rank %d on %s%s", adapter.name, adapter.path, adapter.rank,
+                     ", ".join(sorted(adapter.targets)), "" if adapter.name in self._resident else " (not resident)")
+        self.stacks.pack()
+        self._resident_names = tuple(self._resident)
         self.targets = frozenset(targets)
         """HF projection names some configured adapter adapts."""
 
@@ -58,6 +63,18 @@ class LoraRegistry:
     def adapts_mlp_activation_input(self) -> bool:
         """Whether some adapter changes gate_proj / up_proj, the inputs of SwiGLU's activation."""
         return bool(self.targets & set(MLP_TARGETS[:2]))
+
+    def slot(self, name: str) -> int:
+        """The stacks' slot of a resident adapter."""
+        return self._slots[name]
+
+    def _make_resident(self, adapter: LoraAdapter) -> None:
+        adapter.to(self.device, self.dtype).pack(self.make_kernel)
+        slot = min(set(range(self.max_loras)) - set(self._slots.values()))
+        self.stacks.write(slot, adapter)
+        self._resident[adapter.name] = adapter
+        self._slots[adapter.name] = slot
+        self.loads += 1
 
     def acquire(self, names: list[str]) -> list[LoraAdapter]:
         """The adapters `names` (distinct, at most max_loras: the scheduler keeps running sequences
@@ -71,17 +88,18 @@ class LoraRegistry:
             if adapter is None:
                 while len(self._resident) >= self.max_loras:
                     victim = next(n for n in self._resident if n not in wanted)
-                    del self._resident[victim]
+                    del self._resident[victim], self._slots[victim]
                     self.evictions += 1
                     log.info("splitfuse: LoRA adapter %r evicted (max_loras=%d)", victim, self.max_loras)
-                adapter = load_adapter(name, self.paths[name], self.base, self.max_rank).to(self.device, self.dtype)
-                self._resident[name] = adapter
-                self.loads += 1
+                adapter = load_adapter(name, self.paths[name], self.base, self.max_rank)
+                self._make_resident(adapter)
                 log.info("splitfuse: LoRA adapter %r loaded", name)
             self._resident.move_to_end(name)
             out.append(adapter)
+        self.stacks.pack()
+        self._resident_names = tuple(self._resident)
         return out
 
     def stats(self) -> LoraStats:
-        return LoraStats(configured=self.names, resident=list(self._resident), loads=self.loads,
+        return LoraStats(configured=self.names, resident=list(self._resident_names), loads=self.loads,
                          evictions=self.evictions)

@@ -95,7 +95,7 @@ def _assert_refs(got, refs, params, what: str) -> None:
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("token_budget", [7, 64])
+@pytest.mark.parametrize("token_budget", [7, 64, 512])  # 512: prompt steps grouped, decodes stacked
 def test_mixed_batch_matches_peft(setup, cpu_path, token_budget, block_size):
     prompts, params, refs = setup.mixed()
     got, llm = _generate(setup, prompts, params, token_budget=token_budget, block_size=block_size, **cpu_path)

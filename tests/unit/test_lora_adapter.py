@@ -67,7 +67,8 @@ def test_good_adapter_is_fused_by_projection(tiny_llama, good):
 def test_rslora_scale(tiny_llama, tmp_path):
     folder = make_adapter(tiny_llama, tmp_path / "rs", r=16, lora_alpha=8, use_rslora=True, target_modules=["o_proj"])
     adapter = load_adapter("rs", folder, base_shape(tiny_llama), max_rank=64)
-    b = load_file(f"{folder}/adapter_model.safetensors")["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"]
+    tensors = load_file(f"{folder}/adapter_model.safetensors")
+    b = tensors["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"]
     assert torch.allclose(adapter.projections[(1, "o_proj")].parts[0].b, (b * (8 / 4)).t())  # alpha / sqrt(16)
 
 

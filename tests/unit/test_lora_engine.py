@@ -1,6 +1,8 @@
 """Multi-LoRA plumbing around the model: config, requests, scheduling within max_loras, prefix
 cache keys, the per-step row groups and the grouped delta itself."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -8,8 +10,12 @@ import torch
 from splitfuse import LLM, SamplingParams
 from splitfuse.block_manager import BlockManager, root_hash
 from splitfuse.config import EngineConfig
-from splitfuse.lora.adapter import LoraAdapter, LoraPart, ProjectionLora
+from splitfuse.kernels.cpu import linear as cpu_linear
+from splitfuse.layers.linear import make_linear_kernel
+from splitfuse.lora import batching
+from splitfuse.lora.adapter import BaseShape, LoraAdapter, LoraPart, ProjectionLora
 from splitfuse.lora.batching import LoraProjection, LoraRows, LoraState
+from splitfuse.lora.stacks import LoraStacks
 from splitfuse.scheduler import Scheduler
 from splitfuse.sequence import Sequence
 
@@ -96,16 +102,14 @@ def test_blocks_of_one_adapter_are_not_found_by_another():
     assert blocks.lookup(_seq(2, "b")) == [] and blocks.lookup(_seq(3, None)) == []
 
 
-# ---- row groups and the grouped delta ----------------------------------------------------------
-def test_rows_grouped_by_adapter():
-    rows = LoraRows.build(["b", None, "a", "b"], np.array([2, 3, 1, 2]), sample_rows=np.array([1, 4, 5, 7]),
-                          device=torch.device("cpu"))
-    assert rows.names == ["a", "b"] and rows.num_rows == 8 and rows.num_kept == 4
-    assert [r.tolist() for r in rows.rows] == [[5], [0, 1, 6, 7]]
-    assert [r.tolist() for r in rows.kept_rows] == [[2], [0, 3]]
-    only = LoraRows.build(["a", "a"], np.array([2, 1]), None, torch.device("cpu"))
-    assert only.rows == [None] and only.kept_rows is None  # every row one adapter's: no gather
-    assert LoraRows.build([None, None], np.array([1, 1]), None, torch.device("cpu")) is None
+# ---- row groups and the deltas ----------------------------------------------------------------
+def test_rows_by_adapter():
+    rows = LoraRows.build(["b", None, "a", "b"], np.array([2, 3, 1, 2]), sample_rows=np.array([1, 4, 5, 7]))
+    assert rows.names == ["a", "b"]
+    assert rows.row_adapter.tolist() == [1, 1, -1, -1, -1, 0, 1, 1]
+    assert rows.kept_adapter.tolist() == [1, -1, 0, 1]
+    assert LoraRows.build(["a", "a"], np.array([2, 1]), None).kept_adapter is None
+    assert LoraRows.build([None, None], np.array([1, 1]), None) is None
 
 
 def _adapter(name: str, in_f: int, out_sizes: list[int], parts: list[int], rank: int, gen) -> LoraAdapter:
@@ -127,16 +131,34 @@ def _reference_delta(x: torch.Tensor, adapter: LoraAdapter, out_features: int) -
     return out
 
 
-def test_grouped_delta_matches_per_token_reference():
+@pytest.mark.parametrize("backend", ["torch", "cpu", "onednn"])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_deltas_match_a_per_token_reference(monkeypatch, stacked, backend):
+    """Both paths (stacked for few rows, grouped for many), over the step's rows and the last
+    layer's kept rows: each row gets its own adapter's delta on its parts' columns only."""
+    monkeypatch.setattr(batching, "STACKED_MAX_ROWS", 64 if stacked else 0)
     gen = torch.Generator().manual_seed(0)
     sizes = [8, 4, 4]
-    adapters = [_adapter("q_v", 6, sizes, [0, 2], 3, gen), _adapter("all", 6, sizes, [0, 1, 2], 2, gen)]
+    adapters = [_adapter("q_v", 6, sizes, [0, 2], 3, gen), _adapter("all", 6, sizes, [0, 1, 2], 2, gen),
+                _adapter("k", 6, sizes, [1], 4, gen)]
+    shape = BaseShape(num_layers=1, hidden_size=6, q_size=8, kv_size=4, intermediate_size=8)
+    if backend != "torch" and not {"cpu": cpu_linear.available, "onednn": torch.backends.mkldnn.is_available}[backend]():
+        pytest.skip(f"no {backend} linear kernel here")
+    make_kernel = functools.partial(make_linear_kernel, bias=None, backend=backend)
+    stacks = LoraStacks(adapters, shape, max_loras=3, dtype=torch.float32, device=torch.device("cpu"),
+                        make_kernel=make_kernel)
+    # Slots out of order, and "k" resident but unused this step: its slot must give nothing.
+    slots = {"all": 2, "q_v": 0, "k": 1}
+    for adapter in adapters:
+        stacks.write(slots[adapter.name], adapter.pack(make_kernel))
+    stacks.pack()
+    by_name = {a.name: a for a in adapters}
     seq_names = ["all", None, "q_v", "all"]
     query_lens = np.array([3, 2, 1, 2])
-    rows = LoraRows.build(seq_names, query_lens, sample_rows=np.array([2, 4, 5, 7]), device=torch.device("cpu"))
-    state = LoraState()
-    by_name = {a.name: a for a in adapters}
-    state.set_step([by_name[n] for n in rows.names], rows)
+    rows = LoraRows.build(seq_names, query_lens, sample_rows=np.array([2, 4, 5, 7]))
+    state = LoraState(stacks)
+    step_adapters = [by_name[n] for n in rows.names]
+    state.set_step(step_adapters, [slots[a.name] for a in step_adapters], rows, torch.device("cpu"))
     hook = LoraProjection(0, "qkv_proj", state)
     token_names = np.repeat(seq_names, query_lens)
     for kept in (None, np.array([2, 4, 5, 7])):
@@ -152,3 +174,19 @@ def test_grouped_delta_matches_per_token_reference():
     state.clear()
     base = torch.randn(8, 16)
     assert torch.equal(hook(torch.randn(8, 6), base.clone()), base)
+
+
+def test_stack_slot_rewritten_on_reload():
+    """A slot taken over by another adapter holds only the new one's weights (zero-padded where
+    its rank is smaller, zero where it lacks a part)."""
+    gen = torch.Generator().manual_seed(1)
+    big = _adapter("big", 6, [8, 4, 4], [0, 1, 2], 4, gen)
+    small = _adapter("small", 6, [8, 4, 4], [0], 2, gen)
+    shape = BaseShape(num_layers=1, hidden_size=6, q_size=8, kv_size=4, intermediate_size=8)
+    stacks = LoraStacks([big, small], shape, max_loras=1, dtype=torch.float32, device=torch.device("cpu"))
+    stacks.write(0, big)
+    stacks.write(0, small)
+    stacked = stacks.projections[(0, "qkv_proj")]
+    assert stacked.layout == (4, 4, 4)
+    torch.testing.assert_close(stacked.a[:, :2], small.projections[(0, "qkv_proj")].a)
+    assert not stacked.a[:, 2:].any() and not stacked.parts[1].b.any() and not stacked.parts[0].b[2:].any()
