@@ -7,6 +7,7 @@ ranks and targets: attention only (q, v, o: k's slice of the fused qkv untouched
 """
 
 import json
+import logging
 import random
 
 import pytest
@@ -105,7 +106,7 @@ def test_mixed_batch_matches_peft(setup, cpu_path, token_budget, block_size):
     assert stats.loads == len(setup.adapters) and stats.evictions == 0
 
 
-def test_fused_cpu_decoder_declines_steps_with_adapters(setup, cpu_path):
+def test_fused_cpu_decoder_declines_steps_with_adapters(setup, cpu_path, caplog):
     """Adapters off gate/up keep the fused C++ decoder for base-only steps; steps with adapter rows
     run in Python. Base requests first, then mixed: both kinds of step, each request its tokens."""
     adapters = {"attn": setup.adapters["attn"]}
@@ -116,8 +117,11 @@ def test_fused_cpu_decoder_declines_steps_with_adapters(setup, cpu_path):
     base_only = [i for i, p in enumerate(params) if p.lora_name is None]
     got_base = llm.generate([prompts[i] for i in base_only], [params[i] for i in base_only])
     assert [o.token_ids for o in got_base] == [refs[i] for i in base_only]
-    got = [o.token_ids for o in llm.generate(prompts, params)]
+    with caplog.at_level(logging.INFO, logger="splitfuse.models.llama"):
+        got = [o.token_ids for o in llm.generate(prompts, params)]
     _assert_refs(got, refs, params, "fused decoder")
+    if cpu_path["attention_backend"] == "cpu":  # declined at every adapter step, said once
+        assert sum("run the decoder layers in Python" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_prefix_cache_keyed_by_adapter(setup):
@@ -203,3 +207,13 @@ def test_rank_and_alpha_patterns(setup, tmp_path):
     params = [SamplingParams(max_tokens=_max_tokens(i), temperature=0.0, lora_name="p")
               for i in range(len(setup.prompts))]
     assert [o.token_ids for o in llm.generate(setup.prompts, params)] == refs
+
+
+def test_attention_adapter_on_mixture_of_experts(tiny_model_factory, tmp_path):
+    """Mixtral: adapters on attention apply; MLP targets (its experts) are refused at load."""
+    base = tiny_model_factory("mixtral")
+    folder = make_adapter(base, tmp_path / "attn", seed=5, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"])
+    setup = Setup(base, {"attn": folder})
+    prompts, params, refs = setup.mixed()
+    got, _ = _generate(setup, prompts, params, token_budget=16)
+    _assert_refs(got, refs, params, "mixtral")

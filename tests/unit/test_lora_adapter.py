@@ -1,6 +1,7 @@
 """Reading PEFT LoRA folders: what is accepted, and bad folders refused at load with the file
 and the problem named."""
 
+import dataclasses
 import json
 import shutil
 
@@ -150,3 +151,9 @@ def test_missing_lora_b_and_rank_mismatch(tiny_llama, good, tmp_path):
 def test_bad_folder_fails_the_engine_start(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="adapter_config.json not found"):
         LLM(tiny_llama, lora_modules=f"a={tmp_path}", attention_backend="torch")
+
+
+def test_mlp_targets_refused_on_a_mixture_of_experts(tiny_llama, good):
+    moe = dataclasses.replace(base_shape(tiny_llama), moe=True)
+    with pytest.raises(ValueError, match="layer 0 down_proj: the base model's MLP is a mixture of experts"):
+        load_adapter("x", good, moe, 64)
