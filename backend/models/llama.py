@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from splitfuse.layers.int8_linear import CpuInt8Linear
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import CpuLinear, Linear, fuses_swiglu
 from splitfuse.layers.moe import Experts, SparseMoeBlock
+
+if TYPE_CHECKING:
+    from splitfuse.lora.batching import LoraState
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         # Set by prepare_decoder_stack: the decoder layers in one C++ call.
         self.decoder_stack: cpu_decoder.DecoderStack | None = None
         # Set by attach_lora: the step's LoRA adapters (splitfuse.lora.batching.LoraState).
-        self.lora_state = None
+        self.lora_state: LoraState | None = None
         self._logged_stack_declined = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -313,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
                                                       int8_zero_point=zero_point)
         return None
 
-    def attach_lora(self, state, hook: Callable[[int, str], Callable], projections: set[str]) -> None:
+    def attach_lora(self, state: LoraState, hook: Callable[[int, str], Callable], projections: set[str]) -> None:
         """Give the `projections` (our names: qkv_proj, o_proj, gate_up_proj, down_proj) of every
         layer the LoRA hook `hook(layer, name)`, `state` being the step's adapters. Before
         prepare_linears (a hooked gate_up_proj is prepared without the fused activation)."""
