@@ -31,7 +31,7 @@ from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 from splitfuse.prompt_limit import PromptLimit
 from splitfuse.ragged_batch import RaggedBatch
 from splitfuse.sampler import Sampler
-from splitfuse.scheduler import ScheduledChunk, Scheduler
+from splitfuse.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, TopLogprobs
 from splitfuse.spec_decode.ngram import NgramProposer
 from splitfuse.spec_decode.decoder import SpeculativeDecoder, sampling_rows
@@ -271,8 +271,9 @@ class LLMEngine:
         if self.speculation is not None:
             for seq in decision.preempted:
                 self.speculation.release(seq)
+        failed = self._load_adapters(decision)
         if decision.is_empty:
-            return []
+            return failed
         chunks = decision.chunks
         sampling = [c for c in chunks if c.samples]
         batch = RaggedBatch.build(chunks, self.config.block_size, self.runner.device)
@@ -293,7 +294,7 @@ class LLMEngine:
             done = c.seq.num_computed_tokens
             num_prompt_tokens += max(0, min(done + c.num_tokens, c.seq.num_prompt_tokens) - done)
         self.scheduler.advance(decision)
-        outputs = []
+        outputs = failed
         num_generated = num_drafts = num_accepted = 0
         row = 0
         for chunk in sampling:
@@ -334,6 +335,27 @@ class LLMEngine:
             grammar_mask_s=grammar_mask_s,
         )
         return outputs
+
+    def _load_adapters(self, decision: SchedulerOutput) -> list[RequestOutput]:
+        """Make the step's LoRA adapters resident. An adapter that cannot be read again (its
+        folder changed or vanished since the start) fails its own requests, which leave the
+        step; the others run."""
+        lora = self.runner.lora
+        names = sorted({c.seq.params.lora_name for c in decision.chunks} - {None})
+        if lora is None or not names:
+            return []
+        errors: dict[str, str] = {}
+        for name in names:  # one by one: the ones loaded stay the most recently used, never evicted here
+            try:
+                lora.acquire([name])
+            except (ValueError, OSError) as e:
+                log.error("LoRA adapter %r cannot be loaded: %s", name, e)
+                errors[name] = f"LoRA adapter {name!r} cannot be loaded: {e}"
+        if not errors:
+            return []
+        doomed = [c.seq for c in decision.chunks if c.seq.params.lora_name in errors]
+        decision.chunks = [c for c in decision.chunks if c.seq.params.lora_name not in errors]
+        return [self._fail(seq, errors[seq.params.lora_name]) for seq in doomed]
 
     @staticmethod
     def _verified_tokens(chunk: ScheduledChunk, rows: list) -> list[SampledToken]:

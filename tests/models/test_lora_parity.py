@@ -9,6 +9,7 @@ ranks and targets: attention only (q, v, o: k's slice of the fused qkv untouched
 import json
 import logging
 import random
+import shutil
 
 import pytest
 import torch
@@ -217,3 +218,21 @@ def test_attention_adapter_on_mixture_of_experts(tiny_model_factory, tmp_path):
     prompts, params, refs = setup.mixed()
     got, _ = _generate(setup, prompts, params, token_budget=16)
     _assert_refs(got, refs, params, "mixtral")
+
+
+def test_adapter_that_cannot_be_reloaded_fails_its_requests_only(setup, tmp_path):
+    """An adapter evicted and then unreadable (its folder changed since the start) ends its own
+    requests with an error naming the file; the others get their tokens."""
+    gone = tmp_path / "gone"
+    shutil.copytree(setup.adapters["mlp"], gone)
+    llm = LLM(setup.base, dtype="float32", lora_modules=f"attn={setup.adapters['attn']},gone={gone}", max_loras=1,
+              attention_backend="torch", linear_backend="torch")
+    (gone / "adapter_model.safetensors").unlink()
+    names = [None, "attn", "gone", "attn"]
+    params = [SamplingParams(max_tokens=_max_tokens(2), temperature=0.0, lora_name=n) for n in names]
+    outs = llm.generate([setup.prompts[2]] * len(names), params)
+    assert outs[2].finish_reason == "error" and "adapter_model.safetensors not found" in outs[2].error
+    for i in (0, 1, 3):
+        assert outs[i].token_ids == setup.refs[names[i]][2], f"request {i} lora={names[i]}"
+    llm.engine.check_invariants()
+    assert llm.engine.blocks.num_used_blocks == 0
