@@ -264,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
             start = last if keep is not None else last + 1
             if start:
                 h, residual = stack.run(h, start, positions, cos, sin, meta.slot_mapping,
-                                                     meta.query_start_loc, meta.seq_lens, meta.block_tables)
+                                        meta.query_start_loc, meta.seq_lens, meta.block_tables)
         for i in range(start, last + 1):
             k_cache, v_cache = kv_caches[i]
             h, residual = self.model.layers[i](h, residual, positions, meta, k_cache, v_cache, cos, sin,
