@@ -105,7 +105,7 @@ class RaggedBatch:
                 seq_lens=sample_seq_lens.tolist(),
             )
         lora = LoraRows.build([c.seq.params.lora_name for c in chunks], query_lens,
-                              sample_rows if last_layer is not None else None, device)
+                              sample_rows if last_layer is not None else None)
         return cls(
             input_ids=tensor(np.asarray(token_ids, dtype=np.int64)),
             positions=tensor(positions),
