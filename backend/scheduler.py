@@ -21,6 +21,12 @@ like any other and handed back by `accept_drafts` past what the verification acc
 Prefix caching: a sequence is admitted after the longest prefix of full blocks the cache
 holds (the BlockManager's `lookup`), so its first chunk starts at that offset; after each
 step `advance` makes the blocks a chunk filled findable for requests admitted later.
+
+LoRA adapters: running sequences use at most `max_loras` adapters. A waiting sequence whose
+adapter would be one too many waits, but does not hold up the queue: later base requests and
+requests of running adapters are admitted past it. Once it has waited LORA_BYPASS_STEPS steps,
+no new sequence of a running adapter is admitted past it, so those adapters drain and free a
+slot for it (base requests still pass: they take no slot).
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ from dataclasses import dataclass, field
 
 from splitfuse.block_manager import BlockManager
 from splitfuse.sequence import Sequence, SequenceStatus
+
+# Steps a waiting sequence blocked by max_loras lets requests of running adapters pass it before
+# those stop being admitted: long enough to keep a busy adapter's batch full across a short wait,
+# short next to a generation, so the blocked request is served within about one request's time.
+LORA_BYPASS_STEPS = 64
 
 
 @dataclass
@@ -77,6 +88,8 @@ class Scheduler:
         # the resident set (None: no bound).
         self.max_loras = max_loras
         self._running_loras: Counter[str] = Counter()
+        self._lora_blocked: Sequence | None = None  # the oldest waiting sequence max_loras holds back
+        self._lora_blocked_steps = 0  # steps it has been so
         self._schedule_fn = {
             "splitfuse": self._schedule_splitfuse,
             "prefill_first": self._schedule_prefill_first,
@@ -102,6 +115,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
+        self._track_lora_blocked()
         return self._schedule_fn()
 
     def advance(self, out: SchedulerOutput) -> None:
@@ -139,7 +153,7 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(seq, n))
                 budget -= n
         # New prompts; the last one admitted is cut to fill the budget exactly.
-        while budget > 0 and (seq := self._admit_head(out)) is not None:
+        while budget > 0 and (seq := self._admit_next(out)) is not None:
             n = min(seq.num_uncomputed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
@@ -150,11 +164,10 @@ class Scheduler:
         # A pass of whole prompts whenever one can be admitted; the first always runs whole,
         # even past the budget (this baseline does not split prompts).
         used = 0
-        while self.waiting:
-            head = self.waiting[0]
+        while (head := self._next_waiting(out)) is not None:
             if out.chunks and used + head.num_uncomputed_tokens > self.token_budget:
                 break
-            if self._admit_head(out) is None:
+            if not self._admit(head, out):
                 break
             out.chunks.append(ScheduledChunk(head, head.num_uncomputed_tokens))
             used += head.num_uncomputed_tokens
@@ -168,11 +181,10 @@ class Scheduler:
         budget = self._schedule_decodes(out, self.token_budget)
         # Whole prompts join the decode batch while they fit; a batch with no other work
         # takes the head prompt whole even past the budget, or it would never run.
-        while self.waiting:
-            head = self.waiting[0]
+        while (head := self._next_waiting(out)) is not None:
             if out.chunks and head.num_uncomputed_tokens > budget:
                 break
-            if self._admit_head(out) is None:
+            if not self._admit(head, out):
                 break
             out.chunks.append(ScheduledChunk(head, head.num_uncomputed_tokens))
             budget = max(0, budget - head.num_uncomputed_tokens)
@@ -229,25 +241,56 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit_head(self, out: SchedulerOutput) -> Sequence | None:
-        """Move the head of the waiting queue to running if its KV fits, starting it after
-        the longest prefix the cache holds. FIFO: a head that does not fit blocks the others,
-        so long prompts are not starved by short ones."""
+    def _lora_waits(self, lora: str | None) -> bool:
+        """Whether a sequence of adapter `lora` would make the running adapters one too many."""
+        return (lora is not None and self.max_loras is not None and lora not in self._running_loras
+                and len(self._running_loras) >= self.max_loras)
+
+    def _track_lora_blocked(self) -> None:
+        """Note the oldest waiting sequence max_loras holds back, and for how many steps."""
+        blocked = None
+        if self.max_loras is not None and len(self._running_loras) >= self.max_loras:
+            blocked = next((s for s in self.waiting if self._lora_waits(s.params.lora_name)), None)
+        if blocked is not None and blocked is self._lora_blocked:
+            self._lora_blocked_steps += 1
+        else:
+            self._lora_blocked, self._lora_blocked_steps = blocked, 0
+
+    def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
+        """The waiting sequence to admit next: the oldest, past those whose adapter waits for a
+        slot (max_loras), and past a starved one only for base requests. None when admission
+        stops this step."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return None
         if out.preempted:
             # The pool ran out this step: admitting now could take back the very blocks a
             # preemption just freed (a victim's cached prefix) and preempt again next step.
             return None
-        seq = self.waiting[0]
+        starved = False  # past a sequence held back LORA_BYPASS_STEPS steps: base requests only
+        for seq in self.waiting:
+            lora = seq.params.lora_name
+            if lora is None or not (starved or self._lora_waits(lora)):
+                return seq
+            if seq is self._lora_blocked and self._lora_blocked_steps >= LORA_BYPASS_STEPS:
+                starved = True
+        return None
+
+    def _admit_next(self, out: SchedulerOutput) -> Sequence | None:
+        seq = self._next_waiting(out)
+        return seq if seq is not None and self._admit(seq, out) else None
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Move waiting `seq` to running if its KV fits, starting it after the longest prefix the
+        cache holds. A sequence that does not fit stops admission for the step (FIFO), so long
+        prompts are not starved by short ones."""
         lora = seq.params.lora_name
-        if (lora is not None and self.max_loras is not None and lora not in self._running_loras
-                and len(self._running_loras) >= self.max_loras):
-            return None  # waits (FIFO) until a running adapter's sequences are done
         cached = self.blocks.lookup(seq)
         if not self.blocks.can_admit(seq, seq.num_tokens, cached):
-            return None
-        self.waiting.popleft()
+            return False
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
         self.blocks.take_cached(seq, cached)
         self.blocks.grow(seq, seq.num_tokens)
         seq.num_computed_tokens = len(cached) * self.blocks.block_size
@@ -262,7 +305,7 @@ class Scheduler:
         self._running_arrivals.insert(idx, seq.arrival)
         if lora is not None:
             self._running_loras[lora] += 1
-        return seq
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s KV and put it back at the head of the queue to be recomputed."""

@@ -16,8 +16,9 @@ from splitfuse.lora import batching
 from splitfuse.lora.adapter import BaseShape, LoraAdapter, LoraPart, ProjectionLora
 from splitfuse.lora.batching import LoraProjection, LoraRows, LoraState
 from splitfuse.lora.stacks import LoraStacks
+from splitfuse import scheduler
 from splitfuse.scheduler import Scheduler
-from splitfuse.sequence import Sequence
+from splitfuse.sequence import Sequence, SequenceStatus
 
 
 # ---- config -----------------------------------------------------------------------------------
@@ -74,15 +75,56 @@ def test_running_sequences_use_at_most_max_loras_adapters():
     for s in seqs:
         sched.add(s)
     out = sched.schedule()
-    # "c" would be a third adapter: it waits at the head, and FIFO keeps "b" behind it waiting too.
-    assert [c.seq.request_id for c in out.chunks] == ["r0", "r1", "r2", "r3"]
-    sched.finish(seqs[2])  # b's only running sequence
+    # "c" would be a third adapter: it waits, and "b" (running) is admitted past it.
+    assert [c.seq.request_id for c in out.chunks] == ["r0", "r1", "r2", "r3", "r5"]
+    assert list(sched.waiting) == [seqs[4]]
+    sched.finish(seqs[2])
+    sched.finish(seqs[5])  # b's running sequences are done: c takes its slot
     out = sched.schedule()
-    assert seqs[4] in [c.seq for c in out.chunks] and seqs[5] not in sched.running
-    sched.finish(seqs[0])
-    sched.finish(seqs[3])  # a is gone: b may run beside c
-    sched.schedule()
-    assert seqs[5] in sched.running
+    assert seqs[4] in [c.seq for c in out.chunks]
+    assert set(sched._running_loras) == {"a", "c"}
+
+
+def _step(sched: Scheduler, max_tokens: int) -> list[str]:
+    """One step as the engine runs it: sampled chunks append a token; sequences with `max_tokens`
+    generated finish. Returns the request ids that ran."""
+    out = sched.schedule()
+    sampling = [c.seq for c in out.chunks if c.samples]
+    sched.advance(out)
+    for seq in sampling:
+        seq.append_token(7)
+        if seq.num_tokens - seq.num_prompt_tokens >= max_tokens:
+            sched.finish(seq)
+    return [c.seq.request_id for c in out.chunks]
+
+
+def test_adapter_waiting_for_a_slot_does_not_block_the_queue_nor_starve():
+    """max_loras=1 with adapter "a" always busy: a request of "b" waits for the slot, base and "a"
+    requests behind it are admitted past it, and "b" still runs once it has waited LORA_BYPASS_STEPS
+    steps (no new "a" sequence is admitted past it then, so "a" drains)."""
+    sched = Scheduler(BlockManager(256, 4), token_budget=32, max_num_seqs=8, policy="splitfuse", max_loras=1)
+    n = iter(range(10_000))
+    sched.add(_seq(next(n), "a"))
+    blocked = _seq(next(n), "b")
+    sched.add(blocked)
+    behind = [_seq(next(n), None), _seq(next(n), "a")]
+    for s in behind:
+        sched.add(s)
+    ran = _step(sched, max_tokens=6)
+    assert {s.request_id for s in behind} <= set(ran) and blocked.request_id not in ran
+    waited = 0
+    while blocked.status is not SequenceStatus.RUNNING:
+        # A steady stream of "a" (and base) requests that would keep "a" running forever.
+        sched.add(_seq(next(n), "a"))
+        if waited % 2:
+            sched.add(_seq(next(n), None))
+        ran = _step(sched, max_tokens=6)
+        waited += 1
+        assert waited < scheduler.LORA_BYPASS_STEPS + 50, "the request of adapter b starved"
+        if waited < scheduler.LORA_BYPASS_STEPS:  # until then "a" keeps being admitted past it
+            assert sched._running_loras.get("a", 0) > 0
+    assert waited > scheduler.LORA_BYPASS_STEPS // 2  # it did wait while "a" was served
+    assert set(sched._running_loras) == {"b"}
 
 
 def test_prefix_chains_are_keyed_by_adapter_and_salt():
