@@ -120,6 +120,7 @@ class LoraPlan:
     block_n: int
     split_k: int
     k_per_split: int
+    num_warps: int
 
 
 def plan_lora(num_rows: int, n_in: int, rank: int) -> LoraPlan:
@@ -133,7 +134,9 @@ def plan_lora(num_rows: int, n_in: int, rank: int) -> LoraPlan:
     want = max(1, 16 // cdiv(num_rows, block_m))
     per_split = cdiv(k_blocks, min(k_blocks, want))
     return LoraPlan(block_m=block_m, block_k=block_k, block_r=block_r, block_n=64,
-                    split_k=cdiv(k_blocks, per_split), k_per_split=per_split * block_k)
+                    split_k=cdiv(k_blocks, per_split), k_per_split=per_split * block_k,
+                    # 64 x 64 fp32 tiles need 255 registers with 4 warps on sm80 (ptxas -v), 144 with 8
+                    num_warps=8 if block_m * block_r >= 64 * 64 else 4)
 
 
 def _segments(slot_ids: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -182,12 +185,12 @@ def lora_delta(x: torch.Tensor, slot_ids: torch.Tensor, a: torch.Tensor, b: torc
         x, a, xa, order, seg_start, seg_len, n_in, rank, plan.k_per_split,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), xa.stride(0),
         BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, BLOCK_R=plan.block_r, SPLIT_K=plan.split_k,
-        PRECISION=precision, num_warps=4, num_stages=2)
+        PRECISION=precision, num_warps=plan.num_warps, num_stages=2)
     _lora_expand_kernel[(m_blocks, cdiv(n_out, plan.block_n), num_slots)](
         xa, b, out, b if scales is None else scales, order, seg_start, seg_len, n_out, rank,
         xa.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.block_r, HAS_SCALE=scales is not None,
-        PRECISION=precision, num_warps=4, num_stages=2)
+        PRECISION=precision, num_warps=plan.num_warps, num_stages=2)
     return out
 
 

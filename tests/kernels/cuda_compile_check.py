@@ -28,10 +28,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-activation, kv_cache, paged_attention, paged_attention_split_kv, rms_norm, rotary = (
+activation, kv_cache, lora, paged_attention, paged_attention_split_kv, rms_norm, rotary = (
     importlib.import_module(f"splitfuse.kernels.triton_lang.{m}")
-    for m in ("activation", "kv_cache", "paged_attention", "paged_attention_split_kv", "rms_norm", "rotary"))
-MODULES = (activation, kv_cache, paged_attention, paged_attention_split_kv, rms_norm, rotary)
+    for m in ("activation", "kv_cache", "lora", "paged_attention", "paged_attention_split_kv", "rms_norm", "rotary"))
+MODULES = (activation, kv_cache, lora, paged_attention, paged_attention_split_kv, rms_norm, rotary)
 
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory one block may use (A100, H100)
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -143,6 +143,19 @@ def _cases():
                (90,))
         g = t(5, 2 * 14336, dtype=dtype)
         yield f"silu_and_mul/{n}", activation, ["_silu_and_mul_kernel"], lambda g=g: activation.silu_and_mul(g), (90,)
+    def lora_case(dtype, rows, n_in, rank, n_out, slots=4, scaled=True):
+        x = t(rows, n_in, dtype=dtype)
+        ids = torch.zeros(rows, dtype=torch.int64)
+        a, b = t(slots, n_in, rank, dtype=dtype), t(slots, rank, n_out, dtype=dtype)
+        scales = torch.ones(slots) if scaled else None
+        return lambda: lora.lora_delta(x, ids, a, b, scales, out=t(rows, n_out, dtype=dtype))
+
+    lk = ["_lora_shrink_kernel", "_lora_expand_kernel"]
+    yield "lora/fp16/decode/r16", lora, lk, lora_case(fp16, 16, 4096, 16, 6144), (80, 90)  # split over `in`
+    yield "lora/bf16/prefill/r64", lora, lk, lora_case(bf16, 512, 4096, 64, 14336, scaled=False), (80, 90)
+    yield "lora/bf16/r128", lora, lk, lora_case(bf16, 300, 14336, 128, 4096), (90,)
+    yield "lora/fp32/r8", lora, lk, lora_case(fp32, 3, 576, 8, 1536), (90,)
+
     x = t(5, 8192, dtype=torch.bfloat16)
     yield ("rms_norm/bf16/fp32-weight", rms_norm, ["_rms_norm_kernel"],
            lambda: rms_norm.rms_norm(x, torch.zeros(8192), 1e-6), (90,))
