@@ -11,6 +11,7 @@ them) and each part's B (scale folded in) with the output columns it adds to.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -20,7 +21,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -125,6 +126,9 @@ class LoraAdapter:
     targets: frozenset[str]  # HF projection names it adapts
     projections: dict[tuple[int, str], ProjectionLora] = field(repr=False)
     """(layer, our projection name) -> weights."""
+    digest: str = ""
+    """SHA-256 of adapter_config.json and adapter_model.safetensors as read: the registry
+    refuses a re-read whose content differs (the prefix cache holds KV of the weights first read)."""
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "LoraAdapter":
         for p in self.projections.values():
@@ -147,7 +151,8 @@ class LoraAdapter:
                    for p in self.projections.values())
 
 
-def read_adapter_config(path: Path) -> dict:
+def read_adapter_config(path: Path) -> tuple[dict, bytes]:
+    """The folder's adapter_config.json, parsed, and its bytes."""
     config_file = path / CONFIG_FILE
     if not path.is_dir():
         raise ValueError(f"LoRA adapter folder {path} does not exist")
@@ -155,12 +160,13 @@ def read_adapter_config(path: Path) -> dict:
         raise ValueError(f"{config_file} not found: a LoRA adapter is a PEFT folder (adapter_config.json + "
                          f"{WEIGHTS_FILE})")
     try:
-        config = json.loads(config_file.read_text())
+        raw = config_file.read_bytes()
+        config = json.loads(raw)
     except (OSError, ValueError) as e:
         raise ValueError(f"{config_file}: cannot read it as JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{config_file}: not a JSON object")
-    return config
+    return config, raw
 
 
 def check_adapter_config(config: dict, config_file: Path, max_rank: int) -> None:
@@ -204,7 +210,7 @@ def load_adapter(name: str, path: str | Path, base: BaseShape, max_rank: int) ->
     """Read and check a PEFT folder (weights on the CPU in float32). Raises ValueError naming the
     file and the problem."""
     path = Path(path)
-    config = read_adapter_config(path)
+    config, raw_config = read_adapter_config(path)
     config_file = path / CONFIG_FILE
     check_adapter_config(config, config_file, max_rank)
     weights_file = path / WEIGHTS_FILE
@@ -214,24 +220,24 @@ def load_adapter(name: str, path: str | Path, base: BaseShape, max_rank: int) ->
         raise ValueError(f"{weights_file} not found{what}")
     tensors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     modules: dict[tuple[int, str], str] = {}
+    # Read once: the digest and the tensors come from the same bytes.
     try:
-        with safe_open(str(weights_file), framework="pt") as f:
-            for key in f.keys():
-                match = _KEY.match(key)
-                if match is None:
-                    raise ValueError(f"{weights_file}: tensor {key!r} is not a LoRA weight of "
-                                     f"{', '.join(TARGETS)} (embed_tokens / lm_head and other modules are not "
-                                     "supported)")
-                layer, target = int(match["layer"]), match["target"]
-                if target not in TARGETS:
-                    raise ValueError(f"{weights_file}: tensor {key!r} adapts {target!r}; LoRA applies to "
-                                     f"{', '.join(TARGETS)} only")
-                tensors.setdefault((layer, target), {})[match["ab"]] = f.get_tensor(key).float()
-                modules[(layer, target)] = match["module"]
-    except ValueError:
-        raise
+        data = weights_file.read_bytes()
+        read = load_safetensors(data)
     except Exception as e:  # a truncated or foreign file
         raise ValueError(f"{weights_file}: cannot read it as safetensors: {e}") from None
+    digest = hashlib.sha256(raw_config + b"\0" + data).hexdigest()
+    for key, tensor in read.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise ValueError(f"{weights_file}: tensor {key!r} is not a LoRA weight of {', '.join(TARGETS)} "
+                             "(embed_tokens / lm_head and other modules are not supported)")
+        layer, target = int(match["layer"]), match["target"]
+        if target not in TARGETS:
+            raise ValueError(f"{weights_file}: tensor {key!r} adapts {target!r}; LoRA applies to "
+                             f"{', '.join(TARGETS)} only")
+        tensors.setdefault((layer, target), {})[match["ab"]] = tensor.float()
+        modules[(layer, target)] = match["module"]
     if not tensors:
         raise ValueError(f"{weights_file}: holds no LoRA weights")
     alpha = float(config.get("lora_alpha", 8))
@@ -267,7 +273,7 @@ def load_adapter(name: str, path: str | Path, base: BaseShape, max_rank: int) ->
         per_part.setdefault((layer, projection), []).append((part, a, b, scale))
     projections = {key: _fuse(key[1], parts, base) for key, parts in per_part.items()}
     return LoraAdapter(name=name, path=str(path), rank=max(p.a.shape[1] for p in projections.values()),
-                       targets=frozenset(t for _, t in tensors), projections=projections)
+                       targets=frozenset(t for _, t in tensors), projections=projections, digest=digest)
 
 
 def _fuse(projection: str, parts: list[tuple[int, torch.Tensor, torch.Tensor, float]],

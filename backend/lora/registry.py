@@ -42,6 +42,9 @@ class LoraRegistry:
         self._slots: dict[str, int] = {}  # resident adapter -> its slot in the stacks
         self._resident_names: tuple[str, ...] = ()  # for stats() from other threads
         read = [load_adapter(name, path, base, max_rank) for name, path in self.paths.items()]
+        # Each adapter's content as first read: the prefix cache keys its KV by name, so a re-read
+        # (after an eviction) must give the same weights.
+        self._digests = {adapter.name: adapter.digest for adapter in read}
         self.stacks = LoraStacks(read, base, max_loras, dtype, device, make_kernel)
         targets: set[str] = set()
         for adapter in read:
@@ -92,6 +95,10 @@ class LoraRegistry:
                     self.evictions += 1
                     log.info("splitfuse: LoRA adapter %r evicted (max_loras=%d)", victim, self.max_loras)
                 adapter = load_adapter(name, self.paths[name], self.base, self.max_rank)
+                if adapter.digest != self._digests[name]:
+                    raise ValueError(f"{adapter.path}: the adapter's files changed since the engine started (KV "
+                                     "cached for its old weights would be reused); restart the engine to serve the "
+                                     "new weights, or give them a new adapter name")
                 self._make_resident(adapter)
                 log.info("splitfuse: LoRA adapter %r loaded", name)
             self._resident.move_to_end(name)

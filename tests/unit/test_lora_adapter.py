@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from splitfuse import LLM
+from splitfuse import LLM, SamplingParams
 from splitfuse.lora.adapter import BaseShape, load_adapter
 from splitfuse.models.llama import ModelArgs
 from splitfuse.models.loader import read_hf_config
@@ -157,3 +157,34 @@ def test_mlp_targets_refused_on_a_mixture_of_experts(tiny_llama, good):
     moe = dataclasses.replace(base_shape(tiny_llama), moe=True)
     with pytest.raises(ValueError, match="layer 0 down_proj: the base model's MLP is a mixture of experts"):
         load_adapter("x", good, moe, 64)
+
+
+def test_adapter_changed_since_start_is_refused_at_reload(tiny_llama, good, tmp_path):
+    """The prefix cache keys KV by adapter name, so an adapter evicted and read again must give the
+    weights first read: a changed folder fails its requests with the reason, and the prefix chain
+    of the old weights is never extended with new ones; an unchanged folder (even rewritten) and
+    the other adapter serve on."""
+    other = tmp_path / "other"
+    shutil.copytree(good, other)
+    llm = LLM(tiny_llama, lora_modules=f"good={good},other={other}", max_loras=1, attention_backend="torch",
+              enable_prefix_caching=True, block_size=4)
+    params = {n: SamplingParams(max_tokens=4, temperature=0.0, lora_name=n) for n in ("good", "other")}
+    prompt = list(range(3, 20))
+    first = llm.generate(prompt, params["other"])[0]
+    llm.generate(prompt, params["good"])  # evicts "other"
+    weights = other / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # rewritten, same content
+    again = llm.generate(prompt, params["other"])[0]
+    assert again.token_ids == first.token_ids and again.num_cached_tokens > 0
+    llm.generate(prompt, params["good"])
+    tensors = load_file(str(weights))
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key] = tensors[key] + 1.0
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    changed = llm.generate(prompt, params["other"])[0]
+    assert changed.finish_reason == "error" and "changed since the engine started" in changed.error
+    assert str(other) in changed.error
+    assert llm.generate(prompt, params["good"])[0].finish_reason != "error"
+    stats = llm.engine.lora_stats()
+    assert stats.resident == ["good"]
+    llm.engine.check_invariants()
