@@ -135,31 +135,63 @@ def _serving_cost_rows(rows: list[dict], served: str, engine: str, token_clients
     return out
 
 
-def _floor_rps(meta: dict, system: str) -> float | None:
-    """The served floor (requests/s) in the dtype `system` computes in, when the run measured it."""
+def _floor_rps(meta: dict, system: str) -> tuple[float | None, float | None]:
+    """The served floors (requests/s), strict and additive, in the dtype `system` computes in, when
+    the run measured them. Runs before 2026-11-27 recorded the additive one only (`floor_rps`)."""
     dtype = VLLM_DTYPES.get(precision_of(system))
-    return meta.get("roofline", {}).get("floor_rps", {}).get(dtype)
+    roof = meta.get("roofline", {})
+    if "floors" in roof:
+        f = roof["floors"].get(dtype) or {}
+        return f.get("strict_rps"), f.get("additive_rps")
+    return None, roof.get("floor_rps", {}).get(dtype)
+
+
+def _rates_text(roof: dict) -> str:
+    """The rates behind the floors, saying which came from the machine's record and which were
+    measured in this run."""
+    rec = roof.get("from_record")
+    measured = roof.get("measured") or {}
+
+    def one(name: str, label: str, value: float, unit: str, was: float | None, nd: int = 0) -> str:
+        entry = (rec or {}).get(name)
+        if not entry:
+            return f"{label} {value:.{nd}f} {unit}" + (" (this run)" if rec is not None else "")
+        this_run = f"; this run {was:.{nd}f}" if was is not None else ""
+        return (f"{label} {value:.{nd}f} {unit} from the record ({entry.get('date', '?')}, "
+                f"{entry.get('commit', '?')}{this_run})")
+
+    peaks = [one(f"gemm_peak_gflops.{d}", d, v, "GFLOP/s", measured.get("gemm_peak_gflops", {}).get(d))
+             for d, v in roof["gemm_peak_gflops"].items()]
+    read = one("read_gbs", "memory read", roof["read_gbs"], "GB/s", measured.get("read_gbs"), 1)
+    where = ("best of before and after the systems, each raised to the best on record for this CPU and thread "
+             f"count in `{roof.get('record_file')}`" if rec is not None else "best of before and after the systems")
+    return f"{roof['threads']} threads, {where}: GEMM peak (oneDNN, large shapes) {', '.join(peaks)}; {read}"
 
 
 def _roofline_lines(best: dict, meta: dict) -> list[str]:
     roof = meta.get("roofline")
     if not roof:
         return []
-    peaks = ", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in roof["gemm_peak_gflops"].items())
+    mach = meta.get("machine", {})
     lines = ["### Roofline\n",
-             (f"Measured in this run ({roof['threads']} threads, best of before and after the systems): GEMM peak "
-              f"(oneDNN, large shapes) {peaks}; memory read {roof['read_gbs']:.1f} GB/s. The floor of a dtype is "
-              "the rate no engine computing in it could exceed on this machine with this workload: every "
-              "request's matmuls at that GEMM peak and its decodes' K/V reads at the read rate, with norms, "
-              "rotary, sampling, scheduling and serving free (`perf/roofline.py`).\n"),
-             "| system | max raw throughput (req/s) | floor in its dtype (req/s) | share of the floor |",
-             "|---|---|---|---|"]
+             (f"On {mach.get('cpu', '?')} (flags: {mach.get('cpu_flags', '?')}), {_rates_text(roof)}. Per dtype, "
+              "every request's matmuls at that GEMM peak take the compute time and its decodes' K/V reads at the "
+              "read rate the memory time, with norms, rotary, sampling, scheduling and serving free "
+              "(`perf/roofline.py`). The strict floor is the larger of the two (perfect overlap): no engine "
+              "computing in that dtype could exceed its rate on this machine with this workload. The additive "
+              "floor is their sum (no overlap).\n"),
+             "| system | max raw throughput (req/s) | strict floor in its dtype (req/s) | share of the strict floor "
+             "| additive floor (req/s) | share of the additive floor |",
+             "|---|---|---|---|---|---|"]
+    if "floors" not in roof:
+        lines[1] += "(This run recorded the additive floor only.)\n"
     for s in sorted(best, key=order_key):
-        floor = _floor_rps(meta, s)
-        if floor is None or best[s]["max_throughput"] is None:
+        strict, additive = _floor_rps(meta, s)
+        top = best[s]["max_throughput"]
+        if (strict is None and additive is None) or top is None:
             continue
-        lines.append(f"| {label_of(s)} | {_fmt(best[s]['max_throughput'])} | {_fmt(floor)} | "
-                     f"{_fmt(best[s]['max_throughput'] / floor, 2)} |")
+        lines.append(f"| {label_of(s)} | {_fmt(top)} | {_fmt(strict)} | {_fmt(_ratio(top, strict), 2)} | "
+                     f"{_fmt(additive)} | {_fmt(_ratio(top, additive), 2)} |")
     lines.append("")
     return lines
 
@@ -246,11 +278,17 @@ def _target_rows(best: dict, rows: list[dict], meta: dict, sf_name: str, token_c
             ratio = _ratio(sf["max_throughput"], best[other]["max_throughput"])
             met = "-" if ratio is None else ("yes" if ratio >= thr_target else "no")
             out.append(f"| {me} / {other}: max raw throughput | {_fmt(ratio, 2)}x | >= {thr_target:g}x | {met} |")
-            floor = _floor_rps(meta, other)
-            if floor is not None:
-                out.append(f"| floor / {other}: max raw throughput (the most any engine computing in "
-                           f"{VLLM_DTYPES[precision_of(other)]} could show here; see Roofline) | "
-                           f"{_fmt(_ratio(floor, best[other]['max_throughput']), 2)}x | (bound) | - |")
+            strict, additive = _floor_rps(meta, other)
+            peer = best[other]["max_throughput"]
+            if strict is not None:
+                out.append(f"| strict floor / {other}: max raw throughput (the most any engine computing in "
+                           f"{VLLM_DTYPES[precision_of(other)]} could show here; additive floor "
+                           f"{_fmt(_ratio(additive, peer), 2)}x; see Roofline) | "
+                           f"{_fmt(_ratio(strict, peer), 2)}x | (bound) | - |")
+            elif additive is not None:
+                out.append(f"| additive floor / {other}: max raw throughput (an engine computing in "
+                           f"{VLLM_DTYPES[precision_of(other)]} that overlaps nothing; see Roofline) | "
+                           f"{_fmt(_ratio(additive, peer), 2)}x | (info) | - |")
             ratio = _ratio(sf["p50_token_1client_s"], best[other]["p50_token_1client_s"])
             met = "-" if ratio is None else ("yes" if ratio <= 1.0 else "no")
             out.append(f"| {me} / {other}: P50 token latency @1 client | {_fmt(ratio, 2)}x | <= 1x | {met} |")
