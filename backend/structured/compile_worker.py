@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from splitfuse.structured.guide import Guide
+from splitfuse.structured.schema_keywords import check_schema_keywords
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,10 @@ def compile_guide(compiler: Any, kind: str, text: str) -> Any:
             return compiler.compile_builtin_json_grammar()
         if kind == "json_schema":
             try:
-                json.loads(text)  # a clear message for JSON that is not even JSON
+                schema = json.loads(text)  # a clear message for JSON that is not even JSON
             except json.JSONDecodeError as e:
                 raise ValueError(f"guided_decoding_guide (json_schema) is not valid JSON: {e}") from None
+            check_schema_keywords(schema)
             return compiler.compile_json_schema(text, any_whitespace=False)
         if kind == "regex":
             return compiler.compile_regex(text)

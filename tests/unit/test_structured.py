@@ -141,6 +141,24 @@ def test_bad_guides_are_refused_before_anything_runs(llm, guide, words):
     assert len(out.token_ids) == 3
 
 
+@pytest.mark.parametrize("schema,keyword,where", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "/"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not", "/properties/a"),
+    ({"anyOf": [{"type": "integer"}, {"allOf": [{"type": "object"}]}]}, "allOf", "/anyOf/1"),
+    ({"$defs": {"d": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "$ref": "#/$defs/d"}, "oneOf",
+     "/$defs/d"),
+    ({"type": "array", "items": {"type": "array", "contains": {"const": 1}}}, "contains", "/items"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
+     "dependentRequired", "/"),
+])
+def test_schema_keywords_the_grammar_cannot_enforce_are_refused(llm, schema, keyword, where):
+    """Sampled freely, outputs broke these keywords (schema_keywords.py): a request asking for
+    one is refused naming it and where it is, rather than answered with output its schema rejects."""
+    with pytest.raises(ValueError, match=f"keyword '{re.escape(keyword)}' at {re.escape(where)} is not supported"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, guide=Guide("json_schema", json.dumps(schema))))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_guide_that_failed_is_refused_again_without_compiling(llm):
     grammars = llm.engine.grammars()
     bad = Guide("regex", "(unclosed[")
