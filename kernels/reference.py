@@ -134,11 +134,13 @@ def dequantize_rows_reference(acc: torch.Tensor, scales: torch.Tensor, bias: tor
 
 
 def lora_delta_reference(x: torch.Tensor, slot_ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                         scales: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                         scales: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                         segments: object = None) -> torch.Tensor:
     """Batched multi-LoRA: row t gets `(x[t] @ a[s]) @ b[s] * scales[s]`, s = slot_ids[t]; rows with
     s < 0 get nothing. x [T, in]; a [S, in, R]; b [S, R, out]; scales [S] or None (folded into b).
     float32 products and sums. With `out` [T, out]: added to it in place (one rounding) and
-    returned; else a new [T, out] tensor in x's dtype."""
+    returned; else a new [T, out] tensor in x's dtype. `segments` (the kernel's precomputed row
+    grouping) is ignored here."""
     ids = slot_ids.long()
     delta = torch.zeros(x.shape[0], b.shape[2], dtype=torch.float32, device=x.device)
     for s in torch.unique(ids[ids >= 0]).tolist():

@@ -139,24 +139,36 @@ def plan_lora(num_rows: int, n_in: int, rank: int) -> LoraPlan:
                     num_warps=8 if block_m * block_r >= 64 * 64 else 4)
 
 
-def _segments(slot_ids: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows ordered by slot, each slot's start in that order, each slot's row count), on the device
-    without a sync. Negative ids (no adapter) sort first and are never visited."""
+@dataclass(frozen=True)
+class LoraSegments:
+    """The batch's rows grouped by slot, on the device: rows in slot order (no-adapter rows first,
+    never visited), each slot's start in that order and its row count."""
+
+    order: torch.Tensor  # int64 [T]
+    starts: torch.Tensor  # int64 [S]
+    counts: torch.Tensor  # int64 [S]
+
+
+def lora_segments(slot_ids: torch.Tensor, num_slots: int) -> LoraSegments:
+    """Group rows by slot without a host sync. One step's projections share one grouping: compute
+    it once per step and pass it to every `lora_delta` call of the step."""
     ids = slot_ids.long().clamp(min=-1)
     order = torch.argsort(ids, stable=True)
     counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, ids + 1, torch.ones_like(ids))  # an id >= num_slots fails here, not silently
     starts = torch.cumsum(counts, 0) - counts
-    return order, starts[1:], counts[1:]
+    return LoraSegments(order=order, starts=starts[1:], counts=counts[1:])
 
 
 def lora_delta(x: torch.Tensor, slot_ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               scales: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               scales: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               segments: LoraSegments | None = None) -> torch.Tensor:
     """Each row's adapter delta `(x[t] @ a[s]) @ b[s] * scales[s]`, s = slot_ids[t] (rows with
     s < 0: none). x [T, in]; slot_ids [T] in [-1, S); a [S, in, R]; b [S, R, out]; scales [S]
     or None (folded into b). With `out` [T, out] the deltas are added to it in place (fp32 sum,
     rounded once) and `out` is returned; else a new [T, out] tensor in x's dtype (zero rows for
-    rows without an adapter)."""
+    rows without an adapter). `segments`: `lora_segments(slot_ids, S)` computed once for several
+    calls (else computed here)."""
     if x.dim() != 2 or a.dim() != 3 or b.dim() != 3:
         raise ValueError(f"lora_delta: x [T, in], a [S, in, R], b [S, R, out] expected, got {tuple(x.shape)}, "
                          f"{tuple(a.shape)}, {tuple(b.shape)}")
@@ -173,10 +185,15 @@ def lora_delta(x: torch.Tensor, slot_ids: torch.Tensor, a: torch.Tensor, b: torc
     elif out.shape != (t, n_out):
         raise ValueError(f"lora_delta: out must be [T={t}, out={n_out}], got {tuple(out.shape)}")
     check_launch("lora_delta", x, slot_ids, a, b, out, *([scales] if scales is not None else []))
-    if t == 0 or n_out == 0 or rank == 0 or num_slots == 0:
-        return out
+    if segments is None:
+        segments = lora_segments(slot_ids, num_slots)
+    elif segments.order.shape != (t,) or segments.counts.shape != (num_slots,):
+        raise ValueError(f"lora_delta: segments are for {segments.order.shape[0]} rows and "
+                         f"{segments.counts.shape[0]} slots, not {t} and {num_slots}")
+    if t == 0 or n_in == 0 or n_out == 0 or rank == 0 or num_slots == 0:
+        return out  # nothing to add (and no tile plan for an empty `in`)
     plan = plan_lora(t, n_in, rank)
-    order, seg_start, seg_len = _segments(slot_ids, num_slots)
+    order, seg_start, seg_len = segments.order, segments.starts, segments.counts
     # fp32 between the launches; zeroed only when split programs add into it
     xa = (torch.zeros if plan.split_k > 1 else torch.empty)((t, rank), dtype=torch.float32, device=x.device)
     precision = dot_precision(x.dtype)
@@ -205,4 +222,4 @@ def slot_views(a_cols: torch.Tensor, b_rows: torch.Tensor, num_slots: int) -> tu
     return a_cols.unflatten(1, (num_slots, rank)).permute(1, 0, 2), b_rows.unflatten(0, (num_slots, rank))
 
 
-__all__ = ["lora_delta", "plan_lora", "slot_views", "LoraPlan"]
+__all__ = ["lora_delta", "lora_segments", "plan_lora", "slot_views", "LoraPlan", "LoraSegments"]

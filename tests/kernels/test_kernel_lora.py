@@ -10,7 +10,7 @@ import torch
 from kernel_test_utils import require_device, tolerances
 
 from splitfuse.kernels.reference import lora_delta_reference
-from splitfuse.kernels.triton_lang.lora import lora_delta, plan_lora, slot_views
+from splitfuse.kernels.triton_lang.lora import lora_delta, lora_segments, plan_lora, slot_views
 
 DEVICE_DTYPES = [
     pytest.param("cpu", torch.float32, id="cpu-fp32", marks=pytest.mark.interpreter),
@@ -160,9 +160,10 @@ def test_stacked_layout_of_the_engine():
     want = torch.randn(8, offsets[-1], generator=gen)
     got = want.clone()
     stacked = stacks.projections[(0, "qkv_proj")]
+    segments = lora_segments(row_slot, stacks.max_loras)  # once per step, shared by every call
     for part in stacked.parts:
         a, b = slot_views(stacked.a[:, part.col_start:part.col_end], part.b, stacks.max_loras)
-        lora_delta(x, row_slot, a, b, None, out=got[:, part.out_start:part.out_end])
+        lora_delta(x, row_slot, a, b, None, out=got[:, part.out_start:part.out_end], segments=segments)
     for row, i in enumerate(row_adapter.tolist()):
         if i < 0:
             continue
@@ -184,3 +185,9 @@ def test_empty_batch_and_bad_shapes():
         lora_delta(x, ids.float(), a, b, scales)
     with pytest.raises(ValueError, match="out must be"):
         lora_delta(x, ids, a, b, scales, out=torch.zeros(3, 31))
+    with pytest.raises(ValueError, match="segments are for"):
+        lora_delta(x, ids, a, b, scales, segments=lora_segments(ids[:2], NUM_SLOTS))
+    with pytest.raises(RuntimeError):  # a slot id past the stacks is an error, not silently skipped
+        lora_delta(x, torch.tensor([0, NUM_SLOTS, -1]), a, b, scales)
+    a0, b0, _ = _weights(0, 8, 32, torch.float32, "cpu", seed=13)
+    assert not lora_delta(torch.zeros(3, 0), ids, a0, b0, scales).any()
