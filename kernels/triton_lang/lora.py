@@ -3,7 +3,7 @@
 Two launches, the shrink/expand split of Punica's SGMV (written afresh here):
 
 * shrink: xa[t] = x[t] @ A[slot[t]]  (fp32 [T, R]; split over `in` with atomic adds when few rows
-  would leave the GPU idle);
+  would leave the GPU idle: then the fp32 sums' order, so their last bits, may vary run to run);
 * expand: out[t] += (xa[t] @ B[slot[t]]) * scale[slot[t]]  (accumulated in fp32, rounded once).
 
 Rows are grouped by slot on the device (a stable argsort plus per-slot counts and starts), so every
