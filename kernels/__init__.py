@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "silu_and_mul_reference": "reference",
     "linear_reference": "reference",
     "int8_linear_reference": "reference",
+    "lora_delta_reference": "reference",
     "paged_attention": "triton_lang.paged_attention",
     "paged_decode_attention_split_kv": "triton_lang.paged_attention_split_kv",
     "choose_num_splits": "triton_lang.paged_attention_split_kv",
@@ -38,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "flash_attn_paged_attention": "triton_lang.flash_attn_backend",
     "paged_attention_flash": "triton_lang.flash_attn_backend",
     "flash_attn_supported": "triton_lang.flash_attn_backend",
+    "lora_delta": "triton_lang.lora",
     "HAS_TRITON": "triton_lang._common",
     "triton_runnable": "triton_lang._common",
 }

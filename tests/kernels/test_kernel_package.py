@@ -12,7 +12,8 @@ EXPECTED = {
     "paged_attention", "paged_attention_reference", "paged_decode_attention_split_kv", "choose_num_splits",
     "write_kv_cache", "write_kv_cache_reference", "rms_norm", "rms_norm_reference", "apply_rotary",
     "apply_rotary_reference", "silu_and_mul", "silu_and_mul_reference", "flash_attn_paged_attention",
-    "flash_attn_supported", "paged_attention_flash", "HAS_TRITON", "triton_runnable",
+    "flash_attn_supported", "paged_attention_flash", "HAS_TRITON", "triton_runnable", "lora_delta",
+    "lora_delta_reference",
 }
 
 
