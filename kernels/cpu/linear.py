@@ -19,9 +19,13 @@ Padding columns and the padding k of an odd K are zero. A gated weight's blocks 
 columns followed by the same NB / 2 up columns. The rearrangement is cheap and made by torch, so
 the weight never needs a second, plain copy once packed.
 
-`pack_int8_weight` / `linear_int8` (CPUs with AVX-512 VNNI, `has_int8()`): symmetric int8
-weights with per-output-channel scales against uint8 activations quantized per row around a zero
-point (`elementwise.quantize_rows`); the int32 sums are corrected for the zero point, scaled
+`pack_int8_weight` / `linear_int8` (`has_int8()`: builds with AVX-512 VNNI, or AVX2, where the
+products go through vpmaddubsw + vpmaddwd, or AVX-VNNI's 256-bit vpdpbusd when the compiler
+targets it; `int8_products()` says which): symmetric int8 weights in [-127, 127] with
+per-output-channel scales against uint8 activations (all 256 values) quantized per row around a
+zero point (`elementwise.quantize_rows`); the int32 sums are exact on every path (the AVX2 one
+multiplies |x - 128| by w * sign(x - 128), whose pair sums fit vpmaddubsw's int16), are
+corrected for the zero point, scaled
 (float(sum) * weight scale, then times the row scale, plus bias) and narrowed to the output
 dtype in the same pass: what oneDNN's int8 GEMM followed by `elementwise.dequantize_rows`
 computes. Gated weights work as above.
@@ -41,8 +45,8 @@ import torch
 
 from .build import Entries
 
-__all__ = ["PackedInt8Weight", "PackedWeight", "available", "block_width", "has_int8", "linear", "linear_int8",
-           "native_bf16", "pack_int8_weight", "pack_weight"]
+__all__ = ["PackedInt8Weight", "PackedWeight", "available", "block_width", "has_int8", "int8_products", "linear",
+           "linear_int8", "native_bf16", "pack_int8_weight", "pack_weight"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _ARGS = struct.Struct("=9q")  # csrc/linear.cpp: sf_lin_linear_*_packed
@@ -53,7 +57,7 @@ _I8_ARGS = struct.Struct("=13q")  # sf_lin_linear_i8_*_packed
 class _Kernels:
     lib: ctypes.CDLL
     fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr]  # (dtype, gated)
-    i8_fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr]  # (output dtype, gated); empty without VNNI
+    i8_fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr]  # (output dtype, gated); empty without an int8 path
 
 
 def _lookup(lib: ctypes.CDLL) -> _Kernels:
@@ -65,7 +69,7 @@ def _lookup(lib: ctypes.CDLL) -> _Kernels:
               (torch.bfloat16, False): lib.sf_lin_linear_i8_bf16_packed,
               (torch.float32, True): lib.sf_lin_linear_i8_silu_mul_f32_packed,
               (torch.bfloat16, True): lib.sf_lin_linear_i8_silu_mul_bf16_packed}
-    for f in (lib.sf_lin_block_width, lib.sf_lin_native_bf16, lib.sf_lin_has_int8):
+    for f in (lib.sf_lin_block_width, lib.sf_lin_native_bf16, lib.sf_lin_has_int8, lib.sf_lin_int8_products):
         f.argtypes, f.restype = [], ctypes.c_int
     for f in (*fns.values(), *i8_fns.values()):
         f.argtypes, f.restype = [ctypes.c_char_p], None
@@ -86,9 +90,19 @@ def block_width() -> int:
 
 
 def has_int8() -> bool:
-    """Whether the int8 kernel runs here (a build with AVX-512 VNNI)."""
+    """Whether the int8 kernel runs here (a build with AVX-512 VNNI or AVX2)."""
     kernels = _entries.get()
     return kernels is not None and bool(kernels.i8_fns)
+
+
+_INT8_PRODUCTS = {0: "none", 1: "avx512_vnni", 2: "avx_vnni", 3: "avx2_maddubs"}
+
+
+def int8_products() -> str:
+    """The instructions the int8 kernel multiplies with: avx512_vnni (vpdpbusd, 512-bit),
+    avx_vnni (vpdpbusd, 256-bit), avx2_maddubs (vpmaddubsw + vpmaddwd), or none."""
+    kernels = _entries.get()
+    return "none" if kernels is None else _INT8_PRODUCTS[int(kernels.lib.sf_lin_int8_products())]
 
 
 def native_bf16() -> bool:
@@ -227,10 +241,14 @@ def pack_int8_weight(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Ten
     """int8 `weight` [N, K] with float32 per-row `scales` [N] (w ~ weight * scale) and optional
     `bias` [N] rearranged into column blocks of quads of k. `gated` as for pack_weight."""
     if not has_int8():
-        raise RuntimeError("the int8 linear kernel is unavailable here (needs a build with AVX-512 VNNI)")
+        raise RuntimeError("the int8 linear kernel is unavailable here (needs a build with AVX-512 VNNI or AVX2)")
     if weight.dtype is not torch.int8 or not weight.is_cpu or weight.dim() != 2:
         raise ValueError(f"pack_int8_weight: weight must be an int8 CPU matrix, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
+    if weight.numel() and int(weight.min()) < -127:
+        # The AVX2 path negates weights (vpsignb), which wraps at -128; symmetric quantization
+        # (int8_linear.quantize_weight_per_channel) never produces it.
+        raise ValueError("pack_int8_weight: weights must lie in [-127, 127] (symmetric int8), got -128")
     n, k = weight.shape
     _check_rows("pack_int8_weight", n, gated, scales=scales, bias=bias)
     data, order = _blocks(weight, gated)
@@ -248,7 +266,7 @@ def linear_int8(xq: torch.Tensor, xscales: torch.Tensor, zero_point: int, weight
     fn = None if kernels is None else kernels.i8_fns.get((dtype, weight.gated))
     if fn is None:
         if not has_int8():
-            raise RuntimeError("the int8 linear kernel is unavailable here (needs a build with AVX-512 VNNI)")
+            raise RuntimeError("the int8 linear kernel is unavailable here (needs a build with AVX-512 VNNI or AVX2)")
         raise ValueError(f"linear_int8: output dtype must be float32 or bfloat16, got {dtype}")
     if xq.dtype is not torch.uint8 or not xq.is_cpu or xq.dim() != 2 or xq.shape[1] != weight.in_features:
         raise ValueError(f"linear_int8: xq must be a uint8 CPU matrix [M, {weight.in_features}], got {xq.dtype} "

@@ -3,8 +3,10 @@
 float32: every output is one sequential fused multiply-add chain over k; torch sums in another
 order, so outputs agree to a few fp32 ulps of the terms' magnitudes: rtol=1e-5, atol=1e-5 *
 sqrt(K) (N(0, 1) data).
-int8 (AVX-512 VNNI builds): bit-identical to the torch reference (exact integer sums, then the
-same float32 scaling in the same order).
+int8 (AVX-512 VNNI and AVX2 builds; the AVX2 path, vpmaddubsw on |x - 128| and w * sign(x - 128),
+also runs in the forced-AVX2 run of test_cpu_isa_variants.py): bit-identical to the torch
+reference (exact integer sums, then the same float32 scaling in the same order), for every uint8
+activation and weights in [-127, 127].
 Gated (SwiGLU gate_up, silu(gate) * up from the sums): bit-identical to the kernel's plain product
 followed by the C++ silu_and_mul (the same rounding of each sum to the dtype, the same exp), so
 within that kernel's tolerance of torch's silu_and_mul.
@@ -96,6 +98,23 @@ def test_result_does_not_depend_on_threads_or_row_chunks(threads, dtype):
     assert torch.equal(out, row_by_row)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 7])
+@pytest.mark.parametrize("in_features", [1, 2, 33, 512])
+def test_bf16_weights_widen_to_the_fp32_values(rows, in_features):
+    """bf16 weights widened in registers (the AVX2 path: shift / mask of each pair; AVX-512 BF16:
+    vdpbf16ps) must multiply as the same values in fp32: the bf16 kernel against the fp32 kernel
+    on the widened inputs, within one bf16 rounding of the output. Wide-range values with distinct
+    even and odd k make a swapped, unshifted or unmasked half fail."""
+    g = _gen("widen", rows, in_features)
+    n = 70
+    w = (torch.randn(n, in_features, generator=g) * torch.logspace(-3, 3, in_features)).bfloat16()
+    x = (torch.randn(rows, in_features, generator=g) + torch.arange(in_features) % 2 * 3).bfloat16()
+    out = cl.linear(x, cl.pack_weight(w)).float()
+    wide = cl.linear(x.float(), cl.pack_weight(w.float()))
+    scale = torch.nn.functional.linear(x.float().abs(), w.float().abs())
+    assert torch.all((out - wide).abs() <= wide.abs() * 2.0 ** -8 + scale * 1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("out_features,in_features", [(160, 96), (1408, 512)])
 def test_bf16_error_against_fp32(rows, out_features, in_features):
@@ -162,7 +181,7 @@ def test_bad_inputs_raise():
         cl.pack_weight(torch.randn(7, 4), gated=True)
 
 
-needs_int8 = pytest.mark.skipif(not cl.has_int8(), reason="the int8 kernel needs a build with AVX-512 VNNI")
+needs_int8 = pytest.mark.skipif(not cl.has_int8(), reason="the int8 kernel needs a build with AVX-512 VNNI or AVX2")
 
 
 @needs_int8
@@ -184,6 +203,33 @@ def test_int8_matches_reference(dtype, rows, out_features, in_features, bias):
     out = cl.linear_int8(xq, xs, 128, cl.pack_int8_weight(wq, ws, b), dtype)
     assert out.shape == (rows, out_features) and out.dtype == dtype
     assert torch.equal(out, int8_linear_reference(xq, xs, 128, wq, ws, b, dtype))
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("xval", [0, 1, 127, 128, 129, 254, 255])
+def test_int8_exact_at_the_saturating_extremes(rows, xval):
+    """Every activation at one value against weights of +-127: the AVX2 path's int16 pair sums
+    (vpmaddubsw) would saturate for |x - 128| = 128 or 255 x 127 if the operands were not
+    arranged to fit. Exact against the reference, in float32 (sums up to 128 x 127 x K)."""
+    g = _gen("int8sat", rows, xval)
+    k, n = 1027, 70
+    wq = torch.where(torch.rand(n, k, generator=g) < 0.5, 127, -127).to(torch.int8)
+    wq[1] = 127
+    wq[2] = -127
+    ws = torch.ones(n)
+    xq = torch.full((rows, k), xval, dtype=torch.uint8)
+    for zp in (128, 64, 0):
+        out = cl.linear_int8(xq, torch.ones(rows), zp, cl.pack_int8_weight(wq, ws), torch.float32)
+        assert torch.equal(out, int8_linear_reference(xq, torch.ones(rows, 1), zp, wq, ws, None, torch.float32))
+
+
+@needs_int8
+def test_int8_refuses_minus_128_weights():
+    w = torch.zeros(8, 4, dtype=torch.int8)
+    w[3, 1] = -128
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        cl.pack_int8_weight(w, torch.ones(8))
 
 
 @needs_int8

@@ -27,9 +27,14 @@
 // depend on the thread count or on how rows are chunked.
 //
 // The vector code is GCC vector extensions (elementwise_simd.h); vdpbf16ps is used where the
-// compiler targets AVX-512 BF16, elsewhere bf16 pairs are widened and multiplied in fp32. The
-// int8 form exists only with AVX-512 VNNI (32 vector registers hold its 24 int32 accumulators);
-// elsewhere the int8 layers keep oneDNN (sf_lin_has_int8).
+// compiler targets AVX-512 BF16, elsewhere bf16 pairs are widened and multiplied in fp32 (AVX2:
+// intrinsics, the weights kept in bf16 in memory and widened in registers by a shift and a mask).
+// The int8 form exists with AVX-512 VNNI and on AVX2 builds (vpmaddubsw + vpmaddwd, or AVX-VNNI's
+// 256-bit vpdpbusd where the compiler targets it: sf_lin_int8_products); elsewhere the int8
+// layers keep oneDNN (sf_lin_has_int8). Measured with the AVX2 build forced on a 2-core Zen 5
+// (SPLITFUSE_CPU_ISA=avx2, a proxy for a Zen 3), the bench model's 32 projections, 1 / 16 / 256
+// rows: bf16 1.80 / 17.4 / 285 ms (the generic form) -> 0.83 / 4.3 / 58; int8 with quantize
+// 0.56 / 2.8 / 37 against oneDNN's int8 (7-bit activations) 2.4 / 5.4 / 30.
 #include <omp.h>
 
 #include <cstdint>
@@ -43,14 +48,27 @@
 #else
 #define SF_LIN_BF16_DOT 0
 #endif
-// int8 products (u8 activations x s8 weights, 4 per int32 lane: vpdpbusd) only with AVX-512 VNNI;
-// elsewhere the int8 layers keep oneDNN's GEMM.
+// int8 products (u8 activations x s8 weights, 4 per int32 lane: vpdpbusd) with AVX-512 VNNI.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
 #define SF_LIN_VNNI 1
 #else
 #define SF_LIN_VNNI 0
 #endif
-#if SF_LIN_BF16_DOT || SF_LIN_VNNI
+// 8-lane builds (AVX2 + FMA: Zen 2/3, Haswell and later). SF_LIN_AVX2 is the int8 path of these
+// CPUs (SF_LIN_AVXVNNI: the 256-bit vpdpbusd of AVX-VNNI, Alder Lake / Zen 5 and later, when the
+// compiler targets it; else vpmaddubsw + vpmaddwd, see quad_step) and the bf16 path below.
+#if defined(__AVX2__) && defined(__FMA__) && SF_EW_VW == 8 && SF_EW_NATIVE_VW == 8
+#define SF_LIN_AVX2 1
+#else
+#define SF_LIN_AVX2 0
+#endif
+#if SF_LIN_AVX2 && defined(__AVXVNNI__)
+#define SF_LIN_AVXVNNI 1
+#else
+#define SF_LIN_AVXVNNI 0
+#endif
+#define SF_LIN_INT8 (SF_LIN_VNNI || SF_LIN_AVX2)
+#if SF_LIN_BF16_DOT || SF_LIN_INT8
 #include <immintrin.h>
 #endif
 
@@ -109,15 +127,17 @@ inline void for_each_group(const E* x, int64_t sx, int64_t K, Step&& step) {
 // (x[2kp], x[2kp + 1]) as 32-bit values (the high half 0 for the last pair of an odd K).
 template <int R>
 inline void pair_step(const uint16_t* wk, const uint32_t (&xp)[MR], vf (&acc)[MR][NV]) {
+#if SF_LIN_BF16_DOT
     vu wv[NV];
     for (int j = 0; j < NV; ++j) std::memcpy(&wv[j], wk + j * 2 * VW, sizeof(vu));
-#if SF_LIN_BF16_DOT
     for (int r = 0; r < R; ++r) {
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r]));
         for (int j = 0; j < NV; ++j)
             acc[r][j] = reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[r][j]), (__m512bh)wv[j], xb));
     }
 #else
+    vu wv[NV];
+    for (int j = 0; j < NV; ++j) std::memcpy(&wv[j], wk + j * 2 * VW, sizeof(vu));
     // Each 32-bit lane holds (k even, k odd) of one column: low half, high half.
     vf w_even[NV], w_odd[NV];
     for (int j = 0; j < NV; ++j) {
@@ -132,12 +152,63 @@ inline void pair_step(const uint16_t* wk, const uint32_t (&xp)[MR], vf (&acc)[MR
 #endif
 }
 
+#if SF_LIN_AVX2
+// One k pair of an AVX2 bf16 strip: each 32-bit lane of a weight vector holds (k even, k odd) of
+// one column; the low half shifted up 16 bits and the high half masked are the two weights as
+// floats (exact), and so for the broadcast pair of x. Per (row, vector) the pair's two products
+// are summed (a multiply, then an FMA: one rounding, as vdpbf16ps sums a pair) and added to the
+// accumulator, so the chain through an accumulator is one add per pair.
+template <int R>
+inline void pair_step_avx2(const uint16_t* wk, const uint32_t* xp, __m256 (&a)[MR][NV]) {
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    __m256 xe[R], xo[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(static_cast<int>(xp[r]));
+        xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xb, 16));
+        xo[r] = _mm256_castsi256_ps(_mm256_and_si256(xb, hi));
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + j * 2 * VW));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            a[r][j] = _mm256_add_ps(a[r][j], _mm256_fmadd_ps(wo, xo[r], _mm256_mul_ps(we, xe[r])));
+    }
+}
+#endif
+
 // bf16 strip: rows x[0..R) against the block w [ceil(K / 2)][NB][2].
 template <int R>
 inline void strip(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t K, vf (&acc)[MR][NV]) {
+#if SF_LIN_AVX2
+    // Written out (GCC kept the generic form's accumulators on the stack: AVX2 has 16 vector
+    // registers for MR = 2 rows x NV = 4 accumulators, the weights and the broadcasts).
+    __m256 a[MR][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) a[r][j] = _mm256_setzero_ps();
+    const int64_t full = K / 2;
+    uint32_t xp[MR];
+    for (int64_t kp = 0; kp < full; ++kp) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) std::memcpy(&xp[r], x + r * sx + 2 * kp, sizeof(uint32_t));
+        pair_step_avx2<R>(w + kp * 2 * NB, xp, a);
+    }
+    if (K & 1) {  // the last pair's odd half is 0 (its packed weights are 0 too)
+        for (int r = 0; r < R; ++r) xp[r] = x[r * sx + K - 1];
+        pair_step_avx2<R>(w + full * 2 * NB, xp, a);
+    }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NV; ++j) acc[r][j] = reinterpret_cast<vf>(a[r][j]);
+#else
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
     for_each_group<R>(x, sx, K, [&](int64_t kp, const uint32_t (&xp)[MR]) { pair_step<R>(w + kp * 2 * NB, xp, acc); });
+#endif
 }
 
 // Accumulators (+ bias) to y's rows [0..R), columns [0..cols) of this block (cols below the
@@ -217,6 +288,87 @@ inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, c
     }
 }
 
+#elif SF_LIN_AVX2
+// int8 on 8-lane (AVX2) builds: the same exact int32 sums as the VNNI form, from 256-bit vectors.
+// With AVX-VNNI, one vpdpbusd per (row, vector) as there. Without it, vpmaddubsw multiplies u8 x
+// s8 bytes and sums adjacent pairs into int16 with saturation: u8 activations up to 255 against
+// weights of -127..127 could reach 2 x 255 x 127 > 32767. So the bytes go in as |x - 128| (the
+// unsigned operand, 0..128) and w * sign(x - 128) (the signed one, vpsignb; |w| <= 127, so the
+// negation cannot wrap): each product is w * (x - 128), a pair at most 2 x 128 x 127 = 32512 in
+// magnitude, exact in int16; vpmaddwd against ones sums the pairs of pairs into int32 lanes
+// (the quad, as vpdpbusd). The sums are then over x - 128, and (128 - zp) * colsum restores the
+// zero point. Weights of -128 are refused when packing for this path (linear.py).
+#if SF_LIN_AVXVNNI
+constexpr int32_t kI8Bias = 0;  // the sums are over x itself
+#else
+constexpr int32_t kI8Bias = 128;  // the sums are over x - 128
+#endif
+
+template <int R>
+inline void quad_step_avx2(const int8_t* wk, const uint32_t* xq, __m256i (&s)[MR][NV]) {
+#if SF_LIN_AVXVNNI
+    __m256i xb[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_epi32(static_cast<int>(xq[r]));
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + j * 4 * VW));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) s[r][j] = _mm256_dpbusd_avx_epi32(s[r][j], xb[r], w);
+    }
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i xa[R], xs[R];  // |x - 128| and x - 128, as bytes
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        xs[r] = _mm256_set1_epi32(static_cast<int>(xq[r] ^ 0x80808080u));
+        xa[r] = _mm256_abs_epi8(xs[r]);  // |-128| = 0x80: 128 read as unsigned
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + j * 4 * VW));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const __m256i p16 = _mm256_maddubs_epi16(xa[r], _mm256_sign_epi8(w, xs[r]));
+            s[r][j] = _mm256_add_epi32(s[r][j], _mm256_madd_epi16(p16, ones));
+        }
+    }
+#endif
+}
+
+template <int R>
+inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
+                     const float* wscale, const float* xscale, vf (&acc)[MR][NV]) {
+    __m256i s[MR][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) s[r][j] = _mm256_setzero_si256();
+    const int64_t full = K / 4;
+    uint32_t xq[MR];
+    for (int64_t kq = 0; kq < full; ++kq) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) std::memcpy(&xq[r], x + r * sx + 4 * kq, sizeof(uint32_t));
+        quad_step_avx2<R>(w + kq * 4 * NB, xq, s);
+    }
+    if (K % 4) {  // missing elements of the last quad: their packed weights are 0
+        for (int r = 0; r < R; ++r) {
+            xq[r] = 0;
+            std::memcpy(&xq[r], x + r * sx + 4 * full, K % 4);
+        }
+        quad_step_avx2<R>(w + full * 4 * NB, xq, s);
+    }
+    for (int r = 0; r < R; ++r) {
+        const vf xsc = splat(xscale[r]);
+        for (int j = 0; j < NV; ++j) {
+            vi cs, sum_i;
+            std::memcpy(&cs, colsum + j * VW, sizeof(cs));
+            std::memcpy(&sum_i, &s[r][j], sizeof(sum_i));
+            const vf sum = __builtin_convertvector(sum_i + (kI8Bias - zp) * cs, vf) * loadu(wscale + j * VW);
+            acc[r][j] = rounded(rounded(sum) * xsc);
+        }
+    }
+}
 #endif
 
 // How a call's work splits: column blocks, and row chunks (whole strips) only when the blocks
@@ -283,7 +435,7 @@ void linear_packed(const int64_t* a) {
                      reinterpret_cast<const float*>(a[5]), reinterpret_cast<T*>(a[6]), a[7], a[8]);
 }
 
-#if SF_LIN_VNNI
+#if SF_LIN_INT8
 // The int8 form: x u8 [M, K] (zero point zp) with per-row scales xscale [M]; w s8 packed with
 // per-column weight sums, weight scales and bias (float32, or null) in the packed column order.
 template <typename T, bool GATED>
@@ -332,13 +484,15 @@ void sf_lin_linear_bf16_packed(const int64_t* a) { linear_packed<uint16_t, false
 void sf_lin_linear_silu_mul_f32_packed(const int64_t* a) { linear_packed<float, true>(a); }
 void sf_lin_linear_silu_mul_bf16_packed(const int64_t* a) { linear_packed<uint16_t, true>(a); }
 
-// 1 when the int8 entry points below compute (AVX-512 VNNI builds); elsewhere they do nothing.
-int sf_lin_has_int8(void) { return SF_LIN_VNNI; }
+// 1 when the int8 entry points below compute (AVX-512 VNNI or AVX2 builds); elsewhere they do nothing.
+int sf_lin_has_int8(void) { return SF_LIN_INT8; }
+// What the int8 products run on: 1 AVX-512 VNNI, 2 AVX-VNNI (256-bit), 3 AVX2 vpmaddubsw, 0 none.
+int sf_lin_int8_products(void) { return SF_LIN_VNNI ? 1 : SF_LIN_AVXVNNI ? 2 : SF_LIN_AVX2 ? 3 : 0; }
 
 // int8: x u8, x row stride, x row scales (float32 [M]), zero point, packed s8 w, column weight
 // sums (int32), weight scales (float32), bias (float32 or 0), N (output columns), K, y, y row
 // stride, M. Output float32 or bf16; `silu_mul`: a gated weight, as above.
-#if SF_LIN_VNNI
+#if SF_LIN_INT8
 void sf_lin_linear_i8_f32_packed(const int64_t* a) { linear_i8_packed<float, false>(a); }
 void sf_lin_linear_i8_bf16_packed(const int64_t* a) { linear_i8_packed<uint16_t, false>(a); }
 void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t* a) { linear_i8_packed<float, true>(a); }
