@@ -409,3 +409,19 @@ def test_bf16_dtype_mismatches_are_refused():
     with pytest.raises(ValueError, match="dtype"):
         k = torch.randn(2, 2, 64)
         cpu_pa.write_kv_cache(k, k, b.k_cache, b.v_cache, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("pairs", [[(1, 300), (1, 41), (1, 7)], [(40, 0), (1, 33), (29, 70)]],
+                         ids=["decodes", "prompt-chunks"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_bf16_cache_equals_fp32_cache_of_the_widened_values(pairs, head_dim):
+    """fp32 queries over a bf16 cache are the fp32 kernel over the same values widened: decodes
+    widen in the strips' loads, prompt chunks (more than two register strips) below AVX-512 widen
+    each tile once into L1. The same fp32 arithmetic either way, so the outputs are identical: a
+    wrongly widened lane (shift, order, tail) changes them."""
+    b = _as_bf16(Batch(pairs, num_kv_heads=2, group=4, head_dim=head_dim, block_size=16, seed=31))
+    wide_k, wide_v = cpu_pa.from_reference_layout(b.k_ref, b.v_ref)
+    assert wide_k.dtype == torch.float32
+    out = b.run()
+    wide = cpu_pa.paged_attention(b.q, wide_k, wide_v, b.qsl, b.seq_lens, b.block_tables, b.scale)
+    assert torch.equal(out, wide)

@@ -655,7 +655,13 @@ static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, si
 
     // In place: the strips read the tile where it sits in the cache (fp32, or bf16 with K
     // transposed); otherwise it is gathered (and widened) into the L1 buffers Kt, Vt.
-    const bool inplace = bs % TN == 0 && (!c.kv_bf16 || c.k_layout == 1);
+    // Below AVX-512, a bf16 tile that more than two strips read (a prompt chunk) is widened once
+    // into the L1 buffers rather than by every strip (vpmovzxwd + vpslld per load): AVX2 build
+    // forced on a 2-core Zen 5, perf/bench_cpu_attention.py --bf16, bf16 cache against fp32:
+    // prefill512@0 x0.79 -> x0.91, prefill512@512 x0.78 -> x0.91; decodes (one strip) stay in
+    // place, x2.0.
+    const bool widen_once = SF_ATTN_WIDTH < 16 && c.kv_bf16 && R > 2 * MR;
+    const bool inplace = bs % TN == 0 && (!c.kv_bf16 || c.k_layout == 1) && !widen_once;
     // bf16 products for the query tiles of more than one token (prompt chunks) of bf16 queries
     // over a bf16 cache read in place; decodes (memory-bound) keep fp32 products.
     const bool dot = SF_ATTN_BF16_DOT && c.q_bf16 && c.kv_bf16 && inplace && D % 32 == 0 && it.t1 - it.t0 > 1;
