@@ -170,12 +170,14 @@ def test_ngram_speculation_with_adapters(setup):
 
 def test_lru_with_one_resident_adapter(setup):
     """max_loras=1 and two adapters requested alternately: each is evicted and read again when its
-    turn comes, and every request still gets its reference tokens."""
-    names = ["attn", "mlp", "attn", "mlp"]
+    turn comes, and every request still gets its reference tokens. (Submitted together, the second
+    "attn" request would join the first while "mlp" waits: two batches of two.)"""
+    names = ["attn", "mlp"]
     params = [SamplingParams(max_tokens=_max_tokens(1), temperature=0.0, lora_name=n) for n in names]
     prompts = [setup.prompts[1]] * len(names)
     got, llm = _generate(setup, prompts, params, max_loras=1, attention_backend="torch", linear_backend="torch")
-    assert got == [setup.refs[n][1] for n in names]
+    got += [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == [setup.refs[n][1] for n in names * 2]
     stats = llm.engine.lora_stats()
     # The start reads "attn" (the first configured); then mlp, attn, mlp in turn.
     assert (stats.loads, stats.evictions, stats.resident) == (4, 3, ["mlp"])
