@@ -4,10 +4,16 @@ Per step the batch says which rows (tokens) each adapter owns (`LoraRows`, built
 batch). Every adapted projection then adds each row's `(x @ A) @ B` (its own adapter's) to its
 base output; rows of sequences without an adapter get nothing. Two ways, same sums:
 
-* grouped (many rows, e.g. prompt chunks): per adapter present, gather its rows, two small
-  products, scatter-add (S-LoRA / punica's grouping, by adapter rather than per token);
+* grouped (many rows, e.g. prompt chunks): per adapter present, its rows (a view when they
+  are one run, as a prompt chunk's are; else gathered and scatter-added), two small products
+  (S-LoRA / punica's grouping, by adapter rather than per token): `add_grouped`;
 * stacked (few rows, e.g. decodes): every resident adapter at once through the slot stacks
-  (stacks.py), a mask keeping each row's own slot: a few calls whatever the adapter count.
+  (stacks.py), a mask keeping each row's own slot: a few calls whatever the adapter count:
+  `add_stacked`, the plain `(x, slots, A, B) -> delta` entry point a device kernel replaces.
+
+In the grouped path each projection's parts (q / k / v, gate / up) go through one B product:
+their B side by side in one [rank, out_features] matrix (adapter.fused_b), so a projection adds
+one contiguous delta (torch's index_add_ into a column slice is several times slower).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitfuse.lora.adapter import LoraAdapter
+from splitfuse.lora.adapter import LoraAdapter, ProjectionLora
 from splitfuse.lora.stacks import LoraStacks, StackedProjection
 
 # Inputs of at most this many rows take the stacked path. Measured on the bench model (hidden
@@ -25,8 +31,12 @@ from splitfuse.lora.stacks import LoraStacks, StackedProjection
 # grouped 9.5 ms per step against the base's 4.1 ms; the stacked path's extra products (every
 # row through every slot's A) stay small next to the base product up to a few dozen rows.
 STACKED_MAX_ROWS = 64
+# In a step of more rows, an adapter's run of at least this many rows (a prompt chunk) takes the
+# grouped path as a view of the input; shorter runs join the stacked rows.
+RUN_MIN_ROWS = 8
 
-Groups = list[tuple[LoraAdapter, torch.Tensor | None]]
+Rows = slice | torch.Tensor  # one adapter's rows in a step: a run, or their indices
+Groups = list[tuple[LoraAdapter, Rows]]
 
 
 @dataclass
@@ -58,23 +68,40 @@ class _Rows:
     """One input size's rows (the step's, or the last layer's kept ones) for both paths."""
 
     def __init__(self, row_adapter: np.ndarray, adapters: list[LoraAdapter], slots: list[int],
-                 device: torch.device) -> None:
+                 device: torch.device, stacked: bool | None = None) -> None:
         self.num_rows = len(row_adapter)
-        # One adapter over every row goes grouped: in place, its own rank, no mask.
-        self.stacked = self.num_rows <= STACKED_MAX_ROWS and not (len(adapters) == 1 and (row_adapter == 0).all())
+        if stacked is None:  # one adapter over every row goes grouped: in place, its own rank, no mask
+            stacked = self.num_rows <= STACKED_MAX_ROWS and not (len(adapters) == 1 and (row_adapter == 0).all())
+        self.stacked = stacked
         self.groups: Groups = []
         self.row_slot: torch.Tensor | None = None
+        self.scattered: tuple[_Rows, torch.Tensor] | None = None
+        """Rows outside the groups' runs (decodes beside prompt chunks), through the stacks."""
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
         if self.stacked:
             slot_of = np.asarray(slots, dtype=np.int64)
             row_slot = np.where(row_adapter >= 0, slot_of[row_adapter], -1)
             self.row_slot = torch.from_numpy(row_slot).to(device, non_blocking=True)
             return
+        # Runs of one adapter's rows (prompt chunks) are views; the other rows, a few decodes each
+        # of its own adapter, go through the stacks together: gathered once, whatever the adapters.
+        left = np.zeros(self.num_rows, dtype=bool)
         for i, adapter in enumerate(adapters):
             rows = np.flatnonzero(row_adapter == i)
-            if len(rows) == self.num_rows:  # every row one adapter's: added in place, no gather or scatter
-                self.groups.append((adapter, None))
-            elif len(rows):
+            for run in np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1) if len(rows) else ():
+                if len(run) >= RUN_MIN_ROWS or len(run) == self.num_rows:
+                    self.groups.append((adapter, slice(int(run[0]), int(run[-1]) + 1)))
+                else:
+                    left[run] = True
+        rest = np.flatnonzero(left)
+        if len(rest) <= STACKED_MAX_ROWS:
+            if len(rest):
+                self.scattered = (_Rows(row_adapter[rest], adapters, slots, device, stacked=True),
+                                  torch.from_numpy(rest).to(device, non_blocking=True))
+            return
+        for i, adapter in enumerate(adapters):  # too many for the stacks: gathered by adapter
+            rows = rest[row_adapter[rest] == i]
+            if len(rows):
                 self.groups.append((adapter, torch.from_numpy(rows).to(device, non_blocking=True)))
 
     def mask(self, stacked: StackedProjection, dtype: torch.dtype) -> torch.Tensor:
@@ -137,34 +164,46 @@ class LoraProjection:
         if rows.stacked:
             stacked = self.state.stacks.projections.get(self.key)
             if stacked is not None:
-                _add_stacked(x, out, stacked, rows.mask(stacked, x.dtype))
+                add_stacked(x, out, stacked, rows.mask(stacked, x.dtype))
             return out
         for adapter, group in rows.groups:
             weights = adapter.projections.get(self.key)
-            if weights is None:  # this adapter leaves this projection alone
-                continue
-            xs = x if group is None else x.index_select(0, group)
-            xa = weights.a_kernel(xs)
-            if weights.covers_output:
-                _add(out, group, weights.parts[0].b_kernel(xa))
-                continue
-            for part in weights.parts:  # q / k / v or gate / up: each its own output columns
-                _add(out[:, part.out_start:part.out_end], group, part.b_kernel(xa[:, part.rank_start:part.rank_end]))
+            if weights is not None:  # else this adapter leaves this projection alone
+                add_grouped(x, out, group, weights)
+        if rows.scattered is not None:
+            stacked = self.state.stacks.projections.get(self.key)
+            if stacked is not None:
+                sub, index = rows.scattered
+                add_stacked(x, out, stacked, sub.mask(stacked, x.dtype), index)
         return out
 
 
-def _add_stacked(x: torch.Tensor, out: torch.Tensor, stacked: StackedProjection, mask: torch.Tensor) -> None:
-    xa = stacked.a_kernel(x).mul_(mask)  # each row keeps its own slot's ranks only (base rows: none)
+def add_grouped(x: torch.Tensor, out: torch.Tensor, rows: Rows, weights: ProjectionLora) -> None:
+    """out[rows] += (x[rows] @ A) @ B for one adapter's rows (a slice when they are one run, as a
+    prompt chunk's are: no gather or scatter), every part of the projection in one product."""
+    if isinstance(rows, slice):
+        out[rows] += weights.b_kernel(weights.a_kernel(x[rows]))
+    else:
+        out.index_add_(0, rows, weights.b_kernel(weights.a_kernel(x.index_select(0, rows))))
+
+
+def add_stacked(x: torch.Tensor, out: torch.Tensor, stacked: StackedProjection, mask: torch.Tensor,
+                rows: torch.Tensor | None = None) -> None:
+    """out += ((x @ A_all) * mask) @ B_all: every row through its own slot of the stacks (the
+    mask's [rows, columns] zeros elsewhere; base rows have none), as one delta
+    `(x, slots, A, B) -> (x @ A_slot) @ B_slot` per row with the scale folded into B. With `rows`,
+    those rows of x and out only (the mask's rows are theirs)."""
+    xa = stacked.a_kernel(x if rows is None else x.index_select(0, rows)).mul_(mask)
+    if rows is not None and len(stacked.parts) > 1:  # index_add_ into column slices is slow: one delta
+        delta = torch.zeros(xa.shape[0], out.shape[1], dtype=out.dtype, device=out.device)
+        for part in stacked.parts:
+            delta[:, part.out_start:part.out_end] = part.b_kernel(xa[:, part.col_start:part.col_end])
+        out.index_add_(0, rows, delta)
+        return
     for part in stacked.parts:
         delta = part.b_kernel(xa[:, part.col_start:part.col_end])
-        if part.out_end - part.out_start == out.shape[1]:
-            out += delta
+        target = out if part.out_end - part.out_start == out.shape[1] else out[:, part.out_start:part.out_end]
+        if rows is None:
+            target += delta
         else:
-            out[:, part.out_start:part.out_end] += delta
-
-
-def _add(out: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor) -> None:
-    if rows is None:
-        out += delta
-    else:
-        out.index_add_(0, rows, delta)
+            target.index_add_(0, rows, delta)

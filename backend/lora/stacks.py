@@ -5,8 +5,10 @@ torch calls per step (gather, two products, scatter per adapter per projection) 
 dispatch costs more than their arithmetic. Stacked, every projection costs the same few calls
 whatever the number of adapters: `x @ A_all` (every slot's A side by side), a mask keeping for
 each row only its own slot's columns, and per output part one product with that part's B of
-every slot stacked. The extra arithmetic (each row through every slot's A) is small next to the
-base product at such row counts; steps of many rows take the grouped path instead.
+every slot stacked (not one product over a B padded with zeros to every output column: decodes
+read the weights at memory speed, and the padding would triple the bytes of qkv's). The extra
+arithmetic (each row through every slot's A) is small next to the base product at such row
+counts; steps of many rows take the grouped path instead.
 
 Layout of one projection: a slot's rank for part j is R_j, the largest rank any configured
 adapter has there (shorter ones zero-padded); A's columns are part-major, slot-minor:

@@ -173,12 +173,23 @@ def _reference_delta(x: torch.Tensor, adapter: LoraAdapter, out_features: int) -
     return out
 
 
+# (STACKED_MAX_ROWS, RUN_MIN_ROWS) for the test's 8 rows (runs of 3, 2 base, 1, 2) and 4 kept rows
+MODES = {
+    "stacked": (64, 8),  # every row through the stacks
+    "runs": (0, 1),  # every adapter's run a view of the input
+    "gathered": (0, 100),  # no run long enough, too many rows for the stacks: gathered by adapter
+    "hybrid": (4, 3),  # the run of 3 a view, the other rows through the stacks (the kept rows: all)
+}
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu", "onednn"])
-@pytest.mark.parametrize("stacked", [True, False])
-def test_deltas_match_a_per_token_reference(monkeypatch, stacked, backend):
-    """Both paths (stacked for few rows, grouped for many), over the step's rows and the last
-    layer's kept rows: each row gets its own adapter's delta on its parts' columns only."""
-    monkeypatch.setattr(batching, "STACKED_MAX_ROWS", 64 if stacked else 0)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_deltas_match_a_per_token_reference(monkeypatch, mode, backend):
+    """Every path (stacked for few rows; for many, runs as views and the other rows stacked or
+    gathered), over the step's rows and the last layer's kept rows: each row gets its own
+    adapter's delta on its parts' columns only."""
+    monkeypatch.setattr(batching, "STACKED_MAX_ROWS", MODES[mode][0])
+    monkeypatch.setattr(batching, "RUN_MIN_ROWS", MODES[mode][1])
     gen = torch.Generator().manual_seed(0)
     sizes = [8, 4, 4]
     adapters = [_adapter("q_v", 6, sizes, [0, 2], 3, gen), _adapter("all", 6, sizes, [0, 1, 2], 2, gen),
@@ -203,6 +214,10 @@ def test_deltas_match_a_per_token_reference(monkeypatch, stacked, backend):
     step_adapters = [by_name[n] for n in rows.names]
     state.set_step(step_adapters, [slots[a.name] for a in step_adapters], rows, torch.device("cpu"))
     hook = LoraProjection(0, "qkv_proj", state)
+    full = state.rows(8)
+    assert {"stacked": full.stacked, "runs": all(isinstance(g, slice) for _, g in full.groups) and not full.stacked,
+            "gathered": any(isinstance(g, torch.Tensor) for _, g in full.groups),
+            "hybrid": full.scattered is not None and len(full.groups) == 1}[mode], "the mode's path is not taken"
     token_names = np.repeat(seq_names, query_lens)
     for kept in (None, np.array([2, 4, 5, 7])):
         names = token_names if kept is None else token_names[kept]
