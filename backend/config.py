@@ -43,7 +43,8 @@ class EngineConfig:
     """Longest prompt + generation; defaults to the model's max_position_embeddings."""
     dtype: str = "auto"
     """float32 | bfloat16 | float16 | auto (the checkpoint's dtype on GPUs; on CPUs bfloat16 for a
-    bfloat16 checkpoint where the CPU multiplies bf16 natively, AVX-512 BF16 or AMX, else float32)."""
+    bfloat16 checkpoint where bf16 runs at least as fast as float32: AVX-512 BF16 or AMX, or the
+    C++ kernels' AVX2 build widening bf16 weights in registers; else float32)."""
     kv_cache_dtype: str = "auto"
     """auto | bfloat16: the KV cache's element type (auto: the model's dtype). bfloat16 under a
     float32 model halves the cache's memory (twice the blocks for `kv_cache_memory_gb`) and the
@@ -55,8 +56,8 @@ class EngineConfig:
     linear_backend: str = "auto"
     """auto | cpu | onednn | torch: how projections multiply. cpu: the C++ kernel over weights
     packed at load into column blocks; onednn: oneDNN with weights packed at load; torch:
-    F.linear. auto: cpu on AVX-512 CPUs without AMX (bf16 also needs AVX-512 BF16), else oneDNN
-    where torch supports it for the dtype, else F.linear."""
+    F.linear. auto: cpu on AVX-512 CPUs without AMX (bf16 also needs AVX-512 BF16) and on AVX2
+    CPUs for bfloat16 and int8, else oneDNN where torch supports it for the dtype, else F.linear."""
     fused_decoder: bool = True
     """Run a step's decoder layers in one C++ call where every part of them runs the C++ CPU
     kernels (dense models, float32 or bfloat16, float or int8 projections, the KV cache in the

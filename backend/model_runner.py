@@ -41,8 +41,9 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dtype:
     """`dtype=auto`: the checkpoint's dtype on GPUs; on CPUs a bfloat16 checkpoint stays bfloat16
-    where this CPU multiplies bf16 natively (layers.linear.native_bf16_cpu), everything else runs
-    float32 (bf16 widened to fp32 in software is slower than fp32 itself on AVX2-only CPUs).
+    where bf16 runs at least as fast as float32 (layers.linear.native_bf16_cpu: AVX-512 BF16 or AMX,
+    or the C++ kernels' AVX2 build, which widens bf16 weights in registers), everything else runs
+    float32 (bf16 widened by torch's generic paths is slower than fp32 itself).
     The choice and its reason are logged."""
     if name != "auto":
         return _DTYPES[name]
@@ -92,7 +93,8 @@ class ModelRunner:
             keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.args, self.device)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
-        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype,
+                                                     config.quantization)
         check_quantization(config.quantization, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attention_backend)
         self.kernels = KernelSet.create(self.attention_backend, self.dtype)

@@ -20,10 +20,12 @@ Three ways to multiply float weights, chosen once at load (`EngineConfig.linear_
 
 `auto` is `cpu` where that kernel was measured ahead: the C++ library built with AVX-512 (and,
 for bf16, AVX-512 BF16 dot products) on a CPU without AMX (whose tile units oneDNN uses for
-large bf16 products). Elsewhere `onednn` where torch has it for the dtype, else `torch`.
+large bf16 products); on AVX2 builds for bf16 (weights widened in registers; oneDNN has no bf16
+there) and int8 (cpu_linear_preferred). Elsewhere `onednn` where torch has it for the dtype,
+else `torch`.
 
 With `EngineConfig.quantization="int8"` the projections run int8 kernels (int8_linear.py):
-`CpuInt8Linear` (the C++ kernel) with the `cpu` backend on CPUs with AVX-512 VNNI, else
+`CpuInt8Linear` (the C++ kernel) with the `cpu` backend on CPUs with AVX-512 VNNI or AVX2, else
 `Int8Linear` (oneDNN); the LM head and the MoE router keep the float kernel (they decide tokens
 and experts).
 """
@@ -112,13 +114,23 @@ def cpu_linear_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool
     return True, ""
 
 
-def cpu_linear_preferred(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether `auto` picks the `cpu` kernel: where it runs and was measured ahead of oneDNN."""
+def cpu_linear_preferred(device: torch.device, dtype: torch.dtype, quantization: str = "none") -> tuple[bool, str]:
+    """Whether `auto` picks the `cpu` kernel: where it runs and was measured ahead of oneDNN (the
+    reason either way; empty for the AVX-512 case)."""
     ok, why = cpu_linear_supported(device, dtype)
     if not ok:
         return False, why
     if cpu_linear.block_width() != _FAST_CPU_WIDTH:
-        return False, "the C++ kernels are built without AVX-512"
+        # Below AVX-512 (AVX2: Zen 3) only where oneDNN is slow or absent. AVX2 build forced on a
+        # Zen 5, bench model, 16 requests of 128 + 128 tokens: fp32 (oneDNN) 1.8 s, bf16 here
+        # 1.25-1.45 s (oneDNN has no bf16 without AVX-512 / AVX-NE-CONVERT, and bf16 F.linear ran
+        # at 0.20x fp32, issue 42), int8 here 0.91-0.95 s against oneDNN's int8 1.95 s
+        # (perf/results/avx2-lowp/).
+        if quantization == "int8" and cpu_int8_supported(dtype):
+            return True, f"int8 on {cpu_linear.int8_products()} in the C++ kernel (built for {library_isa()})"
+        if dtype is torch.bfloat16:
+            return True, f"bf16 weights widened to fp32 in registers by the C++ kernel (built for {library_isa()})"
+        return False, "the C++ kernels are built without AVX-512 (float32: oneDNN is faster on prompt chunks)"
     if dtype is torch.bfloat16:
         if not cpu_linear.native_bf16():
             return False, "no AVX-512 BF16 dot products"
@@ -128,14 +140,17 @@ def cpu_linear_preferred(device: torch.device, dtype: torch.dtype) -> tuple[bool
 
 
 def native_bf16_cpu() -> tuple[bool, str]:
-    """Whether this CPU multiplies bf16 natively in the kernels the engine runs here, and what
-    decides it: our C++ kernels' build (AVX-512 BF16 dot products), or AMX (oneDNN's tiles);
-    without our kernels, the CPU's flags for oneDNN."""
+    """Whether bf16 runs at least as fast as float32 in the kernels the engine runs here, and what
+    decides it: our C++ kernels' build (AVX-512 BF16 dot products; or, on AVX2 builds, bf16
+    weights widened in registers, measured faster than float32 on decode-heavy work:
+    cpu_linear_preferred), or AMX (oneDNN's tiles); without our kernels, the CPU's flags for oneDNN."""
     if "amx_bf16" in cpu_flags():
         return True, "AMX bf16 tiles"
     if cpu_linear.available():
         if cpu_linear.native_bf16():
             return True, "AVX-512 BF16 dot products in the C++ kernels"
+        if library_isa() == "avx2":
+            return True, "bf16 weights widened to fp32 in registers by the C++ kernels (AVX2)"
         return False, f"no bf16 dot products in the C++ kernels (built for {library_isa()})"
     if "avx512_bf16" in cpu_flags():
         return True, "AVX-512 BF16 (oneDNN)"
@@ -158,7 +173,7 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool, st
     return True, ""
 
 
-def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> str:
     if requested == "torch":
         return "torch"
     if requested == "cpu":
@@ -167,8 +182,10 @@ def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dt
             raise ValueError(f"linear_backend='cpu' cannot run here: {why}")
         return "cpu"
     if requested == "auto":
-        ok, why = cpu_linear_preferred(device, dtype)
+        ok, why = cpu_linear_preferred(device, dtype, quantization)
         if ok:
+            if why:
+                log.info("splitfuse: linear_backend=auto -> cpu: %s", why)
             return "cpu"
         log.info("splitfuse: C++ cpu linear kernel not chosen (%s)", why)
     ok, why = onednn_supported(device, dtype)
