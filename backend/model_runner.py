@@ -148,9 +148,6 @@ class ModelRunner:
         self.kv_caches = [(self._zeroed_cache(shape), self._zeroed_cache(shape)) for _ in range(self.args.num_layers)]
         if not config.fused_decoder:
             why = "fused_decoder=false"
-        elif self.lora is not None and self.lora.adapts_mlp_activation_input:
-            # (Adapters elsewhere keep it for steps without adapter rows.)
-            why = "LoRA adapters on gate_proj / up_proj: their deltas go in before SwiGLU's fused activation"
         else:
             why = self.model.prepare_decoder_stack(self.kv_caches)
         self.decoder_layers = "one C++ call" if why is None else f"Python ({why})"

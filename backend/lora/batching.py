@@ -78,10 +78,11 @@ class _Rows:
         self.scattered: tuple[_Rows, torch.Tensor] | None = None
         """Rows outside the groups' runs (decodes beside prompt chunks), through the stacks."""
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
-        if self.stacked:
+        if self.stacked or self.num_rows <= STACKED_MAX_ROWS:  # (the C++ decoder stacks any such step)
             slot_of = np.asarray(slots, dtype=np.int64)
             row_slot = np.where(row_adapter >= 0, slot_of[row_adapter], -1)
             self.row_slot = torch.from_numpy(row_slot).to(device, non_blocking=True)
+        if self.stacked:
             return
         # Runs of one adapter's rows (prompt chunks) are views; the other rows, a few decodes each
         # of its own adapter, go through the stacks together: gathered once, whatever the adapters.
@@ -138,6 +139,11 @@ class LoraState:
 
     def clear(self) -> None:
         self._full = self._kept = None
+
+    @property
+    def step_rows(self) -> _Rows:
+        """The rows of the whole step (active steps only)."""
+        return self._full
 
     def rows(self, num_rows: int) -> _Rows:
         """The rows of an input of `num_rows` rows: the step's, or (the last layer after

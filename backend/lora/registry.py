@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitfuse.lora.adapter import MLP_TARGETS, BaseShape, LoraAdapter, MakeKernel, load_adapter, plain_kernel
+from splitfuse.lora.adapter import BaseShape, LoraAdapter, MakeKernel, load_adapter, plain_kernel
 from splitfuse.lora.stacks import LoraStacks
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,6 @@ class LoraRegistry:
     @property
     def names(self) -> list[str]:
         return list(self.paths)
-
-    @property
-    def adapts_mlp_activation_input(self) -> bool:
-        """Whether some adapter changes gate_proj / up_proj, the inputs of SwiGLU's activation."""
-        return bool(self.targets & set(MLP_TARGETS[:2]))
 
     def slot(self, name: str) -> int:
         """The stacks' slot of a resident adapter."""

@@ -52,6 +52,7 @@ class LoraStacks:
         self.max_loras = max_loras
         self.make_kernel = make_kernel
         self._dirty = True
+        self.version = 0  # counts the packs: holders of the kernels' addresses refresh on a change
         ranks: dict[tuple[int, str], dict[tuple[int, int], int]] = {}
         in_features: dict[tuple[int, str], int] = {}
         for adapter in adapters:
@@ -83,6 +84,7 @@ class LoraStacks:
             for part in stacked.parts:
                 part.b_kernel = self.make_kernel(part.b.t().contiguous())
         self._dirty = False
+        self.version += 1
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` (weights already in the stacks' dtype and device) in `slot`; its parts

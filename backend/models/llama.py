@@ -240,6 +240,10 @@ class LlamaForCausalLM(nn.Module):
         # Set by attach_lora: the step's LoRA adapters (splitfuse.lora.batching.LoraState).
         self.lora_state: LoraState | None = None
         self._logged_stack_declined = False
+        # Whether the decoder stack adds LoRA deltas itself (steps of few rows: the stacked path),
+        # and the version of the LoRA stacks it was last given.
+        self._stack_takes_lora = False
+        self._stack_lora_version = -1
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor,
@@ -252,19 +256,26 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.model.layers) - 1
         start = 0
         stack = self.decoder_stack
-        if stack is not None and self.lora_state is not None and self.lora_state.active:
-            # The C++ stack has no LoRA: a step with adapter rows runs its layers in Python.
-            stack = None
-            if not self._logged_stack_declined:
-                self._logged_stack_declined = True
-                log.info("splitfuse: steps with LoRA adapter rows run the decoder layers in Python "
-                         "(the fused C++ decoder has no LoRA)")
+        lora_slots = None
+        state = self.lora_state
+        if stack is not None and state is not None and state.active:
+            rows = state.step_rows
+            if self._stack_takes_lora and rows.row_slot is not None:  # few rows: the C++ stack adds the deltas
+                self._sync_stack_lora()
+                lora_slots = rows.row_slot
+            else:  # grouped deltas (many rows) are the Python layers' hooks
+                stack = None
+                if not self._logged_stack_declined:
+                    self._logged_stack_declined = True
+                    log.info("splitfuse: steps with LoRA adapter rows beyond the stacked path's (more than a few "
+                             "dozen rows) run the decoder layers in Python")
         if stack is not None:
             # All layers in one call, but a last layer that keeps some rows only (Python's).
             start = last if keep is not None else last + 1
             if start:
                 h, residual = stack.run(h, start, positions, cos, sin, meta.slot_mapping,
-                                        meta.query_start_loc, meta.seq_lens, meta.block_tables)
+                                        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                        lora_row_slot=lora_slots)
         for i in range(start, last + 1):
             k_cache, v_cache = kv_caches[i]
             h, residual = self.model.layers[i](h, residual, positions, meta, k_cache, v_cache, cos, sin,
@@ -282,7 +293,10 @@ class LlamaForCausalLM(nn.Module):
         and arguments of the layers' Python without the Python between them (bit-identical
         results). For dense models whose layers all run the C++ CPU kernels in float32 or
         bfloat16 (projections float or int8), with the KV cache in the model's dtype and no
-        tensor parallelism. Call after prepare_linears; returns None when set, else why not."""
+        tensor parallelism. With LoRA attached, the stack also adds the adapters' deltas in steps
+        of few rows (the stacked path's products, in C++) when the stacks run the C++ linear
+        kernel; steps of more rows run the Python layers. Call after prepare_linears; returns None
+        when set, else why not."""
         layers = self.model.layers
         if not cpu_decoder.available():
             return "the C++ kernel library has no decoder entry point"
@@ -300,8 +314,10 @@ class LlamaForCausalLM(nn.Module):
         stack = []
         for layer, kernels, (k_cache, v_cache) in zip(layers, projections, kv_caches):
             attn = layer.self_attn
-            if not all(isinstance(k, (CpuLinear, CpuInt8Linear)) for k in kernels) or not fuses_swiglu(kernels[2]):
+            if not all(isinstance(k, (CpuLinear, CpuInt8Linear)) for k in kernels):
                 return "projections not all through the C++ linear kernels (oneDNN, torch or another backend)"
+            if not fuses_swiglu(kernels[2]) and layer.mlp.gate_up_proj.lora is None:
+                return "a gate_up projection without the fused SwiGLU"
             if k_cache.dtype is not dtype:
                 return f"a {k_cache.dtype} KV cache in a {dtype} model"
             stack.append(cpu_decoder.DecoderLayerWeights(
@@ -314,7 +330,37 @@ class LlamaForCausalLM(nn.Module):
                                                       head_dim=a.head_dim, eps=a.rms_norm_eps,
                                                       scale=layers[0].self_attn.scale, int8_levels=levels,
                                                       int8_zero_point=zero_point)
+        self._stack_takes_lora = self.lora_state is not None and self._stack_lora_weights() is not None
         return None
+
+    def _stack_lora_weights(self) -> list[list[cpu_decoder.LoraWeights | None]] | None:
+        """The LoRA stacks as the decoder stack takes them (per layer: qkv, o, gate_up, down), or
+        None when their products are not the C++ linear kernel's in the model's dtype."""
+        stacks = self.lora_state.stacks
+        dtype = self.model.layers[0].input_layernorm.weight.dtype
+        out = []
+        for i in range(len(self.model.layers)):
+            row = []
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                sp = stacks.projections.get((i, name))
+                if sp is None:
+                    row.append(None)
+                    continue
+                kernels = [sp.a_kernel, *(p.b_kernel for p in sp.parts)]
+                if not all(isinstance(k, CpuLinear) and k.packed.dtype is dtype for k in kernels):
+                    return None
+                row.append(cpu_decoder.LoraWeights(sp.a_kernel.packed, sp.col_slot,
+                                                   [(p.b_kernel.packed, p.col_start, p.out_start) for p in sp.parts]))
+            out.append(row)
+        return out
+
+    def _sync_stack_lora(self) -> None:
+        """Give the decoder stack the LoRA stacks' current kernels (they are rebuilt when an adapter
+        is loaded into a slot)."""
+        stacks = self.lora_state.stacks
+        if self._stack_lora_version != stacks.version:
+            self.decoder_stack.set_lora(self._stack_lora_weights())
+            self._stack_lora_version = stacks.version
 
     def attach_lora(self, state: LoraState, hook: Callable[[int, str], Callable], projections: set[str]) -> None:
         """Give the `projections` (our names: qkv_proj, o_proj, gate_up_proj, down_proj) of every

@@ -12,7 +12,13 @@ residual stream, as the Python layers leave them. What it saves is the Python be
 kernels.
 
 Float32 or bfloat16 models whose KV cache has the model's dtype, projections in that dtype or
-int8. The call releases the GIL (ctypes) and runs on the calling thread's OpenMP pool. Callers
+int8. A gate_up projection may be ungated (its product, then `silu_and_mul`): LoRA adapters on
+gate/up add their deltas between the two. `set_lora` gives the stack the resident LoRA adapters'
+stacked weights (`splitfuse.lora.stacks`, packed for the C++ linear kernel); `run` with
+`lora_row_slot` then adds each row's own adapter's deltas to every adapted projection, as
+`splitfuse.lora.batching.add_stacked` does.
+
+The call releases the GIL (ctypes) and runs on the calling thread's OpenMP pool. Callers
 check `available()` first.
 """
 
@@ -28,16 +34,19 @@ from .build import Entries
 from .linear import PackedInt8Weight, PackedWeight
 from .paged_attention import K_TRANSPOSED, window_arg
 
-__all__ = ["DecoderLayerWeights", "DecoderStack", "available"]
+__all__ = ["DecoderLayerWeights", "DecoderStack", "LoraWeights", "available"]
 
-_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS = 25, 14, 25  # csrc/decoder.cpp: Layer, Shape, Call
+_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS = 26, 14, 30  # csrc/decoder.cpp: Layer, Shape, Call
+_LORA_FIELDS, _LP_FIELDS, _LQ_FIELDS = 76, 19, 5  # LORA_FIELDS, LP_FIELDS, LQ_FIELDS
+_LP_MAX_PARTS = 3
 _CALL = struct.Struct(f"={_CALL_FIELDS}q")
 _ERRORS = {-100: "a position is outside the rotary tables", -101: "bad layer count or token count"}
 
 
 def _lookup(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
     lib.sf_dec_layout.argtypes, lib.sf_dec_layout.restype = [ctypes.c_int], ctypes.c_int
-    if [lib.sf_dec_layout(i) for i in range(3)] != [_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS]:
+    if [lib.sf_dec_layout(i) for i in range(6)] != [_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS, _LORA_FIELDS,
+                                                    _LP_FIELDS, _LQ_FIELDS]:
         raise AttributeError("decoder.cpp's argument layout differs from this wrapper's")
     fn = lib.sf_dec_forward
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int
@@ -59,7 +68,7 @@ Packed = PackedWeight | PackedInt8Weight
 class DecoderLayerWeights:
     qkv: Packed
     o: Packed
-    gate_up: Packed  # gated (SwiGLU)
+    gate_up: Packed  # gated (SwiGLU), or the plain [2I] product (LoRA on gate/up)
     down: Packed
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -88,8 +97,9 @@ class DecoderStack:
         qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
         num_blocks, _, block_elems = first.k_cache.shape
         for i, w in enumerate(layers):
+            gated = w.gate_up.gated
             shapes = [(w.qkv, qkv_n, hidden, False), (w.o, hidden, num_heads * head_dim, False),
-                      (w.gate_up, inter, hidden, True), (w.down, hidden, inter, False)]
+                      (w.gate_up, inter if gated else 2 * inter, hidden, gated), (w.down, hidden, inter, False)]
             for p, n, k, gated in shapes:
                 kind = "int8" if isinstance(p, PackedInt8Weight) else p.dtype
                 if ((kind != "int8" and kind is not dtype) or p.out_features != n or p.in_features != k
@@ -113,22 +123,66 @@ class DecoderStack:
         for w in layers:
             rows.append([*_projection(w.qkv), *_projection(w.o), *_projection(w.gate_up), *_projection(w.down),
                          w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.k_cache.data_ptr(), w.v_cache.data_ptr(),
-                         window_arg(w.sliding_window)])
+                         window_arg(w.sliding_window), int(w.gate_up.gated)])
+        self._ungated = not all(w.gate_up.gated for w in layers)
+        self._lora: torch.Tensor | None = None
+        self._lora_keep: list = []
+        self._lora_cols = self._lora_out = 0
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._shape = torch.tensor([len(layers), hidden, num_heads, num_kv_heads, head_dim, inter,
                                     block_elems // head_dim, num_blocks, int(dtype is torch.bfloat16), K_TRANSPOSED,
                                     _as_double_slot(eps), _as_double_slot(scale), int8_levels, int8_zero_point],
                                    dtype=torch.int64)
 
+    def set_lora(self, projections: list[list[LoraWeights | None]] | None) -> None:
+        """Per layer, per projection (qkv, o, gate_up, down): the LoRA stacks' weights, or None
+        where no adapter applies; None: no LoRA. Call again whenever the stacks are repacked
+        (the table holds their addresses)."""
+        if projections is None:
+            self._lora, self._lora_keep = None, []
+            return
+        if len(projections) != self.num_layers or any(len(p) != 4 for p in projections):
+            raise ValueError(f"DecoderStack.set_lora: 4 projections for each of {self.num_layers} layers")
+        table = torch.zeros(self.num_layers, _LORA_FIELDS, dtype=torch.int64)
+        keep, cols, width = [], 0, 0
+        for layer, row in enumerate(projections):
+            for j, lw in enumerate(row):
+                if lw is None:
+                    continue
+                if (lw.a.dtype is not self.dtype or lw.col_slot.dtype is not torch.int64
+                        or lw.col_slot.shape != (lw.a.out_features,) or len(lw.parts) > _LP_MAX_PARTS):
+                    raise ValueError(f"DecoderStack.set_lora: layer {layer} projection {j}: {self.dtype} weights, "
+                                     f"int64 column slots [{lw.a.out_features}], at most {_LP_MAX_PARTS} parts")
+                slots = [lw.a.data.data_ptr(), lw.a.out_features, lw.col_slot.data_ptr(), len(lw.parts)]
+                for b, col, out in lw.parts:
+                    if b.dtype is not self.dtype or b.gated or b.bias is not None:
+                        raise ValueError("DecoderStack.set_lora: a part's B must be a plain packed weight")
+                    slots += [b.data.data_ptr(), col, b.in_features, out, b.out_features]
+                    width = max(width, b.out_features)
+                base = j * _LP_FIELDS
+                table[layer, base:base + len(slots)] = torch.tensor(slots, dtype=torch.int64)
+                keep.append(lw)
+                cols = max(cols, lw.a.out_features)
+        self._lora, self._lora_keep, self._lora_cols, self._lora_out = table, keep, cols, width
+
     def run(self, x: torch.Tensor, num_layers: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-            block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            block_tables: torch.Tensor, lora_row_slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers 0..num_layers-1 over x [T, hidden] (the embedding output, overwritten: it becomes
         the residual stream); returns (hidden states [T, hidden], residual stream = x). Positions
         int64 [T]; cos/sin float32 [max_pos, head_dim / 2]; the attention metadata as the
         paged-attention kernel takes it (int64 slot mapping, int32 query_start_loc, seq_lens and
-        block tables)."""
+        block tables). `lora_row_slot` (int64 [T]): each row's slot in the LoRA stacks given to
+        set_lora (-1: the base), to add the rows' adapters' deltas."""
         fn = _entries.need()
+        lora = 0
+        if lora_row_slot is not None:
+            if self._lora is None:
+                raise ValueError("DecoderStack.run: lora_row_slot without set_lora")
+            if lora_row_slot.dtype is not torch.int64 or lora_row_slot.shape != (x.shape[0],) or (
+                    not lora_row_slot.is_contiguous()):
+                raise ValueError(f"DecoderStack.run: lora_row_slot must be a contiguous int64 [{x.shape[0]}]")
+            lora = self._lora.data_ptr()
         t = x.shape[0]
         if (x.dtype is not self.dtype or x.shape != (t, self.hidden) or not x.is_contiguous()
                 or not 0 <= num_layers <= self.num_layers):
@@ -158,16 +212,31 @@ class DecoderStack:
         # int8 projections: their quantized input rows (the widest input is one of these K).
         xq = torch.empty(t, max(self.hidden, qd, self.intermediate) if self._int8 else 0, dtype=torch.uint8)
         xs = torch.empty(t if self._int8 else 0, dtype=torch.float32)
+        xa = torch.empty(t if lora else 0, self._lora_cols, dtype=self.dtype)
+        d = torch.empty(t if lora else 0, self._lora_out, dtype=self.dtype)
+        gu = torch.empty(t if self._ungated else 0, 2 * self.intermediate, dtype=self.dtype)
         call = _CALL.pack(
             t, num_layers, x.data_ptr(), y.data_ptr(), positions.data_ptr(), cos.data_ptr(), cos.stride(0),
              sin.data_ptr(), sin.stride(0), cos.shape[0], slot_mapping.data_ptr(), query_start_loc.data_ptr(),
              seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], b,
              torch.get_num_threads(), qkv.data_ptr(), att.data_ptr(), attc.data_ptr(), ao.data_ptr(),
-             act.data_ptr(), xq.data_ptr(), xs.data_ptr())
+             act.data_ptr(), xq.data_ptr(), xs.data_ptr(), lora, 0 if lora == 0 else lora_row_slot.data_ptr(),
+             xa.data_ptr(), d.data_ptr(), gu.data_ptr())
         rc = fn(self._shape.data_ptr(), self._table.data_ptr(), call)
         if rc:
             raise ValueError(f"DecoderStack.run: {_ERRORS.get(rc) or f'attention kernel error {rc}'}")
         return y, x
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One projection's LoRA stacks for `DecoderStack.set_lora`: A_all packed ([C, in]), each
+    column's slot (int64 [C]) and per output part (B packed [out width, its columns], its first
+    column in A_all's output, its first output column in the projection)."""
+
+    a: PackedWeight
+    col_slot: torch.Tensor
+    parts: list[tuple[PackedWeight, int, int]]
 
 
 def _projection(p: Packed) -> list[int]:

@@ -107,22 +107,36 @@ def test_mixed_batch_matches_peft(setup, cpu_path, token_budget, block_size):
     assert stats.loads == len(setup.adapters) and stats.evictions == 0
 
 
-def test_fused_cpu_decoder_declines_steps_with_adapters(setup, cpu_path, caplog):
-    """Adapters off gate/up keep the fused C++ decoder for base-only steps; steps with adapter rows
-    run in Python. Base requests first, then mixed: both kinds of step, each request its tokens."""
-    adapters = {"attn": setup.adapters["attn"]}
-    prompts, params, refs = setup.mixed([None, "attn"])
-    llm = LLM(setup.base, dtype="float32", lora_modules=f"attn={adapters['attn']}", token_budget=64, **cpu_path)
-    if cpu_path["attention_backend"] == "cpu":
+@pytest.mark.parametrize("token_budget", [16, 512])
+def test_fused_cpu_decoder_with_adapters(setup, cpu_path, token_budget, caplog):
+    """Adapters (gate/up included) keep the fused C++ decoder: it adds the stacked deltas itself in
+    steps of few rows (its gate_up then unfused, the deltas going in before SwiGLU) and leaves
+    steps of many rows to the Python layers. Base requests first, then mixed: every kind of step,
+    each request its reference tokens."""
+    prompts, params, refs = setup.mixed()
+    llm = LLM(setup.base, dtype="float32", lora_modules=setup.lora_modules, token_budget=token_budget, **cpu_path)
+    fast = cpu_path["attention_backend"] == "cpu"
+    runs = {"lora": 0, "plain": 0}
+    if fast:
         assert llm.engine.runner.decoder_layers == "one C++ call"
+        stack = llm.engine.runner.model.decoder_stack
+        run = stack.run
+
+        def counted(*args, lora_row_slot=None, **kwargs):
+            runs["plain" if lora_row_slot is None else "lora"] += 1
+            return run(*args, lora_row_slot=lora_row_slot, **kwargs)
+
+        stack.run = counted
     base_only = [i for i, p in enumerate(params) if p.lora_name is None]
     got_base = llm.generate([prompts[i] for i in base_only], [params[i] for i in base_only])
     assert [o.token_ids for o in got_base] == [refs[i] for i in base_only]
     with caplog.at_level(logging.INFO, logger="splitfuse.models.llama"):
         got = [o.token_ids for o in llm.generate(prompts, params)]
     _assert_refs(got, refs, params, "fused decoder")
-    if cpu_path["attention_backend"] == "cpu":  # declined at every adapter step, said once
-        assert sum("run the decoder layers in Python" in r.getMessage() for r in caplog.records) == 1
+    if fast:
+        assert runs["plain"] > 0 and runs["lora"] > 0, runs
+        declined = sum("run the decoder layers in Python" in r.getMessage() for r in caplog.records)
+        assert declined == (1 if token_budget == 512 else 0)  # said once, where steps have many rows
 
 
 def test_prefix_cache_keyed_by_adapter(setup):
@@ -197,6 +211,20 @@ def test_bfloat16_adapters_run_in_model_dtype(setup):
     for o, p in zip(outs, params):
         by_name.setdefault(p.lora_name, []).append(o.token_ids[0])
     assert by_name["all"] != by_name[None]
+
+
+def test_bfloat16_fused_decoder_adds_the_deltas_as_the_python_layers(setup):
+    """bf16, steps of few rows: the C++ decoder's deltas (rounded to bf16 as torch's `+=`) give the
+    Python layers' tokens exactly."""
+    prompts, params, _ = setup.mixed()
+    outs = {}
+    for fused in (True, False):
+        llm = LLM(setup.base, dtype="bfloat16", lora_modules=setup.lora_modules, attention_backend="cpu",
+                  linear_backend="cpu", token_budget=16, fused_decoder=fused)
+        if fused and llm.engine.runner.decoder_layers != "one C++ call":
+            pytest.skip(f"no fused decoder here: {llm.engine.runner.decoder_layers}")
+        outs[fused] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs[True] == outs[False]
 
 
 def test_rank_and_alpha_patterns(setup, tmp_path):

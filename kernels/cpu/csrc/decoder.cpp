@@ -15,6 +15,14 @@
 //   ACT = silu(AO . Wgate^T) * (AO . Wup^T); Y = ACT . Wdown^T (+ b)
 // The hidden state after the last layer run is Y, the residual stream RES (= X). A projection
 // may be int8 (quantization=int8): its input rows are quantized first, as CpuInt8Linear does.
+// A gate_up weight that is not gated (LoRA adapts gate/up: the deltas go in before SwiGLU) is
+// projected into GU [T, 2I] and then ACT = silu_and_mul(GU).
+//
+// LoRA (optional, a step's rows through the resident adapters stacked by slot, as
+// splitfuse/lora/batching.py's add_stacked computes them): after each adapted projection
+// P = IN . W^T, XA = IN . A_all (every slot's A side by side, [T, C]); XA[t, c] = 0 unless
+// column c belongs to row t's slot (base rows: slot -1, none); then per output part of P,
+// P[:, part] += XA[:, part's columns] . B_part.
 #include <omp.h>
 
 #include <cstdint>
@@ -34,6 +42,8 @@ void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t* a);
 void sf_ew_quantize_rows_u8_packed(const int64_t* a);
 void sf_ew_quantize_rows_u8_bf16_packed(const int64_t* a);
 void sf_ew_rms_norm_f32_packed(const int64_t* a);
+void sf_ew_silu_and_mul_f32_packed(const int64_t* a);
+void sf_ew_silu_and_mul_bf16_packed(const int64_t* a);
 void sf_ew_rms_norm_bf16_packed(const int64_t* a);
 int64_t sf_ew_rotary_f32_packed(const int64_t* a);
 int64_t sf_ew_rotary_bf16_packed(const int64_t* a);
@@ -48,7 +58,7 @@ namespace {
 // norms' weights, the caches and the layer's attention window (0: none, else already clamped
 // as the Python wrapper clamps it).
 enum Layer { L_QKV = 0, L_O = 5, L_GATE_UP = 10, L_DOWN = 15, L_NORM_IN = 20, L_NORM_POST, L_K_CACHE, L_V_CACHE,
-             L_WINDOW, L_FIELDS };
+             L_WINDOW, L_GATED, L_FIELDS };
 // A projection: 0 for a float weight (linear.cpp's blocks in the model's dtype) or 1 for int8
 // (its quads, with per-column weight sums and scales), the packed data, the float32 bias in the
 // packed column order (0: none), and for int8 the column sums and scales.
@@ -66,10 +76,20 @@ enum Shape { S_LAYERS, S_H, S_HQ, S_HKV, S_D, S_I, S_BLOCK, S_NUM_BLOCKS, S_BF16
 // sequences, threads, and the scratch buffers QKV [T, N], ATT (fp32 [T, Hq*D]), ATTC (bf16
 // [T, Hq*D], bf16 models), AO [T, H], ACT [T, I], and for int8 projections XQ (uint8 [T, the
 // largest K]) and XS (fp32 [T]).
+// Then the LoRA table (0: none; LORA_FIELDS slots per layer, below), the rows' slots (int64 [T]),
+// the scratch XA [T, the widest C] and D [T, the widest part], and GU [T, 2I] for a gate_up that
+// is not gated.
 enum Call {
     C_T, C_LAYERS, C_X, C_Y, C_POS, C_COS, C_COS_ST, C_SIN, C_SIN_ST, C_MAX_POS, C_SLOTS, C_QSL, C_SEQ_LENS,
-    C_BT, C_BT_ST, C_BT_W, C_SEQS, C_THREADS, C_QKV, C_ATT, C_ATTC, C_AO, C_ACT, C_XQ, C_XS, C_FIELDS
+    C_BT, C_BT_ST, C_BT_W, C_SEQS, C_THREADS, C_QKV, C_ATT, C_ATTC, C_AO, C_ACT, C_XQ, C_XS, C_LORA, C_ROW_SLOT,
+    C_XA, C_D, C_GU, C_FIELDS
 };
+// One projection's LoRA: A_all packed (0: not adapted), its columns C, each column's slot (int64
+// [C]), the number of parts, then per part its B packed, first column in XA, columns (its K),
+// first output column in P and output columns.
+enum LoraProjection { LP_A, LP_COLS, LP_COL_SLOT, LP_PARTS, LP_PART0, LP_MAX_PARTS = 3 };
+enum LoraPart { LQ_B, LQ_COL, LQ_WIDTH, LQ_OUT, LQ_OUT_WIDTH, LQ_FIELDS };
+enum { LP_FIELDS = LP_PART0 + LP_MAX_PARTS * LQ_FIELDS, LORA_FIELDS = 4 * LP_FIELDS };
 
 enum { SF_DEC_BAD_POSITION = -100, SF_DEC_BAD_SHAPE = -101 };
 
@@ -103,6 +123,9 @@ struct Kernels<float> {
     static constexpr auto rms = sf_ew_rms_norm_f32_packed;
     static constexpr auto rotary = sf_ew_rotary_f32_packed;
     static constexpr auto write = sf_attn_write_kv_f32_packed;
+    static constexpr auto silu_mul = sf_ew_silu_and_mul_f32_packed;
+    static float widen(float v) { return v; }
+    static float narrow(float v) { return v; }
 };
 template <>
 struct Kernels<uint16_t> {
@@ -114,6 +137,9 @@ struct Kernels<uint16_t> {
     static constexpr auto rms = sf_ew_rms_norm_bf16_packed;
     static constexpr auto rotary = sf_ew_rotary_bf16_packed;
     static constexpr auto write = sf_attn_write_kv_bf16_packed;
+    static constexpr auto silu_mul = sf_ew_silu_and_mul_bf16_packed;
+    static float widen(uint16_t v) { return sf_bf16::to_f32(v); }
+    static uint16_t narrow(float v) { return sf_bf16::from_f32(v); }
 };
 
 // y [m, n] (row stride sy) = x [m, k] (row stride sx) times projection p (gated: SwiGLU's
@@ -135,6 +161,39 @@ void project(const int64_t* p, bool gated, int64_t x, int64_t sx, int64_t n, int
     (gated ? K::linear_i8_gated : K::linear_i8)(r);
 }
 
+// P [m, sp columns per row] += the rows' LoRA deltas of projection lp from its input x [m, k]
+// (see the top): XA = x . A_all, masked to each row's slot, then each part's product into D and
+// added to its output columns, rounded to T as torch's `+=` of two T tensors.
+template <typename T>
+void lora_add(const int64_t* lp, int64_t x, int64_t sx, int64_t k, int64_t y, int64_t sy, int64_t m,
+              const int64_t* call) {
+    using K = Kernels<T>;
+    if (call[C_LORA] == 0 || lp[LP_A] == 0) return;
+    const int64_t C = lp[LP_COLS], XA = call[C_XA], D = call[C_D];
+    {
+        const int64_t r[] = {x, sx, lp[LP_A], C, k, 0, XA, C, m};
+        K::linear(r);
+    }
+    T* xa = reinterpret_cast<T*>(XA);
+    const int64_t* row_slot = reinterpret_cast<const int64_t*>(call[C_ROW_SLOT]);
+    const int64_t* col_slot = reinterpret_cast<const int64_t*>(lp[LP_COL_SLOT]);
+    for (int64_t t = 0; t < m; ++t)
+        for (int64_t c = 0; c < C; ++c)
+            if (col_slot[c] != row_slot[t]) xa[t * C + c] = T(0);
+    for (int64_t j = 0; j < lp[LP_PARTS]; ++j) {
+        const int64_t* q = lp + LP_PART0 + j * LQ_FIELDS;
+        const int64_t n = q[LQ_OUT_WIDTH];
+        const int64_t r[] = {XA + q[LQ_COL] * int64_t(sizeof(T)), C, q[LQ_B], n, q[LQ_WIDTH], 0, D, n, m};
+        K::linear(r);
+        const T* d = reinterpret_cast<const T*>(D);
+        T* out = reinterpret_cast<T*>(y) + q[LQ_OUT];
+#pragma omp parallel for schedule(static) if (m * n >= 65536 && omp_get_max_threads() > 1)
+        for (int64_t t = 0; t < m; ++t)
+            for (int64_t c = 0; c < n; ++c)
+                out[t * sy + c] = K::narrow(K::widen(out[t * sy + c]) + K::widen(d[t * n + c]));
+    }
+}
+
 template <typename T>
 int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
     using K = Kernels<T>;
@@ -151,6 +210,7 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
     int64_t a[32];
     for (int64_t l = 0; l < layers; ++l) {
         const int64_t* w = table + l * L_FIELDS;
+        const int64_t* lw = call[C_LORA] ? reinterpret_cast<const int64_t*>(call[C_LORA]) + l * LORA_FIELDS : nullptr;
         // Input norm: layer 0 norms X into Y; later layers add Y to the residual stream X first.
         if (l == 0) {
             const int64_t r[] = {X, H, 0, 0, w[L_NORM_IN], Y, H, 0, 0, T_, H};
@@ -162,6 +222,7 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
         std::memcpy(a + 11, &eps, sizeof(eps));
         K::rms(a);
         project<T>(w + L_QKV, false, Y, H, N, H, QKV, N, T_, shape, call);  // QKV = Y . Wqkv^T
+        if (lw) lora_add<T>(lw, Y, H, H, QKV, N, T_, call);
         const int64_t q = QKV, k = QKV + QD * es, v = QKV + (QD + Hkv * D) * es;
         {  // rotate q and k in place (views of QKV: token stride N, head stride D)
             const int64_t r[] = {q, N, D, k, N, D, q, N, D, k, N, D, call[C_POS], call[C_COS], call[C_COS_ST],
@@ -184,14 +245,23 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
         }
         if (sizeof(T) == 2) to_bf16(reinterpret_cast<const float*>(ATT), reinterpret_cast<uint16_t*>(ATTC), T_ * QD);
         project<T>(w + L_O, false, ATTC, QD, H, QD, AO, H, T_, shape, call);  // AO = ATT . Wo^T
+        if (lw) lora_add<T>(lw + LP_FIELDS, ATTC, QD, QD, AO, H, T_, call);
         {  // RES = AO + RES; AO = norm_post(RES)
             const int64_t r[] = {AO, H, X, H, w[L_NORM_POST], AO, H, X, H, T_, H};
             std::memcpy(a, r, sizeof(r));
             std::memcpy(a + 11, &eps, sizeof(eps));
             K::rms(a);
         }
-        project<T>(w + L_GATE_UP, true, AO, H, I, H, ACT, I, T_, shape, call);  // ACT = silu(gate) * up
-        project<T>(w + L_DOWN, false, ACT, I, H, I, Y, H, T_, shape, call);     // Y = ACT . Wdown^T
+        if (w[L_GATED]) {
+            project<T>(w + L_GATE_UP, true, AO, H, I, H, ACT, I, T_, shape, call);  // ACT = silu(gate) * up
+        } else {  // GU = AO . Wgate_up^T (+ LoRA); ACT = silu(gate) * up
+            project<T>(w + L_GATE_UP, false, AO, H, 2 * I, H, call[C_GU], 2 * I, T_, shape, call);
+            if (lw) lora_add<T>(lw + 2 * LP_FIELDS, AO, H, H, call[C_GU], 2 * I, T_, call);
+            const int64_t r[] = {call[C_GU], 2 * I, ACT, I, T_, I};
+            K::silu_mul(r);
+        }
+        project<T>(w + L_DOWN, false, ACT, I, H, I, Y, H, T_, shape, call);  // Y = ACT . Wdown^T
+        if (lw) lora_add<T>(lw + 3 * LP_FIELDS, ACT, I, I, Y, H, T_, call);
     }
     return 0;
 }
@@ -201,7 +271,10 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
 extern "C" {
 
 // Slots per table row, shape and call (the wrapper checks it builds them to these sizes).
-int sf_dec_layout(int which) { return which == 0 ? int(L_FIELDS) : which == 1 ? int(S_FIELDS) : int(C_FIELDS); }
+int sf_dec_layout(int which) {
+    const int sizes[] = {L_FIELDS, S_FIELDS, C_FIELDS, LORA_FIELDS, LP_FIELDS, LQ_FIELDS};
+    return which >= 0 && which < 6 ? sizes[which] : -1;
+}
 
 // Runs call[C_LAYERS] layers; 0 on success, else the failing kernel's error code (the attention
 // codes of paged_attention.cpp, or SF_DEC_*). The caches may then hold some of the new K/V.
