@@ -204,7 +204,8 @@ def summary_md(result: dict) -> str:
         lines += ["", "| system | generated tok/s (median) | per round | ratio to base |", "|---|---|---|---|"]
         for name in res["order"]:
             runs = ", ".join(f"{p['tokens_per_s']:.0f}" for p in res["phases"][name])
-            lines.append(f"| {name} | {res['median_tokens_per_s'][name]:.1f} | {runs} | {res['ratio_to_base'][name]:.3f} |")
+            median, ratio = res["median_tokens_per_s"][name], res["ratio_to_base"][name]
+            lines.append(f"| {name} | {median:.1f} | {runs} | {ratio:.3f} |")
         lines.append("")
     lines += ["`all-kN` / `attn-kN`: every request names one of N adapters (all seven projections / q, k, v, o); "
               "`all-base`: plain requests on the engine serving the `all` adapters.", ""]
