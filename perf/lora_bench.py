@@ -250,10 +250,10 @@ def main() -> None:
         result["models"].append(bench_model(Path(model_dir), params, args.clients, n, args.prompt_mean,
                                             args.gen_mean, rounds, args.kinds.split(","),
                                             [int(k) for k in args.ks.split(",")], args.seed))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "result.json").write_text(json.dumps(result, indent=1))
-    (out / "summary.md").write_text(summary_md(result))
+        out = Path(args.out)  # written after each model: a long run keeps what it measured
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+        (out / "summary.md").write_text(summary_md(result))
     print(summary_md(result))
     print(f"wrote {out}/result.json and summary.md")
 

@@ -31,6 +31,9 @@ from splitfuse.lora.stacks import LoraStacks, StackedProjection
 # grouped 9.5 ms per step against the base's 4.1 ms; the stacked path's extra products (every
 # row through every slot's A) stay small next to the base product up to a few dozen rows.
 STACKED_MAX_ROWS = 64
+# Steps of at most this many rows take the stacked path inside the fused C++ decoder (where it
+# runs), however their rows divide among adapters.
+FUSED_STACKED_MAX_ROWS = 64
 # In a step of more rows, an adapter's run of at least this many rows (a prompt chunk) takes the
 # grouped path as a view of the input; shorter runs join the stacked rows.
 RUN_MIN_ROWS = 8
@@ -78,7 +81,7 @@ class _Rows:
         self.scattered: tuple[_Rows, torch.Tensor] | None = None
         """Rows outside the groups' runs (decodes beside prompt chunks), through the stacks."""
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
-        if self.stacked or self.num_rows <= STACKED_MAX_ROWS:  # (the C++ decoder stacks any such step)
+        if self.stacked or self.num_rows <= FUSED_STACKED_MAX_ROWS:  # the C++ decoder stacks any such step
             slot_of = np.asarray(slots, dtype=np.int64)
             row_slot = np.where(row_adapter >= 0, slot_of[row_adapter], -1)
             self.row_slot = torch.from_numpy(row_slot).to(device, non_blocking=True)
