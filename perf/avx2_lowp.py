@@ -58,11 +58,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--isas", default="avx2,native")
     ap.add_argument("--precisions", default=",bf16,int8", help="systems.PRECISIONS keys ('' = float32)")
+    ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                    help="our engine parameter, e.g. num_threads=1 (on a machine others load: OpenMP barriers of two "
+                         "threads on two busy cores wait for a descheduled peer)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "avx2-lowp")
     args = ap.parse_args()
 
     reqs = random_id_requests(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)
-    base = {"enable_prefix_caching": "false"}
+    base = {"enable_prefix_caching": "false", **dict(p.split("=", 1) for p in args.param)}
     isas, precisions = args.isas.split(","), args.precisions.split(",")
     rounds: list[dict] = []
     outputs: dict[str, list] = {}
