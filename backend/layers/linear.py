@@ -122,10 +122,9 @@ def cpu_linear_preferred(device: torch.device, dtype: torch.dtype, quantization:
         return False, why
     if cpu_linear.block_width() != _FAST_CPU_WIDTH:
         # Below AVX-512 (AVX2: Zen 3) only where oneDNN is slow or absent. AVX2 build forced on a
-        # Zen 5, bench model, 16 requests of 128 + 128 tokens: fp32 (oneDNN) 1.8 s, bf16 here
-        # 1.25-1.45 s (oneDNN has no bf16 without AVX-512 / AVX-NE-CONVERT, and bf16 F.linear ran
-        # at 0.20x fp32, issue 42), int8 here 0.91-0.95 s against oneDNN's int8 1.95 s
-        # (perf/results/avx2-lowp/).
+        # Zen 5 (perf/results/avx2-lowp/), bench model, 16 requests of 128 + 128 tokens, one thread:
+        # fp32 (oneDNN) 4.41 s; bf16 here 3.44 s, through F.linear 21.05 s (oneDNN has no bf16
+        # without AVX-512 / AVX-NE-CONVERT); int8 here 2.60 s, through oneDNN 3.09 s.
         if quantization == "int8" and cpu_int8_supported(dtype):
             return True, f"int8 on {cpu_linear.int8_products()} in the C++ kernel (built for {library_isa()})"
         if dtype is torch.bfloat16:
