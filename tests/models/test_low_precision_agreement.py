@@ -10,7 +10,11 @@ which sit under what was measured over 24 prompts: int8 first token 83-100%, fir
 88-96%, first 8 tokens 50-83%, bounded like int8; kv_bfloat16 (AVX-512) first token 100%, first 8 tokens 96-100%.
 bfloat16 also runs on a head_dim-32 llama, where the C++ attention's prompt chunks take bf16
 products on CPUs with AVX-512 BF16: 96% / 79% with them and without them (a build with
--mno-avx512bf16), so the rounding of P to bf16 shows no effect next to the bf16 weights'."""
+-mno-avx512bf16), so the rounding of P to bf16 shows no effect next to the bf16 weights'.
+With the AVX2 build forced (test_cpu_isa_variants; 2026-11-27, Zen 5), where `auto` now runs bf16
+(weights widened in registers) and int8 (vpmaddubsw, 8-bit activations) in the C++ linear kernel:
+int8 first token 83-100%, first 8 tokens 46-79%; int8_bfloat16 88-96% / 50-83%; bfloat16
+96-100% / 79-92%; kv_bfloat16 100% / 96-100%."""
 
 import json
 
@@ -75,3 +79,18 @@ def test_low_precision_greedy_agreement_with_fp32(name, label, tiny_model_factor
     min_first, min_first8 = MIN_AGREEMENT[label]
     assert first >= min_first, f"{name} {label}: first-token agreement {first:.0%}"
     assert first8 >= min_first8, f"{name} {label}: first-{MAX_TOKENS} agreement {first8:.0%}"
+
+
+@pytest.mark.parametrize("label", ["bfloat16", "int8"])
+def test_avx2_build_runs_low_precision_in_the_cpu_linear_kernel(label, tiny_model_factory):
+    """On an AVX2 build (an AVX2-only CPU, or SPLITFUSE_CPU_ISA=avx2) `auto` sends bf16 and int8
+    projections to the C++ kernel, so the agreement above measures those paths there."""
+    from splitfuse.kernels.cpu.build import library_isa
+
+    if library_isa() != "avx2":
+        pytest.skip(f"the C++ kernels are built for {library_isa()}, not avx2")
+    if label == "int8" and not INT8_OK:
+        pytest.skip(f"int8 linear unavailable: {INT8_WHY}")
+    with LLM(tiny_model_factory("llama"), **{"token_budget": 64, **CONFIGS[label]}) as llm:
+        assert llm.engine.runner.linear_backend == "cpu"
+        assert llm.engine.runner.dtype == (torch.bfloat16 if label == "bfloat16" else torch.float32)
