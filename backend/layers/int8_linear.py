@@ -13,12 +13,13 @@
   out as bfloat16: int8 weights with bfloat16 activations).
   oneDNN takes activations as uint8 with a zero point, so a token's int8 values are shifted.
 
-On CPUs with AVX-512 VNNI (and the `cpu` linear backend) `CpuInt8Linear` multiplies the same
-quantized values with the C++ kernel (`splitfuse.kernels.cpu.linear.linear_int8`) instead: the
+With the `cpu` linear backend `CpuInt8Linear` multiplies the same quantized values with the C++
+kernel (AVX-512 VNNI's `vpdpbusd`, AVX-VNNI's 256-bit one, or on plain AVX2 `vpmaddubsw` over
+|x - 128| and w * sign(x - 128), which cannot saturate: all three exact for 8-bit activations) (`splitfuse.kernels.cpu.linear.linear_int8`) instead: the
 zero point, scales and bias are applied as the sums leave the registers (no float32 pass over the
 output), few rows stream the weight at memory speed, and SwiGLU's gate is fused for gate_up.
 
-Without VNNI (AVX2 only), x86 int8 GEMMs multiply through `vpmaddubsw`, whose int16 pair sums
+Through oneDNN without VNNI (AVX2 only), int8 GEMMs multiply with `vpmaddubsw`, whose int16 pair sums
 saturate when uint8 activations reach 255 against int8 weights of 127: there the activations keep
 7 bits (values in [-63, 63], zero point 64). Which case applies is found by running a probe whose
 exact result is known, not by reading CPU flags.
@@ -134,7 +135,7 @@ def cpu_int8_supported(dtype: torch.dtype) -> bool:
 
 
 class CpuInt8Linear:
-    """Int8Linear's quantization through the C++ VNNI kernel; `gated`: SwiGLU's gate_up weight,
+    """Int8Linear's quantization through the C++ int8 kernel; `gated`: SwiGLU's gate_up weight,
     calling it gives silu(gate) * up."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> None:
@@ -142,7 +143,7 @@ class CpuInt8Linear:
         q, scale = quantize_weight_per_channel(weight)
         self.packed = cpu_linear.pack_int8_weight(q, scale, bias, gated=gated)
         self.out_features = self.packed.out_features
-        self.levels, self.zero_point = _FULL_RANGE  # vpdpbusd sums u8 x s8 products exactly
+        self.levels, self.zero_point = _FULL_RANGE  # every form of the kernel sums u8 x s8 products exactly
 
     @property
     def weight_bytes(self) -> dict[str, int]:
