@@ -170,25 +170,24 @@ class _Child:
         self._in_process: Any = None  # the fallback compiler where no child can start
 
     def compile(self, kind: str, text: str) -> Any:
+        if self._in_process is None and (self.process is None or self.process.poll() is not None):
+            self._restart()  # the first, or one that died while idle
         if self._in_process is not None:
             return compile_guide(self._in_process, kind, text)
-        if self.process is None or self.process.poll() is not None:
-            self.stop()  # the connection of one that died while idle
-            try:
-                self._start()
-            except _WorkerUnavailable as e:
-                if self._started_once:
-                    raise CompilerUnavailable(f"the grammar compiler process could not be restarted: {e}") from None
-                log.warning("splitfuse: guides compile in this process, without time or memory bounds: "
-                            "no compiler process could start (%s)", e)
-                self._in_process = self._xgr.GrammarCompiler(self.info, max_threads=1)
-                return compile_guide(self._in_process, kind, text)
+        payload = json.dumps([kind, text]).encode()
         self.requests += 1
         try:
-            self.conn.send_bytes(json.dumps([kind, text]).encode())
+            try:
+                self.conn.send_bytes(payload)
+            except OSError:  # its end was closed before this guide came: it died while idle
+                self._reap()
+                self._restart()
+                if self._in_process is not None:
+                    return compile_guide(self._in_process, kind, text)
+                self.conn.send_bytes(payload)
             answered = self.conn.poll(self.timeout_s)
             reply = self.conn.recv_bytes() if answered else None
-        except (EOFError, OSError):  # it died: on this guide, or just before it came
+        except (EOFError, OSError):  # it died with this guide in hand
             code = self._reap()
             log.warning("splitfuse: the grammar compiler process died on a %s guide (%s)", kind, code)
             raise ValueError(f"the grammar compiler failed on this guide ({code})") from None
@@ -210,6 +209,19 @@ class _Child:
         if tag == _ERROR:
             raise ValueError(body.decode(errors="replace")[:1000])
         raise ValueError("the grammar compiler answered nonsense")
+
+    def _restart(self) -> None:
+        """A new child (closing what is left of the last one); where none can ever start, the
+        in-process compiler, after one warning."""
+        self.stop()
+        try:
+            self._start()
+        except _WorkerUnavailable as e:
+            if self._started_once:
+                raise CompilerUnavailable(f"the grammar compiler process could not be restarted: {e}") from None
+            log.warning("splitfuse: guides compile in this process, without time or memory bounds: "
+                        "no compiler process could start (%s)", e)
+            self._in_process = self._xgr.GrammarCompiler(self.info, max_threads=1)
 
     def _start(self) -> None:
         from splitfuse.launcher.children import die_with_parent, python_executable
