@@ -374,15 +374,19 @@ class LLMEngine:
 
     def _mask_constrained(self, logits, sampling: list[ScheduledChunk]) -> None:
         """Each constrained sequence's rows: only the tokens its grammar allows next (after each
-        of its proposed tokens, for a speculative chunk)."""
+        of its proposed tokens, for a speculative chunk), one bitmask applied in one call."""
+        grammars = self.grammars()
+        bitmask = grammars.new_bitmask(logits.shape[0])
+        rows: list[int] = []
         row = 0
-        with torch.inference_mode():  # the logits are the forward pass's inference tensors
-            for chunk in sampling:
-                n = 1 + chunk.num_draft_tokens
-                matcher = self._matchers.get(chunk.seq.request_id)
-                if matcher is not None:
-                    matcher.mask_drafts_(logits[row : row + n], chunk.seq.draft_token_ids[: chunk.num_draft_tokens])
-                row += n
+        for chunk in sampling:
+            matcher = self._matchers.get(chunk.seq.request_id)
+            if matcher is not None:
+                rows += matcher.fill_drafts_(bitmask, row, chunk.seq.draft_token_ids[: chunk.num_draft_tokens])
+            row += 1 + chunk.num_draft_tokens
+        if rows:
+            with torch.inference_mode():  # the logits are the forward pass's inference tensors
+                grammars.apply_bitmask_(logits, bitmask, rows)
 
     def _propose(self) -> None:
         """Proposals for the sequences the next step decodes, if it may speculate; a constrained

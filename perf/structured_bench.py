@@ -226,7 +226,8 @@ def run_stalls(args, model_dir: str, tokenizer: Any) -> dict:
                       on_step=lambda s: steps.append((time.perf_counter(), s.duration_s)))
     engine = loop.start()
     engine.grammars()  # the tokenizer's vocabulary table, built once: not a compile
-    stop = threading.Event()
+    stop = threading.Event()  # ends every client
+    stop_compiling = threading.Event()
     counter = iter(range(10**9))
     lock = threading.Lock()
 
@@ -251,7 +252,7 @@ def run_stalls(args, model_dir: str, tokenizer: Any) -> dict:
 
     def compiling_client() -> None:
         i = 0
-        while not stop.is_set():
+        while not (stop.is_set() or stop_compiling.is_set()):
             schema = json.loads(json.dumps(SCHEMA))
             schema["properties"][f"field_{i}"] = {"type": "integer"}  # a new schema: compiled on arrival
             guide = Guide("json_schema", json.dumps(schema))
@@ -277,9 +278,8 @@ def run_stalls(args, model_dir: str, tokenizer: Any) -> dict:
             durations = [d for t, d in steps if t >= t0]
             phases[name] = percentiles(durations)
             if extra is not None:
-                stop.set()
+                stop_compiling.set()
                 extra.join(args.timeout)
-                stop.clear()
             log(f"stalls {name}: steps {phases[name]}")
         phases["compile_s"] = percentiles(compile_times)
         log(f"stalls: grammar compiles {phases['compile_s']}")

@@ -18,11 +18,12 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from splitfuse.structured.compile_worker import CompilerUnavailable, CompileWorker
 from splitfuse.structured.guide import Guide
-from splitfuse.structured.matcher import Matcher
+from splitfuse.structured.matcher import Matcher, apply_bitmask_, new_bitmask
 
 MAX_FAILED_GUIDES = 1024
 
@@ -47,8 +48,8 @@ class GrammarCache:
         control = [any(b < 0x20 for b in token) for token in vocab]
         not_json_space = [any(b < 0x20 and b not in (0x09, 0x0A, 0x0D) for b in token) for token in vocab]
         specials = set(info.special_token_ids) | set(info.stop_token_ids)
-        self._no_control = torch.tensor([c and i not in specials for i, c in enumerate(control)])
-        self._no_bad_space = torch.tensor([c and i not in specials for i, c in enumerate(not_json_space)])
+        self._keep_no_control = _keep_words([c and i not in specials for i, c in enumerate(control)], vocab_size)
+        self._keep_json_space = _keep_words([c and i not in specials for i, c in enumerate(not_json_space)], vocab_size)
         self._compiled: dict[Guide, Any] = {}
         self._compiling: dict[Guide, Future] = {}
         self._failed: OrderedDict[Guide, str] = OrderedDict()  # guide -> its error, oldest first
@@ -98,5 +99,20 @@ class GrammarCache:
         self._worker.close()
 
     def matcher(self, guide: Guide) -> Matcher:
-        forbidden = {"json_schema": self._no_control, "json": self._no_bad_space}.get(guide.kind)
-        return Matcher(self._xgr, self.compile(guide), self.vocab_size, forbidden)
+        keep = {"json_schema": self._keep_no_control, "json": self._keep_json_space}.get(guide.kind)
+        return Matcher(self._xgr, self.compile(guide), keep)
+
+    def new_bitmask(self, num_rows: int) -> torch.Tensor:
+        """A step's bitmask for `num_rows` logits rows (matchers fill theirs)."""
+        return new_bitmask(self._xgr, num_rows, self.vocab_size)
+
+    def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        apply_bitmask_(self._xgr, logits, bitmask, rows, self.vocab_size)
+
+
+def _keep_words(forbidden: list[bool], vocab_size: int) -> torch.Tensor:
+    """int32 bitmask words (32 tokens each, lowest bit first, as xgrammar's) with the bits of the
+    `forbidden` tokens cleared and every other bit set."""
+    bits = np.ones(-(-vocab_size // 32) * 32, dtype=bool)
+    bits[: len(forbidden)] &= ~np.asarray(forbidden, dtype=bool)
+    return torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").copy())
