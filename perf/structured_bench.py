@@ -4,13 +4,12 @@ whether compiling grammars stalls the engine thread.
 
 1. Served throughput (the issue's target: constrained within 10% of unconstrained at 16
    clients). Our Triton server with the trained SmolLM2-135M-Instruct; N closed-loop gRPC
-   streaming clients on the `llm` model, chat prompts asking for a person record. Phases
-   alternate (plain, constrained, plain, constrained, ...) to spread the machine's drift over
-   both. `plain`: no guide, greedy, exactly --gen tokens (ignore_eos). `constrained`: the same
-   prompts under a mid-sized JSON schema (nested object, array, enum, bounded numbers, a
-   pattern), greedy, ending where the schema's object is complete (or at --gen). Compared:
-   output tokens per second over the phase (the engine's work per token is what constraining
-   adds to); request rates are reported too.
+   streaming clients on the `llm` model, chat prompts asking for a person record. Each round
+   runs `constrained` (greedy under a mid-sized JSON schema: nested object, array, enum, bounded
+   numbers, a pattern; ending where the object is complete, or at --gen), then `plain`: the
+   same prompts without a guide, each generating exactly as many tokens as its constrained
+   answer had (ignore_eos), so both do the same work but the grammar's. Compared: output
+   tokens per second; request rates are reported too.
 2. Engine-thread stalls. The engine in this process (EngineLoop, as the llm model runs it) with
    8 clients of plain requests; every step's duration is recorded (on_step). Phase `quiet`: only
    them. Phase `compiling`: a ninth client keeps submitting constrained requests whose schemas
@@ -142,11 +141,13 @@ class LlmClient:
         return tokens, "".join(text), error
 
 
-def served_phase(client: LlmClient, prompts: list[list[int]], clients: int, gen: int, guide: str | None,
+def served_phase(client: LlmClient, prompts: list[list[int]], clients: int, gen: int | list[int], guide: str | None,
                  timeout: float) -> dict:
+    """One closed-loop phase; `gen`: every request's max_tokens, or each one's."""
     todo = list(range(len(prompts)))
     lock = threading.Lock()
     results: list[tuple[int, str, str | None]] = []
+    counts = [0] * len(prompts)
 
     def worker() -> None:
         while True:
@@ -154,9 +155,10 @@ def served_phase(client: LlmClient, prompts: list[list[int]], clients: int, gen:
                 if not todo:
                     return
                 i = todo.pop(0)
-            r = client.run(prompts[i], gen, guide, timeout)
+            r = client.run(prompts[i], gen if isinstance(gen, int) else gen[i], guide, timeout)
             with lock:
                 results.append(r)
+                counts[i] = r[0]
 
     start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(clients)]
@@ -180,7 +182,7 @@ def served_phase(client: LlmClient, prompts: list[list[int]], clients: int, gen:
                 pass
     return {"requests": len(results), "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
             "requests_per_s": len(results) / wall, "errors": len(errors), "first_error": errors[:1],
-            "valid_json": valid}
+            "valid_json": valid, "tokens_by_request": counts}
 
 
 def run_served(args, model_dir: str, tokenizer: Any) -> dict:
@@ -200,11 +202,16 @@ def run_served(args, model_dir: str, tokenizer: Any) -> dict:
                 raise RuntimeError(f"warm-up failed: {res['first_error']}")
         offset = 1000
         for rnd in range(args.rounds):
-            for kind in ("plain", "constrained"):
-                prompts = [chat_prompt(tokenizer, offset + i) for i in range(per_phase)]
-                offset += per_phase
-                res = served_phase(client, prompts, args.clients, args.gen, guide if kind == "constrained" else None,
-                                   args.timeout)
+            # Constrained first; then the same prompts unconstrained, each generating exactly as
+            # many tokens as its constrained answer had (ignore_eos): the same work but the grammar.
+            prompts = [chat_prompt(tokenizer, offset + i) for i in range(per_phase)]
+            offset += per_phase
+            lengths: list[int] = []
+            for kind in ("constrained", "plain"):
+                guided = kind == "constrained"
+                res = served_phase(client, prompts, args.clients, args.gen if guided else lengths,
+                                   guide if guided else None, args.timeout)
+                lengths = [max(1, n) for n in res["tokens_by_request"]]
                 res.update(kind=kind, round=rnd)
                 log(f"served {kind} round {rnd}: {res['tokens_per_s']:.1f} tok/s, {res['requests_per_s']:.2f} req/s, "
                     f"{res['output_tokens'] / max(1, res['requests']):.1f} tokens/request, errors {res['errors']}, "
