@@ -3,6 +3,7 @@ and the problem named."""
 
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -73,23 +74,17 @@ def test_rslora_scale(tiny_llama, tmp_path):
     assert torch.allclose(adapter.projections[(1, "o_proj")].parts[0].b, (b * (8 / 4)).t())  # alpha / sqrt(16)
 
 
-def test_missing_config(tiny_llama, good, tmp_path):
+@pytest.mark.parametrize("missing", ["adapter_config.json", "adapter_model.safetensors"])
+def test_missing_file(tiny_llama, good, tmp_path, missing):
     folder = _copy(good, tmp_path)
-    (tmp_path / "adapter" / "adapter_config.json").unlink()
-    with pytest.raises(ValueError, match="adapter_config.json not found"):
+    (tmp_path / "adapter" / missing).unlink()
+    with pytest.raises(ValueError, match=f"{re.escape(missing)} not found"):
         load_adapter("x", folder, base_shape(tiny_llama), 64)
 
 
 def test_missing_folder(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_adapter("x", tmp_path / "nowhere", base_shape(tiny_llama), 64)
-
-
-def test_missing_safetensors(tiny_llama, good, tmp_path):
-    folder = _copy(good, tmp_path)
-    (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
-    with pytest.raises(ValueError, match="adapter_model.safetensors not found"):
-        load_adapter("x", folder, base_shape(tiny_llama), 64)
 
 
 def test_rank_above_max_lora_rank(tiny_llama, good):
