@@ -341,8 +341,10 @@ class LLMEngine:
         folder changed or vanished since the start) fails its own requests, which leave the
         step; the others run."""
         lora = self.runner.lora
+        if lora is None:  # every step of an engine without adapters: nothing to look at
+            return []
         names = sorted({c.seq.params.lora_name for c in decision.chunks} - {None})
-        if lora is None or not names:
+        if not names:
             return []
         errors: dict[str, str] = {}
         for name in names:  # one by one: the ones loaded stay the most recently used, never evicted here
