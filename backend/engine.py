@@ -36,7 +36,7 @@ from splitfuse.sequence import FinishReason, RequestOutput, SamplingParams, Sequ
 from splitfuse.spec_decode.ngram import NgramProposer
 from splitfuse.spec_decode.decoder import SpeculativeDecoder, sampling_rows
 from splitfuse.structured.grammars import GrammarCache
-from splitfuse.structured.matcher import Matcher
+from splitfuse.structured.matcher import Matcher, masks_before_sampling
 
 log = logging.getLogger(__name__)
 
@@ -284,11 +284,16 @@ class LLMEngine:
         forward_s = time.perf_counter() - forward_start
         rows = sampling_rows(sampling)
         grammar_mask_s = 0.0
+        unmasked: list[tuple[int, Matcher]] = []
         if self._matchers:
             mask_start = time.perf_counter()
-            self._mask_constrained(logits, sampling)
+            unmasked = self._mask_constrained(logits, sampling)
             grammar_mask_s = time.perf_counter() - mask_start
         sampled = self._sample(logits, rows) if rows else []
+        if unmasked:
+            mask_start = time.perf_counter()
+            self._resample_refused(logits, rows, sampled, unmasked)
+            grammar_mask_s += time.perf_counter() - mask_start
         num_prompt_tokens = 0
         for c in chunks:
             done = c.seq.num_computed_tokens
@@ -374,21 +379,48 @@ class LLMEngine:
                 break
         return out
 
-    def _mask_constrained(self, logits, sampling: list[ScheduledChunk]) -> None:
-        """Each constrained sequence's rows: only the tokens its grammar allows next (after each
-        of its proposed tokens, for a speculative chunk), one bitmask applied in one call."""
+    def _mask_constrained(self, logits, sampling: list[ScheduledChunk]) -> list[tuple[int, Matcher]]:
+        """Mask the constrained rows that must be masked before sampling to the tokens their
+        grammar allows next (after each of its proposed tokens, for a speculative chunk), one
+        bitmask applied in one call. Returns the other constrained rows (row, matcher): sampled
+        first, checked after (`masks_before_sampling`)."""
         grammars = self.grammars()
-        bitmask = grammars.new_bitmask(logits.shape[0])
+        bitmask = None
         rows: list[int] = []
+        unmasked: list[tuple[int, Matcher]] = []
         row = 0
         for chunk in sampling:
             matcher = self._matchers.get(chunk.seq.request_id)
-            if matcher is not None:
+            if matcher is None:
+                pass
+            elif masks_before_sampling(chunk.seq.params, chunk.num_draft_tokens):
+                if bitmask is None:
+                    bitmask = grammars.new_bitmask(logits.shape[0])
                 rows += matcher.fill_drafts_(bitmask, row, chunk.seq.draft_token_ids[: chunk.num_draft_tokens])
+            else:
+                unmasked.append((row, matcher))
             row += 1 + chunk.num_draft_tokens
         if rows:
             with torch.inference_mode():  # the logits are the forward pass's inference tensors
                 grammars.apply_bitmask_(logits, bitmask, rows)
+        return unmasked
+
+    def _resample_refused(self, logits, seqs: list[Sequence], sampled: list, unmasked: list[tuple[int, Matcher]]) -> None:
+        """The rows sampled before masking whose token their grammar refuses: masked now and
+        sampled again, in place in `sampled`."""
+        refused = [(row, m) for row, m in unmasked
+                   if not isinstance(sampled[row], Exception) and not m.allows(sampled[row][0])]
+        if not refused:
+            return
+        grammars = self.grammars()
+        bitmask = grammars.new_bitmask(len(refused))
+        for i, (_, matcher) in enumerate(refused):
+            matcher.fill_(bitmask, i)
+        with torch.inference_mode():
+            picked = logits[torch.tensor([row for row, _ in refused], device=logits.device)]
+            grammars.apply_bitmask_(picked, bitmask, list(range(len(refused))))
+        for (row, _), token in zip(refused, self._sample(picked, [seqs[row] for row, _ in refused])):
+            sampled[row] = token
 
     def _propose(self) -> None:
         """Proposals for the sequences the next step decodes, if it may speculate; a constrained

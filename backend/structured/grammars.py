@@ -100,7 +100,7 @@ class GrammarCache:
 
     def matcher(self, guide: Guide) -> Matcher:
         keep = {"json_schema": self._keep_no_control, "json": self._keep_json_space}.get(guide.kind)
-        return Matcher(self._xgr, self.compile(guide), keep)
+        return Matcher(self._xgr, self.compile(guide), self.vocab_size, keep)
 
     def new_bitmask(self, num_rows: int) -> torch.Tensor:
         """A step's bitmask for `num_rows` logits rows (matchers fill theirs)."""

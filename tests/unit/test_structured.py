@@ -175,3 +175,43 @@ def test_a_guide_that_failed_is_refused_again_without_compiling(llm):
 def test_min_tokens_with_a_guide_is_refused():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=8, min_tokens=2, guide=Guide("json"))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_checked_after_sampling_equal_rows_masked_before(llm, temperature):
+    """Rows without log-probs or top-k/top-p are sampled first and masked only when the grammar
+    refuses their token; rows asking for log-probs are masked before sampling. Seeded, both must
+    pick the very same tokens (the race's noise depends on seed and position only)."""
+    guide = Guide("json_schema", json.dumps(SCHEMAS[0]))
+    for seed in SEEDS:
+        checked, masked = (llm.generate(["the answer is"], SamplingParams(
+            max_tokens=60, temperature=temperature, seed=seed, guide=guide, logprobs=logprobs))[0]
+            for logprobs in (False, True))
+        assert checked.token_ids == masked.token_ids, seed
+        jsonschema.validate(json.loads(checked.text), SCHEMAS[0])
+        assert all(lp > float("-inf") for lp in masked.logprobs)
+
+
+def test_masks_before_sampling_where_the_mask_changes_what_the_sampler_computes():
+    from splitfuse.structured.matcher import masks_before_sampling
+    assert not masks_before_sampling(SamplingParams(temperature=0.0), 0)
+    assert not masks_before_sampling(SamplingParams(temperature=0.7, repetition_penalty=1.2), 0)
+    assert not masks_before_sampling(SamplingParams(temperature=0.0, top_k=5, top_p=0.5), 0)  # greedy ignores both
+    for params, drafts in ((SamplingParams(temperature=0.7, top_k=5), 0), (SamplingParams(temperature=0.7, top_p=0.9), 0),
+                           (SamplingParams(logprobs=True), 0), (SamplingParams(top_logprobs=2), 0),
+                           (SamplingParams(), 3)):
+        assert masks_before_sampling(params, drafts), (params, drafts)
+
+
+def test_allows_checks_one_token_and_leaves_the_matcher_alone(llm):
+    grammars = llm.engine.grammars()
+    matcher = grammars.matcher(Guide("regex", "ab"))
+    a, b = (llm.tokenizer.convert_tokens_to_ids(t) for t in "ab")
+    assert matcher.allows(a) and not matcher.allows(b)
+    assert not matcher.allows(grammars.vocab_size) and not matcher.allows(-1)  # padded columns
+    matcher.accept(a)  # still at the start: `allows` took nothing
+    assert matcher.allows(b) and not matcher.allows(a)
+    newline = llm.tokenizer.convert_tokens_to_ids("Ċ")
+    json_matcher = grammars.matcher(Guide("json_schema", json.dumps({"type": "string"})))
+    json_matcher.accept(llm.tokenizer.convert_tokens_to_ids('"'))
+    assert not json_matcher.allows(newline)  # the control-character ban, inside a string
