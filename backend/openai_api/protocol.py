@@ -56,7 +56,7 @@ _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minI
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -64,7 +64,8 @@ class _Sampling(BaseModel):
     """Fields common to both endpoints (OpenAI's ranges), plus vLLM-style extensions."""
 
     # allow_inf_nan: 1e400 decodes to inf, which would pass `gt=0` (repetition_penalty) unbounded.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: a wrong JSON type is a 400 (as OpenAI's), not coerced ("true" -> True, "5" -> 5).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)

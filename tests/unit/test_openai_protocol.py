@@ -51,6 +51,11 @@ def test_completion_requests_that_are_refused_name_their_parameter(body, param, 
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ({**CHAT, "n": 17}, "n"),
+    ({**CHAT, "logprobs": "true"}, "logprobs"),  # wrong JSON types are refused, not coerced
+    ({**CHAT, "max_tokens": "5"}, "max_tokens"),
+    ({**CHAT, "seed": 5.0}, "seed"),
+    ({**CHAT, "stream": 1}, "stream"),
+    ({**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
 ])
 def test_chat_requests_that_are_refused(body, param):
     with pytest.raises(ApiError) as e:
@@ -67,6 +72,7 @@ def test_not_an_object_and_stream_options_without_stream():
 
 
 def test_accepted_forms():
+    assert parse(CompletionRequest, {**GOOD, "temperature": 1}).temperature == 1.0  # JSON has one number type
     assert parse(CompletionRequest, {**GOOD, "prompt": ["only one"]}).prompt == "only one"
     assert parse(CompletionRequest, {**GOOD, "prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
     assert parse(CompletionRequest, {**GOOD, "prompt": [5, 6]}).prompt == [5, 6]
