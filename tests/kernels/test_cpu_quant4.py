@@ -1,0 +1,169 @@
+"""The GGUF block linear kernel (kernels/cpu/quant4.py) against the `gguf` package's dequantization.
+
+Weights are quantized with the `gguf` package itself (Q4_0, Q4_1, Q8_0). `quant4.dequantize`
+equals `gguf.quants.dequantize` exactly; the kernel's product equals the float32 C++ kernel's
+over those dequantized weights bit for bit (the same widening, the same sequential multiply-add
+chain over k), and so agrees with torch's fp32 matmul to its tolerance. The integer form
+(form="dot": activations quantized per 32-k group, exact integer products) agrees with its
+torch reference `quant4.dot_reference` (float64 sums) to float32 rounding of the group sums.
+The forced-AVX2 run at the end repeats this file with the library built for x86-64-v3 (AVX2 +
+FMA: what a Zen 3 runs; the integer form through vpmaddubsw).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of splitfuse-triton")
+
+from splitfuse.kernels.cpu import build  # noqa: E402
+from splitfuse.kernels.cpu import linear as cl  # noqa: E402
+from splitfuse.kernels.cpu import quant4  # noqa: E402
+from splitfuse.kernels.reference import silu_and_mul_reference  # noqa: E402
+
+if not quant4.available():
+    pytest.skip(f"C++ CPU kernels unavailable: {build.unavailable_reason() or 'no sf_q4_* symbols'}",
+                allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _quantized(kind: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gguf blocks [n, k / 32 * bytes] as uint8, the gguf package's dequantization [n, k])."""
+    w = torch.randn(n, k, generator=g) * 0.1
+    w[0, :] += 0.5  # an all-positive group: Q4_1's minimum away from zero
+    qt = getattr(gguf.GGMLQuantizationType, kind)
+    rows = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt)).view(torch.uint8).reshape(n, -1)
+    ref = torch.from_numpy(gguf.quants.dequantize(rows.numpy(), qt)).reshape(n, k)
+    return rows, ref
+
+
+@pytest.mark.parametrize("kind", quant4.KINDS)
+def test_dequantize_matches_the_gguf_package(kind):
+    rows, ref = _quantized(kind, 37, 96, _gen(kind))
+    assert torch.equal(quant4.dequantize(kind, rows), ref)
+
+
+@pytest.mark.parametrize("kind", quant4.KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 100])
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 96), (911, 512), (5, 64), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_the_float_kernel_over_the_dequantized_weight(kind, rows, out_features, in_features, bias):
+    """Row counts around the register strip, partial column blocks, K of one group (32), of an
+    odd number of groups (96: the last k pass is half), of several passes (1536)."""
+    g = _gen(kind, rows, out_features, in_features, bias)
+    blocks, w = _quantized(kind, out_features, in_features, g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    out = quant4.linear(x, quant4.pack_quantized(kind, blocks, b))
+    assert torch.equal(out, cl.linear(x, cl.pack_weight(w, b)))
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+
+
+@pytest.mark.parametrize("kind", quant4.KINDS)
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("inter", [1, 40, 1536])
+def test_gated_weight_gives_silu_gate_times_up(kind, rows, inter):
+    g = _gen("gated", kind, rows, inter)
+    blocks, w = _quantized(kind, 2 * inter, 64, g)
+    x = torch.randn(rows, 64, generator=g)
+    out = quant4.linear(x, quant4.pack_quantized(kind, blocks, gated=True))
+    assert torch.equal(out, cl.linear(x, cl.pack_weight(w, gated=True)))
+    torch.testing.assert_close(out, silu_and_mul_reference(torch.nn.functional.linear(x, w)), rtol=1e-4, atol=1e-4)
+
+
+DOT = quant4.dot_products() != "none"
+
+
+@pytest.mark.skipif(not DOT, reason="no integer form in this build (needs AVX-512 VNNI or AVX2)")
+@pytest.mark.parametrize("kind", quant4.KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 33])
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 96), (911, 512), (5, 64), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_integer_form_matches_its_reference(kind, rows, out_features, in_features, bias):
+    """Strips of 4 (AVX-512) and 2 rows, partial blocks, K of one group, of a partial pass
+    (512 = 2 passes of 256) and several passes; one row of zeros (scale 0) and one of a single
+    large value (Q8_0 weights of -127 against activations of 127: the AVX2 sign trick's limit)."""
+    g = _gen("dot", kind, rows, out_features, in_features, bias)
+    blocks, _ = _quantized(kind, out_features, in_features, g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    x[0] = 0
+    if rows > 1:
+        x[1] = -1e-3
+        x[1, ::7] = 40.0
+    out = quant4.linear(x, quant4.pack_quantized(kind, blocks, b, form="dot"))
+    ref = quant4.dot_reference(x, kind, blocks, b)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+    if rows > 1:
+        assert torch.equal(out[0], torch.zeros(out_features) if b is None else b)
+
+
+@pytest.mark.skipif(not DOT, reason="no integer form in this build (needs AVX-512 VNNI or AVX2)")
+@pytest.mark.parametrize("kind", quant4.KINDS)
+def test_integer_form_gated_and_close_to_the_float_model(kind):
+    g = _gen("dot-gated", kind)
+    blocks, w = _quantized(kind, 2 * 300, 576, g)
+    x = torch.randn(16, 576, generator=g)
+    out = quant4.linear(x, quant4.pack_quantized(kind, blocks, gated=True, form="dot"))
+    ref = silu_and_mul_reference(quant4.dot_reference(x, kind, blocks))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # int8 activations per 32 values: within a few percent of the float product
+    full = silu_and_mul_reference(torch.nn.functional.linear(x, w))
+    assert (out - full).norm() / full.norm() < 0.02
+
+
+def test_strided_rows_and_given_output():
+    g = _gen("strided")
+    blocks, w = _quantized("Q4_1", 70, 64, g)
+    packed = quant4.pack_quantized("Q4_1", blocks)
+    x = torch.randn(9, 100, generator=g)[:, 10:74]
+    out = torch.full((9, 80), -1.0)
+    quant4.linear(x, packed, out=out[:, 5:75])
+    assert torch.equal(out[:, 5:75], cl.linear(x.contiguous(), cl.pack_weight(w)))
+    assert torch.all(out[:, :5] == -1) and torch.all(out[:, 75:] == -1)
+
+
+def test_bad_inputs_raise():
+    blocks, _ = _quantized("Q4_0", 8, 64, _gen("bad"))
+    with pytest.raises(ValueError, match="unsupported block type"):
+        quant4.pack_quantized("Q5_K", blocks)
+    with pytest.raises(ValueError, match="whole 20-byte blocks"):
+        quant4.pack_quantized("Q4_1", blocks)
+    packed = quant4.pack_quantized("Q4_0", blocks)
+    with pytest.raises(ValueError, match="columns"):
+        quant4.linear(torch.zeros(2, 32), packed)
+    with pytest.raises(ValueError, match="float32"):
+        quant4.linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed)
+    with pytest.raises(ValueError, match="form"):
+        quant4.pack_quantized("Q4_0", blocks, form="int4")
+
+
+@pytest.mark.slow  # a second kernel build
+@pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler")
+def test_avx2_build_passes_these_tests():
+    """The same tests with the library built for x86-64-v3 (AVX2 + FMA, 8-lane vectors, 32-column
+    blocks): the code a Zen 3 runs."""
+    if "avx512f" not in build.cpu_flags():
+        pytest.skip("this CPU has no AVX-512: the normal run already covers its widest path")
+    env = dict(os.environ, SPLITFUSE_CPU_ISA="avx2")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
+                          __file__],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    probe = subprocess.run([sys.executable, "-c", "from splitfuse.kernels.cpu import build, linear, quant4; "
+                                                  "print(build.library_isa(), linear.block_width(), "
+                                                  "quant4.dot_products())"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert probe.stdout.split()[-3:] == ["avx2", "32", "avx2_maddubs"], probe.stdout + probe.stderr[-2000:]
