@@ -40,6 +40,12 @@ from splitfuse.structured.matcher import Matcher, masks_before_sampling
 
 log = logging.getLogger(__name__)
 
+# A constrained row sampled before masking whose token its grammar refuses: how many of its
+# best-scored tokens are tried before its whole mask is filled (a fill costs ~20x a check). SmolLM2
+# under the bench's JSON schema: 17% of rows refused; 8 candidates left 34% of those to the whole
+# mask, 32 left 16%, 256 left 6% for 2x the checks.
+REPICK_CANDIDATES = 32
+
 SampledToken = tuple[int, float | None, TopLogprobs | None]
 """What one sampling row yields: the token, its log-prob and its top alternatives (each None
 unless the request asks for it)."""
@@ -289,10 +295,10 @@ class LLMEngine:
             mask_start = time.perf_counter()
             unmasked = self._mask_constrained(logits, sampling)
             grammar_mask_s = time.perf_counter() - mask_start
-        sampled = self._sample(logits, rows) if rows else []
+        sampled, scores = self._sample(logits, rows) if rows else ([], [])
         if unmasked:
             mask_start = time.perf_counter()
-            self._resample_refused(logits, rows, sampled, unmasked)
+            self._repick_refused(scores, sampled, unmasked)
             grammar_mask_s += time.perf_counter() - mask_start
         num_prompt_tokens = 0
         for c in chunks:
@@ -405,22 +411,27 @@ class LLMEngine:
                 grammars.apply_bitmask_(logits, bitmask, rows)
         return unmasked
 
-    def _resample_refused(self, logits, seqs: list[Sequence], sampled: list, unmasked: list[tuple[int, Matcher]]) -> None:
-        """The rows sampled before masking whose token their grammar refuses: masked now and
-        sampled again, in place in `sampled`."""
-        refused = [(row, m) for row, m in unmasked
-                   if not isinstance(sampled[row], Exception) and not m.allows(sampled[row][0])]
-        if not refused:
-            return
-        grammars = self.grammars()
-        bitmask = grammars.new_bitmask(len(refused))
-        for i, (_, matcher) in enumerate(refused):
-            matcher.fill_(bitmask, i)
-        with torch.inference_mode():
-            picked = logits[torch.tensor([row for row, _ in refused], device=logits.device)]
-            grammars.apply_bitmask_(picked, bitmask, list(range(len(refused))))
-        for (row, _), token in zip(refused, self._sample(picked, [seqs[row] for row, _ in refused])):
-            sampled[row] = token
+    def _repick_refused(self, scores: list, sampled: list, unmasked: list[tuple[int, Matcher]]) -> None:
+        """The rows sampled before masking whose token their grammar refuses get the token they
+        would have drawn masked (SamplerOutput.scores), in place in `sampled`: the best-scored
+        allowed token among the first few, else the argmax of the row's scores under its whole
+        mask (log-probs: none, such rows are masked before sampling)."""
+        grammars = None
+        for row, matcher in unmasked:
+            got = sampled[row]
+            if isinstance(got, Exception) or matcher.allows(got[0]):
+                continue
+            row_scores = scores[row]
+            values, ids = row_scores.topk(min(REPICK_CANDIDATES, row_scores.shape[0]))
+            token = matcher.first_allowed(ids[values > float("-inf")].tolist())
+            if token is None:
+                grammars = grammars or self.grammars()
+                bitmask = grammars.new_bitmask(1)
+                matcher.fill_(bitmask, 0)
+                masked = row_scores[None].clone()
+                grammars.apply_bitmask_(masked, bitmask, [0])
+                token = int(masked.argmax())
+            sampled[row] = (token, *got[1:])
 
     def _propose(self) -> None:
         """Proposals for the sequences the next step decodes, if it may speculate; a constrained
@@ -436,8 +447,9 @@ class LLMEngine:
             if matcher is not None and seq.draft_token_ids:
                 del seq.draft_token_ids[matcher.allowed_prefix(seq.draft_token_ids):]
 
-    def _sample(self, logits, seqs: list[Sequence]) -> list[SampledToken | Exception]:
-        """Per sampling row: (token, log-prob, top log-probs), or what sampling that row raised.
+    def _sample(self, logits, seqs: list[Sequence]) -> tuple[list[SampledToken | Exception], list]:
+        """Per sampling row: (token, log-prob, top log-probs), or what sampling that row raised;
+        and per row its scores (SamplerOutput.scores; None for a row that raised).
 
         The batch is sampled in one call; only when that raises is each row sampled alone, so
         that a failure tied to one request (its parameters, its logits) fails that request
@@ -445,17 +457,20 @@ class LLMEngine:
         seed and position only)."""
         try:
             out = self.sampler(logits, seqs)
-            return list(zip(out.token_ids, out.logprobs, out.top_logprobs))
+            return list(zip(out.token_ids, out.logprobs, out.top_logprobs)), out.scores
         except Exception:
             log.exception("sampling a batch of %d failed; sampling each request alone", len(seqs))
         rows: list[SampledToken | Exception] = []
+        scores: list = []
         for i, seq in enumerate(seqs):
             try:
                 out = self.sampler(logits[i : i + 1], [seq])
                 rows.append((out.token_ids[0], out.logprobs[0], out.top_logprobs[0]))
+                scores.append(out.scores[0])
             except Exception as e:
                 rows.append(e)
-        return rows
+                scores.append(None)
+        return rows, scores
 
     def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
         """Append the step's tokens one by one, stopping exactly where decoding them one per

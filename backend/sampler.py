@@ -31,6 +31,11 @@ class SamplerOutput:
     top_logprobs: list[TopLogprobs | None]
     """Per row, its `params.top_logprobs` most likely (token, log-prob) pairs under the same
     distribution as `logprobs`, most likely first; None where not asked for."""
+    scores: torch.Tensor | None = None
+    """[rows, V]: per row, the values whose argmax is its token (a greedy row's processed logits, a
+    sampled row's probs / noise; the logits themselves on the all-greedy path: read, never write).
+    A row's token under a mask is the argmax of its masked scores: the token it would have drawn
+    had it been masked before sampling (structured outputs mask only the rows that need it)."""
 
 
 def _needs_processing(seq: Sequence) -> bool:
@@ -67,11 +72,12 @@ class Sampler:
             return SamplerOutput([], [], [])
         if not any(_needs_processing(s) for s in seqs):
             # Hot path: all greedy, nothing to mask or penalise.
-            tokens = logits.argmax(dim=-1)
+            scores = logits
         else:
-            tokens = self._sample(logits, seqs)
+            scores = self._scores(logits, seqs)
+        tokens = scores.argmax(dim=-1)
         logprobs, top_logprobs = self._logprobs(logits, seqs, tokens)
-        return SamplerOutput(tokens.tolist(), logprobs, top_logprobs)
+        return SamplerOutput(tokens.tolist(), logprobs, top_logprobs, scores)
 
     # -- logit processing ------------------------------------------------------------
 
@@ -136,12 +142,12 @@ class Sampler:
 
     # -- sampling --------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _scores(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Per row, the values whose argmax is the row's token (SamplerOutput.scores)."""
         x = self.process_logits(logits, seqs)
-        tokens = x.argmax(dim=-1)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not sampled:
-            return tokens
+            return x
         probs = torch.softmax(x[_idx(sampled, x)], dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(sampled) if seqs[i].params.seed is None]
@@ -155,8 +161,8 @@ class Sampler:
                 gen.manual_seed(derive_seed(seq.params.seed, seq.num_output_tokens))
                 noise[j].exponential_(generator=gen)
         # Exp(1) can round to 0; keep the division finite.
-        tokens[_idx(sampled, x)] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
-        return tokens
+        x[_idx(sampled, x)] = probs / noise.clamp_min_(1e-20)
+        return x
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from closed_loop import cpu_snapshot, cpu_usage  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 SCHEMA = {
@@ -142,8 +143,11 @@ class LlmClient:
 
 
 def served_phase(client: LlmClient, prompts: list[list[int]], clients: int, gen: int | list[int], guide: str | None,
-                 timeout: float) -> dict:
-    """One closed-loop phase; `gen`: every request's max_tokens, or each one's."""
+                 timeout: float, server_pid: int | None = None) -> dict:
+    """One closed-loop phase; `gen`: every request's max_tokens, or each one's. With
+    `server_pid`, also the CPU seconds the server's process tree spent (a cost per token that a
+    busy machine disturbs far less than tokens per second) and the cores other processes kept
+    busy meanwhile."""
     todo = list(range(len(prompts)))
     lock = threading.Lock()
     results: list[tuple[int, str, str | None]] = []
@@ -160,6 +164,7 @@ def served_phase(client: LlmClient, prompts: list[list[int]], clients: int, gen:
                 results.append(r)
                 counts[i] = r[0]
 
+    cpu_before = cpu_snapshot([server_pid]) if server_pid else None
     start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(clients)]
     for t in threads:
@@ -167,6 +172,7 @@ def served_phase(client: LlmClient, prompts: list[list[int]], clients: int, gen:
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    cpu_after = cpu_snapshot([server_pid]) if server_pid else None
     tokens = sum(r[0] for r in results)
     errors = [r[2] for r in results if r[2]]
     valid = None
@@ -180,9 +186,12 @@ def served_phase(client: LlmClient, prompts: list[list[int]], clients: int, gen:
                 valid += 1
             except (ValueError, jsonschema.ValidationError):
                 pass
+    usage = cpu_usage(cpu_before, cpu_after)
     return {"requests": len(results), "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
             "requests_per_s": len(results) / wall, "errors": len(errors), "first_error": errors[:1],
-            "valid_json": valid, "tokens_by_request": counts}
+            "valid_json": valid, "tokens_by_request": counts,
+            "server_cpu_ms_per_token": (1e3 * (cpu_after[2] - cpu_before[2]) / max(1, tokens)) if usage else None,
+            "foreign_cores_busy": usage["foreign_cores_busy"] if usage else None}
 
 
 def run_served(args, model_dir: str, tokenizer: Any) -> dict:
@@ -210,7 +219,7 @@ def run_served(args, model_dir: str, tokenizer: Any) -> dict:
             for kind in ("constrained", "plain"):
                 guided = kind == "constrained"
                 res = served_phase(client, prompts, args.clients, args.gen if guided else lengths,
-                                   guide if guided else None, args.timeout)
+                                   guide if guided else None, args.timeout, srv.process.pid)
                 lengths = [max(1, n) for n in res["tokens_by_request"]]
                 res.update(kind=kind, round=rnd)
                 log(f"served {kind} round {rnd}: {res['tokens_per_s']:.1f} tok/s, {res['requests_per_s']:.2f} req/s, "
@@ -299,6 +308,10 @@ def run_stalls(args, model_dir: str, tokenizer: Any) -> dict:
 
 
 # ------------------------------------------------------------------------------ report
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def write_summary(out: Path, doc: dict) -> Path:
     m = doc["machine"]
     lines = [f"# Structured outputs: cost served and engine-thread stalls ({doc['date']})", "",
@@ -307,18 +320,29 @@ def write_summary(out: Path, doc: dict) -> Path:
     served = doc.get("served")
     if served:
         lines += [f"## Served, {served['clients']} clients, greedy, up to {served['gen']} tokens", "",
-                  "| phase | round | requests | tokens/request | output tok/s | req/s | errors | valid JSON |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| phase | round | requests | tokens/request | output tok/s | req/s | errors | valid JSON | "
+                  "server CPU ms/token | other processes' cores |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for p in served["phases"]:
             lines.append(f"| {p['kind']} | {p['round']} | {p['requests']} | "
                          f"{p['output_tokens'] / max(1, p['requests']):.1f} | {p['tokens_per_s']:.1f} | "
-                         f"{p['requests_per_s']:.2f} | {p['errors']} | {p['valid_json'] if p['valid_json'] is not None else '-'} |")
+                         f"{p['requests_per_s']:.2f} | {p['errors']} | {p['valid_json'] if p['valid_json'] is not None else '-'} | "
+                         f"{_num(p.get('server_cpu_ms_per_token'), 2)} | {_num(p.get('foreign_cores_busy'), 2)} |")
         by = {k: statistics.fmean(p["tokens_per_s"] for p in served["phases"] if p["kind"] == k)
               for k in ("plain", "constrained")}
         ratio = by["constrained"] / by["plain"]
         lines += ["", f"Constrained / plain output tokens per second: **{ratio:.3f}** "
                       f"({by['constrained']:.1f} vs {by['plain']:.1f}; target >= 0.90).", ""]
         doc["served_ratio"] = ratio
+        cost = {k: [p["server_cpu_ms_per_token"] for p in served["phases"]
+                    if p["kind"] == k and p.get("server_cpu_ms_per_token")] for k in ("plain", "constrained")}
+        if cost["plain"] and cost["constrained"]:
+            cpu_ratio = statistics.fmean(cost["plain"]) / statistics.fmean(cost["constrained"])
+            lines += [f"Server CPU per output token, plain / constrained: **{cpu_ratio:.3f}** "
+                      f"({statistics.fmean(cost['plain']):.2f} vs {statistics.fmean(cost['constrained']):.2f} ms): the "
+                      "throughput ratio the server's own work allows, which other processes on the machine "
+                      "disturb far less than the tokens per second above.", ""]
+            doc["served_cpu_ratio"] = cpu_ratio
     stalls = doc.get("stalls")
     if stalls:
         lines += ["## Engine-thread step times (8 plain clients; + a client whose every request brings a new schema)",

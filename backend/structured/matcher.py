@@ -6,9 +6,9 @@ and applies it to the logits in one call (xgrammar's kernel); building a boolean
 sequence took about a quarter of a 16-sequence decode step on SmolLM2's 49k vocabulary.
 
 Most rows need no mask at all: a row sampled from its whole distribution whose token the grammar
-allows has the token the masked row would have had (`masks_before_sampling`), so only the rows
-whose token is refused are masked and sampled again; filling a row's mask costs ~20x checking
-one token.
+allows has the token the masked row would have had (`masks_before_sampling`); a refused row takes
+its best-scored allowed token, found among its first few candidates or, failing that, under its
+whole mask. Filling a row's mask costs ~20x checking one token.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ def masks_before_sampling(params: SamplingParams, num_drafts: int) -> bool:
 
     Sampling picks argmax(processed logits) (greedy) or argmax(probs / E) with noise E fixed per
     row (the sampler's exponential race): masking only removes competitors, so when the winner
-    is allowed it is also the masked row's winner, and when it is not, sampling the masked row
-    again draws from the masked distribution (exact in distribution; for seeded and greedy rows
-    the very token). That fails where the mask changes what the sampler computes from the row:
-    top-k / top-p cut the distribution by rank and mass (the masked row keeps other tokens), and
+    is allowed it is also the masked row's winner, and when it is not, the best-scored allowed
+    token under the same noise is (the very token masking first gives). That fails where the
+    mask changes what the sampler computes from the row: top-k / top-p cut the distribution by rank and mass (the masked row keeps other tokens), and
     log-probs are reported under the masked distribution. Speculative rows are filled together
     (each after its proposals), as verification reads them all.
     """
@@ -81,6 +80,10 @@ class Matcher:
             return False
         self._m.rollback(1)
         return True
+
+    def first_allowed(self, tokens: list[int]) -> int | None:
+        """The first of `tokens` that may come next, or None."""
+        return next((t for t in tokens if self.allows(t)), None)
 
     def accept(self, token: int) -> None:
         if not self._m.accept_token(token):

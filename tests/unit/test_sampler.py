@@ -328,3 +328,20 @@ def test_top_logprobs_out_of_bounds_name_the_field(k):
 def test_top_logprobs_bounds_accepted():
     assert SamplingParams(top_logprobs=0).top_logprobs == 0
     assert SamplingParams(top_logprobs=20).top_logprobs == 20
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3),
+                                    dict(temperature=0.9, seed=7), dict(temperature=1.5, seed=11, presence_penalty=0.5)])
+def test_scores_masked_give_the_token_masking_first_gives(params):
+    """A row's scores argmax to its token; the same scores with some tokens forbidden argmax to
+    what the sampler picks when those tokens' logits are -inf before sampling (the race's noise is
+    the seed's, and masking only removes competitors)."""
+    for trial in range(20):
+        logits = rand_logits(3, seed=trial)
+        seqs = [make_seq(output=(1, 4), **params) for _ in range(3)]
+        out = Sampler([EOS])(logits, seqs)
+        assert out.scores.argmax(-1).tolist() == out.token_ids
+        forbidden = torch.rand(3, V, generator=torch.Generator().manual_seed(100 + trial)) < 0.6
+        forbidden[:, 0] = False  # something stays allowed
+        masked_first = Sampler([EOS])(logits.masked_fill(forbidden, float("-inf")), seqs)
+        assert out.scores.masked_fill(forbidden, float("-inf")).argmax(-1).tolist() == masked_first.token_ids

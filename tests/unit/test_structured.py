@@ -178,10 +178,14 @@ def test_min_tokens_with_a_guide_is_refused():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_rows_checked_after_sampling_equal_rows_masked_before(llm, temperature):
-    """Rows without log-probs or top-k/top-p are sampled first and masked only when the grammar
-    refuses their token; rows asking for log-probs are masked before sampling. Seeded, both must
-    pick the very same tokens (the race's noise depends on seed and position only)."""
+@pytest.mark.parametrize("candidates", [1, 64], ids=["whole-mask", "candidates"])
+def test_rows_checked_after_sampling_equal_rows_masked_before(llm, temperature, candidates, monkeypatch):
+    """Rows without log-probs or top-k/top-p are sampled first; a refused token is replaced by
+    the best-scored allowed one (among the first `candidates`, else under the whole mask). Rows
+    asking for log-probs are masked before sampling. Both must pick the very same tokens."""
+    import splitfuse.engine
+
+    monkeypatch.setattr(splitfuse.engine, "REPICK_CANDIDATES", candidates)
     guide = Guide("json_schema", json.dumps(SCHEMAS[0]))
     for seed in SEEDS:
         checked, masked = (llm.generate(["the answer is"], SamplingParams(
@@ -208,6 +212,7 @@ def test_allows_checks_one_token_and_leaves_the_matcher_alone(llm):
     matcher = grammars.matcher(Guide("regex", "ab"))
     a, b = (llm.tokenizer.convert_tokens_to_ids(t) for t in "ab")
     assert matcher.allows(a) and not matcher.allows(b)
+    assert matcher.first_allowed([b, grammars.vocab_size, a]) == a and matcher.first_allowed([b]) is None
     assert not matcher.allows(grammars.vocab_size) and not matcher.allows(-1)  # padded columns
     matcher.accept(a)  # still at the start: `allows` took nothing
     assert matcher.allows(b) and not matcher.allows(a)
