@@ -15,7 +15,7 @@ from typing import Any
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "gguf", "gguf-exact")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16")
@@ -64,8 +64,13 @@ class EngineConfig:
     model's dtype, no tensor parallelism): the same kernels and results without the Python between
     them. false runs them layer by layer in Python."""
     quantization: str = "none"
-    """none | int8: int8 quantizes the projections' weights at load (per output channel) and
-    their activations per token at run time (CPU, oneDNN); the LM head and MoE routers stay float."""
+    """none | int8 | gguf | gguf-exact. int8 quantizes the projections' weights at load (per output
+    channel) and their activations per token at run time (CPU, oneDNN); the LM head and MoE
+    routers stay float. gguf / gguf-exact (a checkpoint converted from a GGUF file, float32, CPU):
+    the projections multiply the file's own Q4_0 / Q4_1 / Q8_0 blocks, kept packed in memory at
+    about the file's size; gguf with int8 activations per 32-k group (llama.cpp's arithmetic,
+    integer dot products), gguf-exact widening the blocks to float32 in registers (the same
+    results as the dequantized float32 model, bit for bit). Other tensors stay float."""
     speculative_method: str = "none"
     """none | ngram | draft: propose tokens cheaply and verify them in one pass (speculative
     decoding). ngram looks the sequence's last tokens up earlier in its own text; draft runs
@@ -159,6 +164,14 @@ class EngineConfig:
         _check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
+        if self.quantization.startswith("gguf"):
+            # The packed blocks are whole rows of the file's tensors (not sharded) multiplying
+            # float32 activations.
+            if self.tensor_parallel_size > 1:
+                raise ValueError(f"quantization={self.quantization!r} cannot be combined with tensor_parallel_size > 1")
+            if self.dtype not in ("auto", "float32"):
+                raise ValueError(f"quantization={self.quantization!r} runs float32 activations: dtype must be auto or "
+                                 f"float32, got {self.dtype!r}")
         self._check_speculation()
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

@@ -28,6 +28,11 @@ With `EngineConfig.quantization="int8"` the projections run int8 kernels (int8_l
 `CpuInt8Linear` (the C++ kernel) with the `cpu` backend on CPUs with AVX-512 VNNI or AVX2, else
 `Int8Linear` (oneDNN); the LM head and the MoE router keep the float kernel (they decide tokens
 and experts).
+
+With `quantization="gguf"` or `"gguf-exact"` (a checkpoint converted from a GGUF file) the
+projections whose blocks the file stores as Q4_0 / Q4_1 / Q8_0 run `CpuQ4Linear` (q4_linear.py)
+over those blocks, packed; the others, and every projection where that kernel cannot run, keep
+the float kernel.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from torch import nn
 from splitfuse.kernels.cpu import linear as cpu_linear
 from splitfuse.kernels.cpu.build import cpu_flags, library_isa
 from splitfuse.layers.int8_linear import CpuInt8Linear, Int8Linear, cpu_int8_supported, int8_supported
+from splitfuse.layers.q4_linear import GGUF_QUANTIZATIONS, BlockSource, CpuQ4Linear, q4_supported
 
 log = logging.getLogger(__name__)
 
@@ -202,12 +208,42 @@ def check_quantization(quantization: str, device: torch.device) -> None:
         ok, why = int8_supported(device)
         if not ok:
             raise ValueError(f"quantization='int8' cannot run here: {why}")
+    if quantization in GGUF_QUANTIZATIONS and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} cannot run here: the GGUF block kernel is for CPUs "
+                         f"(device {device.type})")
+
+
+_logged_q4_fallback: set[str] = set()
+
+
+def _q4_kernel(weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockSource | None,
+               swiglu: bool, quantization: str) -> CpuQ4Linear | None:
+    """The packed GGUF kernel for this projection, or None (with the reason logged once)."""
+    ok, why = q4_supported(weight.device, weight.dtype)
+    found = blocks() if ok and blocks is not None else None
+    if found is None:
+        why = why or ("no GGUF source file for this checkpoint" if blocks is None
+                      else "its blocks are not all Q4_0, Q4_1 or Q8_0 of one type")
+        if why not in _logged_q4_fallback:
+            _logged_q4_fallback.add(why)
+            log.warning("splitfuse: quantization=%s: a projection keeps the float kernel (%s)", quantization, why)
+        return None
+    kind, rows = found
+    if rows.shape[0] != weight.shape[0]:
+        raise ValueError(f"GGUF blocks of {rows.shape[0]} rows for a weight of {weight.shape[0]}")
+    return CpuQ4Linear(kind, rows, bias, gated=swiglu, exact=quantization == "gguf-exact")
 
 
 def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
-                       quantization: str = "none", swiglu: bool = False) -> LinearKernel:
+                       quantization: str = "none", swiglu: bool = False,
+                       gguf_blocks: BlockSource | None = None) -> LinearKernel:
     """The kernel for `backend` / `quantization`. `swiglu`: the weight is SwiGLU's gate_up [2I, K];
-    a kernel that can (`fuses_swiglu`) then returns silu(gate) * up itself, others the product."""
+    a kernel that can (`fuses_swiglu`) then returns silu(gate) * up itself, others the product.
+    `gguf_blocks`: reads the weight's GGUF blocks (quantization="gguf" / "gguf-exact")."""
+    if quantization in GGUF_QUANTIZATIONS:
+        kernel = _q4_kernel(weight, bias, gguf_blocks, swiglu, quantization)
+        if kernel is not None:
+            return kernel
     if quantization == "int8":
         if backend == "cpu" and cpu_int8_supported(weight.dtype):
             return CpuInt8Linear(weight, bias, gated=swiglu)
@@ -219,12 +255,12 @@ def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend:
     return lambda x: linear(x, weight, bias)
 
 
-PACKED_KERNELS = (CpuLinear, OneDnnLinear, Int8Linear, CpuInt8Linear)
+PACKED_KERNELS = (CpuLinear, OneDnnLinear, Int8Linear, CpuInt8Linear, CpuQ4Linear)
 
 
 def fuses_swiglu(kernel: LinearKernel | None) -> bool:
     """Whether calling `kernel` already gives SwiGLU's silu(gate) * up (see make_linear_kernel)."""
-    return isinstance(kernel, (CpuLinear, CpuInt8Linear)) and kernel.packed.gated
+    return isinstance(kernel, (CpuLinear, CpuInt8Linear, CpuQ4Linear)) and kernel.packed.gated
 
 
 def swiglu(kernel: LinearKernel, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -260,13 +296,19 @@ class Linear(nn.Module):
         # product; set before `prepare`, so a SwiGLU kernel then leaves the activation out (the
         # deltas go in before it).
         self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Set by the loader for a checkpoint converted from a GGUF file: reads this weight's
+        # quantized blocks from it (quantization="gguf").
+        self.gguf_blocks: BlockSource | None = None
 
     def prepare(self, backend: str, quantization: str = "none", release_weight: bool = True) -> None:
         """Build the kernel for `backend` (or `quantization`). With a packed kernel and
         `release_weight`, the plain weight's storage is freed (pass False for a weight shared
         with another module, such as a tied LM head)."""
         self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization,
-                                         swiglu=self.silu_and_mul is not None and self.lora is None)
+                                         swiglu=self.silu_and_mul is not None and self.lora is None,
+                                         gguf_blocks=self.gguf_blocks)
+        if isinstance(self.kernel, CpuQ4Linear):
+            self.gguf_blocks = None  # holds the GGUF file open; the kernel has its own copy
         if release_weight:
             release_if_packed(self.kernel, self.weight)
 

@@ -16,6 +16,10 @@ The conversion:
 - config and tokenizer: from the file's metadata through transformers' own GGUF readers (the
   same reference the tests compare against), the chat template included.
 
+The converted directory records its source file (`splitfuse_gguf.json`): with
+`EngineConfig.quantization="gguf"` the loader reads the projections' quantized blocks from it
+(`gguf_source`, `GGUFSource.blocks`) and the engine multiplies them packed (layers/q4_linear.py).
+
 Dense Llama-family architectures (llama, mistral, qwen2) are taken; any other architecture, a
 mixture-of-experts file, a tensor type `gguf` cannot dequantize, or a file that is not GGUF or is
 cut short raises GGUFError naming what is wrong. Conversion time and peak memory are logged.
@@ -120,6 +124,7 @@ def prepare_checkpoint(model: str | os.PathLike, out_dir: str | os.PathLike | No
 
 
 def _reader(gguf_file: Path):
+    """A GGUF reader over the file (memory-mapped: tensor data is read when touched)."""
     try:
         import gguf
     except ImportError as e:
@@ -249,6 +254,75 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
              "process peak memory %.0f MiB", gguf_file.name, arch, params / 1e6, ", ".join(sorted(types)), out,
              time.perf_counter() - started, peak_mb)
     return out
+
+
+# GGUF block types the packed kernels multiply (kernels/cpu/quant4.py).
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+_GGUF_NAMES = {hf: gg for gg, hf in _LAYER_NAMES.items()}
+_GGUF_TOP = {hf: gg for gg, hf in _TOP_NAMES.items()}
+
+
+def _gguf_name(hf_name: str) -> str | None:
+    if hf_name in _GGUF_TOP:
+        return _GGUF_TOP[hf_name]
+    if hf_name.startswith("model.layers."):
+        _, _, layer, rest = hf_name.split(".", 3)
+        if rest in _GGUF_NAMES:
+            return f"blk.{layer}.{_GGUF_NAMES[rest]}"
+    return None
+
+
+class GGUFSource:
+    """The quantized tensors of the GGUF file a checkpoint directory was converted from, read on
+    first use (a float32 engine never opens the file)."""
+
+    def __init__(self, gguf_file: Path) -> None:
+        self.file = gguf_file
+        self._tensors: dict | None = None
+
+    def _open(self) -> dict:
+        if self._tensors is None:
+            reader = _reader(self.file)
+            self._arch = _field(reader, "general.architecture")
+            self._heads = int(_field(reader, f"{self._arch}.attention.head_count"))
+            kv = _field(reader, f"{self._arch}.attention.head_count_kv")
+            self._kv_heads = self._heads if kv is None else int(kv)
+            self._tensors = {t.name: t for t in reader.tensors}
+        return self._tensors
+
+    def blocks(self, hf_names: list[str]) -> tuple[str, torch.Tensor] | None:
+        """(block type, uint8 rows [N, K / 32 * block bytes]) of the named Hugging Face weights
+        stacked in order (a fused projection's parts), in Hugging Face's row order; None unless
+        every part is stored in one type of PACKED_TYPES."""
+        tensors = self._open()
+        kinds, parts = set(), []
+        for hf in hf_names:
+            t = tensors.get(_gguf_name(hf) or "")
+            if t is None or t.tensor_type.name not in PACKED_TYPES:
+                return None
+            kinds.add(t.tensor_type.name)
+            rows = torch.from_numpy(t.data.copy()).view(torch.uint8)
+            rows = rows.reshape(int(t.shape[-1]), -1)  # GGUF lists dimensions innermost first
+            if self._arch in _PERMUTED_QK and t.name.endswith("attn_q.weight"):
+                rows = _unpermute_rotary(rows, self._heads)
+            elif self._arch in _PERMUTED_QK and t.name.endswith("attn_k.weight"):
+                rows = _unpermute_rotary(rows, self._kv_heads)
+            parts.append(rows)
+        if len(kinds) != 1:
+            return None
+        return kinds.pop(), torch.cat(parts).contiguous()
+
+
+def gguf_source(checkpoint_dir: str | os.PathLike) -> GGUFSource | None:
+    """The source of a directory `convert` wrote, when that file is still there unchanged."""
+    try:
+        key = json.loads((Path(checkpoint_dir) / _MARKER).read_text())
+        source = Path(key["source"])
+        if not source.is_file() or _source_key(source) != key:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return GGUFSource(source)
 
 
 if __name__ == "__main__":

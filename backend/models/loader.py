@@ -10,6 +10,8 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from splitfuse.layers.linear import Linear
+from splitfuse.models.gguf_checkpoint import GGUFSource, gguf_source
 from splitfuse.models.llama import LlamaForCausalLM, ModelArgs
 
 # HF parameter name fragment -> (our fused parameter, index of the shard inside it)
@@ -75,7 +77,22 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
+    source = gguf_source(path) if shard is None else None
+    if source is not None:
+        _attach_gguf_blocks(model, source)
     return model.eval()
+
+
+def _attach_gguf_blocks(model: LlamaForCausalLM, source: GGUFSource) -> None:
+    """Give each projection the means to read its weight's blocks from the GGUF file the
+    checkpoint was converted from (read only when quantization="gguf" prepares it)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module is model.lm_head:
+            continue
+        fused = f".{name.rsplit('.', 1)[-1]}."
+        parts = [p for p, (ours, _) in _FUSED.items() if ours == fused]  # a fused projection's, in order
+        hf = [name.replace(fused[:-1], p[:-1]) + ".weight" for p in parts] or [f"{name}.weight"]
+        module.gguf_blocks = lambda names=hf: source.blocks(names)
 
 
 def _load_one(params: dict, name: str, tensor: torch.Tensor, args: ModelArgs, loaded: set[str]) -> None:

@@ -1,0 +1,74 @@
+"""Projections over a GGUF file's own quantized blocks (`EngineConfig.quantization="gguf"` or
+`"gguf-exact"`).
+
+The loader gives each projection of a checkpoint converted from a GGUF file the means to read
+its blocks from that file (`Linear.gguf_blocks`, models/gguf_checkpoint.py: a fused qkv or
+gate_up projection stacks its parts' rows). Where every part is Q4_0, Q4_1 or Q8_0 in one type,
+`CpuQ4Linear` packs them for the C++ kernel (`splitfuse.kernels.cpu.quant4`) and the float
+weight is released: the weights stay at about the file's size in memory (Q4_1 5 bits a weight
+against 32) and are widened in registers as each call reads them. Two forms of the kernel:
+
+* `gguf`: llama.cpp's arithmetic where the build has integer dot products (AVX-512 VNNI, or
+  AVX2's vpmaddubsw): the activations quantized per row and 32-k group to int8 in each call,
+  multiplied exactly against the blocks' integers, each group's sum scaled (a quarter of the
+  float form's multiply instructions). Outputs differ from the dequantized float32 model's by
+  the activations' rounding: greedy agreement is reported (perf/results/q4/), not equality.
+  Builds with neither run the float form.
+* `gguf-exact`: the blocks widened to float32 in registers exactly as the `gguf` package
+  dequantizes them and summed in the float32 kernel's order: a projection's output equals the
+  float32 model's (the same file dequantized) bit for bit. Faster than float32 where the weight's
+  bytes bound the product (decodes of a few rows); about float32's speed at 16 rows and more.
+
+Other projections (other block types, or no source file) keep the float kernel, with a log
+line. Float32 activations only (the converted checkpoint is float32).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from splitfuse.kernels.cpu import quant4
+
+GGUF_QUANTIZATIONS = ("gguf", "gguf-exact")
+# Reads a projection's blocks: (block type, uint8 rows) or None (not packable).
+BlockSource = Callable[[], "tuple[str, torch.Tensor] | None"]
+
+
+def q4_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the packed GGUF kernel runs here for activations of `dtype` (and why not)."""
+    if device.type != "cpu":
+        return False, f"the GGUF block kernel is for CPUs (device {device.type})"
+    if dtype is not torch.float32:
+        return False, f"the GGUF block kernel takes float32 activations (dtype {dtype})"
+    if not quant4.available():
+        return False, "the C++ CPU kernels are not built"
+    return True, ""
+
+
+class CpuQ4Linear:
+    """GGUF blocks packed once; calling it computes `x @ W^T + b` (float32), or for a gated
+    (SwiGLU gate_up) weight silu(gate) * up. `exact`: the float form (see the module's docstring)."""
+
+    def __init__(self, kind: str, rows: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+                 exact: bool = False) -> None:
+        form = "float" if exact or quant4.dot_products() == "none" else "dot"
+        self.packed = quant4.pack_quantized(kind, rows, None if bias is None else bias.detach().float(), gated=gated,
+                                            form=form)
+        self.in_features = self.packed.in_features
+        self.out_features = self.packed.out_features
+
+    @property
+    def weight_bytes(self) -> dict[str, int]:
+        """Memory of the weight by kind: the packed blocks (scales included) and a float32 bias."""
+        out = {self.packed.kind.lower(): self.packed.data.numel()}
+        if self.packed.bias is not None:
+            out["float32"] = 4 * self.packed.bias.numel()
+        return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return quant4.linear(x, self.packed)
+        out = quant4.linear(x.reshape(-1, self.in_features), self.packed)
+        return out.view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,48 @@
+"""quantization="gguf" / "gguf-exact": the config's checks, and the loader's blocks read back
+from the GGUF file a checkpoint was converted from (the trained SmolLM2 Q4_1 file, where its
+package is installed) dequantizing to exactly the converted checkpoint's float32 weights, in
+Hugging Face's row order (llama.cpp's rotary interleave of q and k undone) and stacked as the
+fused projections stack them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitfuse.config import EngineConfig
+
+
+@pytest.mark.parametrize("mode", ["gguf", "gguf-exact"])
+def test_config_checks(mode):
+    assert EngineConfig(model="m", quantization=mode).quantization == mode
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model="m", quantization=mode, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="float32 activations"):
+        EngineConfig(model="m", quantization=mode, dtype="bfloat16")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model="m", quantization="gguf4")
+
+
+def test_blocks_read_back_equal_the_converted_weights(trained_model):
+    from safetensors import safe_open
+
+    from splitfuse.kernels.cpu import quant4
+    from splitfuse.models.gguf_checkpoint import gguf_source
+
+    source = gguf_source(trained_model)
+    assert source is not None
+    f = safe_open(f"{trained_model}/model.safetensors", framework="pt")
+    for names in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"],
+                  ["self_attn.o_proj"], ["mlp.down_proj"]):
+        hf = [f"model.layers.3.{n}.weight" for n in names]
+        kind, rows = source.blocks(hf)
+        assert kind == "Q4_1"
+        assert torch.equal(quant4.dequantize(kind, rows), torch.cat([f.get_tensor(n) for n in hf]))
+    assert source.blocks(["model.embed_tokens.weight"])[0] == "Q8_0"
+    assert source.blocks(["model.norm.weight"]) is None  # F32: not a packed type
+
+
+def test_no_source_for_a_plain_checkpoint(tiny_llama):
+    from splitfuse.models.gguf_checkpoint import gguf_source
+
+    assert gguf_source(tiny_llama) is None
