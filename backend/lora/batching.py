@@ -14,6 +14,10 @@ base output; rows of sequences without an adapter get nothing. Two ways, same su
 In the grouped path each projection's parts (q / k / v, gate / up) go through one B product:
 their B side by side in one [rank, out_features] matrix (adapter.fused_b), so a projection adds
 one contiguous delta (torch's index_add_ into a column slice is several times slower).
+
+Where the decoder layers run as one C++ call (kernels/cpu/decoder.py), that call adds the deltas
+itself from each row's slot (`_Rows.row_slot`) in steps of any size; these paths then serve the
+layers it leaves to Python (a last layer keeping only the sampling rows) and other backends.
 """
 
 from __future__ import annotations
@@ -31,9 +35,6 @@ from splitfuse.lora.stacks import LoraStacks, StackedProjection
 # grouped 9.5 ms per step against the base's 4.1 ms; the stacked path's extra products (every
 # row through every slot's A) stay small next to the base product up to a few dozen rows.
 STACKED_MAX_ROWS = 64
-# Steps of at most this many rows take the stacked path inside the fused C++ decoder (where it
-# runs), however their rows divide among adapters.
-FUSED_STACKED_MAX_ROWS = 64
 # In a step of more rows, an adapter's run of at least this many rows (a prompt chunk) takes the
 # grouped path as a view of the input; shorter runs join the stacked rows.
 RUN_MIN_ROWS = 8
@@ -77,14 +78,13 @@ class _Rows:
             stacked = self.num_rows <= STACKED_MAX_ROWS and not (len(adapters) == 1 and (row_adapter == 0).all())
         self.stacked = stacked
         self.groups: Groups = []
-        self.row_slot: torch.Tensor | None = None
         self.scattered: tuple[_Rows, torch.Tensor] | None = None
         """Rows outside the groups' runs (decodes beside prompt chunks), through the stacks."""
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
-        if self.stacked or self.num_rows <= FUSED_STACKED_MAX_ROWS:  # the C++ decoder stacks any such step
-            slot_of = np.asarray(slots, dtype=np.int64)
-            row_slot = np.where(row_adapter >= 0, slot_of[row_adapter], -1)
-            self.row_slot = torch.from_numpy(row_slot).to(device, non_blocking=True)
+        # Each row's slot: the stacked path's mask, and the fused C++ decoder's input (any step).
+        slot_of = np.asarray(slots, dtype=np.int64)
+        row_slot = np.where(row_adapter >= 0, slot_of[row_adapter], -1)
+        self.row_slot: torch.Tensor = torch.from_numpy(row_slot).to(device, non_blocking=True)
         if self.stacked:
             return
         # Runs of one adapter's rows (prompt chunks) are views; the other rows, a few decodes each

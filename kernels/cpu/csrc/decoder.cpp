@@ -18,17 +18,28 @@
 // A gate_up weight that is not gated (LoRA adapts gate/up: the deltas go in before SwiGLU) is
 // projected into GU [T, 2I] and then ACT = silu_and_mul(GU).
 //
-// LoRA (optional, a step's rows through the resident adapters stacked by slot, as
-// splitfuse/lora/batching.py's add_stacked computes them): after each adapted projection
-// P = IN . W^T, XA = IN . A_all (every slot's A side by side, [T, C]); XA[t, c] = 0 unless
-// column c belongs to row t's slot (base rows: slot -1, none); then per output part of P,
-// P[:, part] += XA[:, part's columns] . B_part.
+// LoRA (optional; the deltas splitfuse/lora/batching.py's add_stacked computes): after each
+// adapted projection P = IN . W^T, XA = IN . A_all (every resident slot's A side by side, [T, C]:
+// one product, at the linear kernel's speed). Then per output part j of P:
+// * steps of at most kLoraStackedMaxRows rows (decodes): XA[t, c] = 0 unless column c belongs to
+//   row t's slot (base rows: slot -1, none), and P[:, part] += XA[:, part's columns] . B_j (every
+//   slot's rows of B_j: a few long products, where the weights' bytes are the cost);
+// * larger steps (prompt chunks beside decodes): the rows grouped by slot once per call, and
+//   P[rows of s, part] += XA[rows of s, s's columns of part j] . B_j[s's rows] (lora_expand):
+//   each row through its own adapter's rank only, however many adapters are resident.
 #include <omp.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "bf16.h"
+#include "elementwise_simd.h"
+
+#if defined(__AVX512BF16__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
+#include <immintrin.h>
+#endif
 
 extern "C" {
 void sf_lin_linear_f32_packed(const int64_t* a);
@@ -50,6 +61,7 @@ int64_t sf_ew_rotary_bf16_packed(const int64_t* a);
 int sf_attn_write_kv_f32_packed(const int64_t* p);
 int sf_attn_write_kv_bf16_packed(const int64_t* p);
 int sf_attn_paged_attention_f32_packed(const int64_t* p, float scale);
+int sf_lin_block_width(void);
 }
 
 namespace {
@@ -77,21 +89,21 @@ enum Shape { S_LAYERS, S_H, S_HQ, S_HKV, S_D, S_I, S_BLOCK, S_NUM_BLOCKS, S_BF16
 // [T, Hq*D], bf16 models), AO [T, H], ACT [T, I], and for int8 projections XQ (uint8 [T, the
 // largest K]) and XS (fp32 [T]).
 // Then the LoRA table (0: none; LORA_FIELDS slots per layer, below), the rows' slots (int64 [T]),
-// the scratch XA [T, the widest C] and D [T, the widest part], and GU [T, 2I] for a gate_up that
-// is not gated.
+// the scratch XA [T, the widest C] and D [T, the widest part], the slots in the stacks, and GU
+// [T, 2I] for a gate_up that is not gated.
 enum Call {
     C_T, C_LAYERS, C_X, C_Y, C_POS, C_COS, C_COS_ST, C_SIN, C_SIN_ST, C_MAX_POS, C_SLOTS, C_QSL, C_SEQ_LENS,
     C_BT, C_BT_ST, C_BT_W, C_SEQS, C_THREADS, C_QKV, C_ATT, C_ATTC, C_AO, C_ACT, C_XQ, C_XS, C_LORA, C_ROW_SLOT,
-    C_XA, C_D, C_GU, C_FIELDS
+    C_XA, C_D, C_LORA_SLOTS, C_GU, C_FIELDS
 };
 // One projection's LoRA: A_all packed (0: not adapted), its columns C, each column's slot (int64
-// [C]), the number of parts, then per part its B packed, first column in XA, columns (its K),
-// first output column in P and output columns.
+// [C]), the number of parts, then per part its B packed, its first column in XA, its columns
+// (B's K: every slot's R_j, slot-major), R_j, its first output column in P and output columns.
 enum LoraProjection { LP_A, LP_COLS, LP_COL_SLOT, LP_PARTS, LP_PART0, LP_MAX_PARTS = 3 };
-enum LoraPart { LQ_B, LQ_COL, LQ_WIDTH, LQ_OUT, LQ_OUT_WIDTH, LQ_FIELDS };
+enum LoraPart { LQ_B, LQ_COL, LQ_WIDTH, LQ_RANK, LQ_OUT, LQ_OUT_WIDTH, LQ_FIELDS };
 enum { LP_FIELDS = LP_PART0 + LP_MAX_PARTS * LQ_FIELDS, LORA_FIELDS = 4 * LP_FIELDS };
 
-enum { SF_DEC_BAD_POSITION = -100, SF_DEC_BAD_SHAPE = -101 };
+enum { SF_DEC_BAD_POSITION = -100, SF_DEC_BAD_SHAPE = -101, SF_DEC_BAD_LORA_SLOT = -102 };
 
 inline double slot_double(int64_t v) {
     double d;
@@ -124,8 +136,6 @@ struct Kernels<float> {
     static constexpr auto rotary = sf_ew_rotary_f32_packed;
     static constexpr auto write = sf_attn_write_kv_f32_packed;
     static constexpr auto silu_mul = sf_ew_silu_and_mul_f32_packed;
-    static float widen(float v) { return v; }
-    static float narrow(float v) { return v; }
 };
 template <>
 struct Kernels<uint16_t> {
@@ -138,8 +148,6 @@ struct Kernels<uint16_t> {
     static constexpr auto rotary = sf_ew_rotary_bf16_packed;
     static constexpr auto write = sf_attn_write_kv_bf16_packed;
     static constexpr auto silu_mul = sf_ew_silu_and_mul_bf16_packed;
-    static float widen(uint16_t v) { return sf_bf16::to_f32(v); }
-    static uint16_t narrow(float v) { return sf_bf16::from_f32(v); }
 };
 
 // y [m, n] (row stride sy) = x [m, k] (row stride sx) times projection p (gated: SwiGLU's
@@ -161,12 +169,203 @@ void project(const int64_t* p, bool gated, int64_t x, int64_t sx, int64_t n, int
     (gated ? K::linear_i8_gated : K::linear_i8)(r);
 }
 
-// P [m, sp columns per row] += the rows' LoRA deltas of projection lp from its input x [m, k]
-// (see the top): XA = x . A_all, masked to each row's slot, then each part's product into D and
-// added to its output columns, rounded to T as torch's `+=` of two T tensors.
+using sf_ew::vf;
+using sf_ew::VW;
+
+// The step's rows with an adapter, grouped by slot (stable): order[seg[s] .. seg[s + 1]) are
+// slot s's rows.
+struct SlotRows {
+    std::vector<int64_t> order, seg;
+};
+
+// false when a row's slot is outside [-1, slots).
+bool group_rows(const int64_t* row_slot, int64_t T, int64_t slots, SlotRows& g) {
+    g.seg.assign(slots + 1, 0);
+    for (int64_t t = 0; t < T; ++t) {
+        if (row_slot[t] < -1 || row_slot[t] >= slots) return false;
+        if (row_slot[t] >= 0) ++g.seg[row_slot[t] + 1];
+    }
+    for (int64_t s = 0; s < slots; ++s) g.seg[s + 1] += g.seg[s];
+    g.order.resize(g.seg[slots]);
+    std::vector<int64_t> at(g.seg.begin(), g.seg.end() - 1);
+    for (int64_t t = 0; t < T; ++t)
+        if (row_slot[t] >= 0) g.order[at[row_slot[t]]++] = t;
+    return true;
+}
+
+// Rows per register strip and weight vectors per strip, as linear.cpp's MR and NV.
+constexpr int LMR = SF_EW_NATIVE_VW == 16 ? 6 : 2;
+constexpr int LNV = 4;
+// Steps of at most this many rows take the stacked products (see the top): measured on the bench
+// model (16 decodes over 4 adapters of rank 16), lora_expand's short strips (one slot's few rows
+// through R_j of B's rows each) cost more than the stacked B's extra products.
+constexpr int64_t kLoraStackedMaxRows = 64;
+// Rows of one slot per work item (whole strips), so that a long prompt chunk's rows spread over
+// the threads; and the multiply-adds below which lora_expand stays on the calling thread.
+constexpr int64_t kLoraChunk = 4 * LMR;
+constexpr int64_t kLoraParallelMacs = 1 << 15;
+
+// acc[r][j] = sum over k in [k0, k1) of x[r][k] * W[k, vector j] for rows r < R and vectors
+// j < V, W in linear.cpp's packed layout: w[j] is vector j's first column at k = 0 (float32:
+// nb floats per k). One sequential sum over k per output, as linear.cpp's strips compute it.
+template <int R, int V>
+inline void lora_strip(const float* const* x, const float* const* w, int64_t nb, int64_t k0, int64_t k1,
+                       vf (&acc)[LMR][LNV]) {
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < V; ++j) acc[r][j] = vf{};
+    for (int64_t k = k0; k < k1; ++k) {
+        vf wk[V];
+        for (int j = 0; j < V; ++j) wk[j] = sf_ew::loadu(w[j] + k * nb);
+        for (int r = 0; r < R; ++r) {
+            const vf xb = sf_ew::splat(x[r][k]);
+            for (int j = 0; j < V; ++j) acc[r][j] += wk[j] * xb;
+        }
+    }
+}
+
+// bf16: W holds pairs of consecutive k per column (nb pairs per k pair); a pair's half outside
+// [k0, k1) gets x = 0, so a slot's rows of B starting at an odd k leave its neighbour's out.
+// The pair product is linear.cpp's (vdpbf16ps where the compiler targets AVX-512 BF16).
+template <int R, int V>
+inline void lora_strip(const uint16_t* const* x, const uint16_t* const* w, int64_t nb, int64_t k0, int64_t k1,
+                       vf (&acc)[LMR][LNV]) {
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < V; ++j) acc[r][j] = vf{};
+    if (k0 >= k1) return;
+    auto pair = [&](int64_t p, const uint32_t (&xp)[LMR]) {
+        sf_ew::vu wv[V];
+        for (int j = 0; j < V; ++j) std::memcpy(&wv[j], w[j] + p * 2 * nb, sizeof(sf_ew::vu));
+#if defined(__AVX512BF16__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
+        for (int r = 0; r < R; ++r) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r]));
+            for (int j = 0; j < V; ++j)
+                acc[r][j] = reinterpret_cast<vf>(
+                    _mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[r][j]), (__m512bh)wv[j], xb));
+        }
+#else
+        vf w_even[V], w_odd[V];
+        for (int j = 0; j < V; ++j) {
+            w_even[j] = reinterpret_cast<vf>(wv[j] << 16);
+            w_odd[j] = reinterpret_cast<vf>(wv[j] & 0xffff0000u);
+        }
+        for (int r = 0; r < R; ++r) {
+            const vf x_even = sf_ew::splat(sf_bf16::to_f32(static_cast<uint16_t>(xp[r])));
+            const vf x_odd = sf_ew::splat(sf_bf16::to_f32(static_cast<uint16_t>(xp[r] >> 16)));
+            for (int j = 0; j < V; ++j) acc[r][j] += w_even[j] * x_even + w_odd[j] * x_odd;
+        }
+#endif
+    };
+    uint32_t xp[LMR];
+    int64_t p = k0 / 2;
+    if (k0 & 1) {  // the first pair's even half is the previous slot's
+        for (int r = 0; r < R; ++r) xp[r] = uint32_t(x[r][k0]) << 16;
+        pair(p++, xp);
+    }
+    for (; 2 * p + 1 < k1; ++p) {
+        for (int r = 0; r < R; ++r) std::memcpy(&xp[r], x[r] + 2 * p, sizeof(uint32_t));
+        pair(p, xp);
+    }
+    if (2 * p < k1) {  // the last pair's odd half is outside (the next slot's, or K's padding)
+        for (int r = 0; r < R; ++r) xp[r] = x[r][2 * p];
+        pair(p, xp);
+    }
+}
+
+// lora_strip for rows [0, rows) (at most LMR) and V vectors, dispatched to the templates.
+template <typename T>
+void strip_rows(int rows, int v, const T* const* x, const T* const* w, int64_t nb, int64_t k0, int64_t k1,
+                vf (&acc)[LMR][LNV]) {
+    auto by_v = [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        switch (v) {
+            case 1: lora_strip<R, 1>(x, w, nb, k0, k1, acc); break;
+            case 2: lora_strip<R, 2>(x, w, nb, k0, k1, acc); break;
+            case 3: lora_strip<R, 3>(x, w, nb, k0, k1, acc); break;
+            default: lora_strip<R, 4>(x, w, nb, k0, k1, acc); break;
+        }
+    };
+    switch (rows) {  // LMR is 6 or 2
+        case 1: by_v(std::integral_constant<int, 1>{}); break;
+        case 2: by_v(std::integral_constant<int, 2>{}); break;
+        case 3: if constexpr (LMR > 2) by_v(std::integral_constant<int, 3>{}); break;
+        case 4: if constexpr (LMR > 3) by_v(std::integral_constant<int, 4>{}); break;
+        case 5: if constexpr (LMR > 4) by_v(std::integral_constant<int, 5>{}); break;
+        default: if constexpr (LMR > 5) by_v(std::integral_constant<int, LMR>{}); break;
+    }
+}
+
+// Where the vector of columns [col, col + VW) (col a multiple of VW) of a packed weight of K rows
+// (linear.cpp's layout) starts, at k = 0.
+template <typename T>
+const T* packed_vector(const T* w, int64_t K, int64_t nb, int64_t col) {
+    const int64_t block_elems = (sizeof(T) == 2 ? (K + 1) / 2 * 2 : K) * nb;
+    return w + (col / nb) * block_elems + (col % nb) * (sizeof(T) == 2 ? 2 : 1);
+}
+
+// lora_expand's unit of work: slot s's rows [r0, r1) of `order`, part j, output block b.
+struct LoraItem {
+    int64_t s, j, b, r0, r1;
+};
+
+// Runs fn(item) over the items on the pool (dynamic: one slot's rows may be most of the work).
+template <typename Fn>
+void for_each_lora_item(const std::vector<LoraItem>& items, int64_t macs, Fn&& fn) {
+    const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic) if (n > 1 && macs >= kLoraParallelMacs && omp_get_max_threads() > 1)
+    for (int64_t i = 0; i < n; ++i) fn(items[i]);
+}
+
+// y[rows of s, part j's outputs] += XA[rows of s, s's columns of part j] . B_j[s's rows], the
+// product rounded to T and added as torch's `+=` of two T tensors; y row stride sy.
+template <typename T>
+void lora_expand(const int64_t* lp, const T* xa, T* y, int64_t sy, const SlotRows& g, int64_t nb) {
+    const int64_t C = lp[LP_COLS], parts = lp[LP_PARTS];
+    std::vector<LoraItem> items;
+    int64_t macs = 0;
+    for (int64_t j = 0; j < parts; ++j) {
+        const int64_t* q = lp + LP_PART0 + j * LQ_FIELDS;
+        const int64_t blocks = (q[LQ_OUT_WIDTH] + nb - 1) / nb;
+        for (int64_t b = 0; b < blocks; ++b)
+            for (int64_t s = 0; s + 1 < static_cast<int64_t>(g.seg.size()); ++s)
+                for (int64_t r0 = g.seg[s]; r0 < g.seg[s + 1]; r0 += kLoraChunk)
+                    items.push_back({s, j, b, r0, r0 + kLoraChunk < g.seg[s + 1] ? r0 + kLoraChunk : g.seg[s + 1]});
+        macs += g.seg.back() * q[LQ_RANK] * q[LQ_OUT_WIDTH];
+    }
+    for_each_lora_item(items, macs, [&](const LoraItem& it) {
+        const int64_t* q = lp + LP_PART0 + it.j * LQ_FIELDS;
+        const int64_t n = q[LQ_OUT_WIDTH], n0 = it.b * nb, cols = n - n0 < nb ? n - n0 : nb;
+        const int v = static_cast<int>((cols + VW - 1) / VW);
+        const T* w[LNV];
+        for (int j = 0; j < v; ++j) w[j] = packed_vector(reinterpret_cast<const T*>(q[LQ_B]), q[LQ_WIDTH], nb, n0 + j * VW);
+        const int64_t k0 = it.s * q[LQ_RANK], k1 = k0 + q[LQ_RANK];
+        for (int64_t i = it.r0; i < it.r1; i += LMR) {
+            const int rows = static_cast<int>(it.r1 - i < LMR ? it.r1 - i : LMR);
+            const T* xr[LMR];
+            for (int r = 0; r < rows; ++r) xr[r] = xa + g.order[i + r] * C + q[LQ_COL];
+            vf acc[LMR][LNV];
+            strip_rows<T>(rows, v, xr, w, nb, k0, k1, acc);
+            for (int r = 0; r < rows; ++r) {
+                T* out = y + g.order[i + r] * sy + q[LQ_OUT] + n0;
+                for (int j = 0; j < v; ++j) {
+                    const vf d = sf_ew::round_to<T>(acc[r][j]);
+                    if (cols - j * VW >= VW) {
+                        sf_ew::storeu(out + j * VW, sf_ew::loadu(out + j * VW) + d);
+                    } else {
+                        float tmp[VW];
+                        sf_ew::storeu(tmp, d);
+                        for (int64_t c = j * VW; c < cols; ++c) sf_ew::store1(out + c, sf_ew::load1(out + c) + tmp[c - j * VW]);
+                    }
+                }
+            }
+        }
+    });
+}
+
+// P [m, sy columns per row] += the rows' LoRA deltas of projection lp from its input x [m, k]
+// (see the top); g: the rows grouped by slot (larger steps only).
 template <typename T>
 void lora_add(const int64_t* lp, int64_t x, int64_t sx, int64_t k, int64_t y, int64_t sy, int64_t m,
-              const int64_t* call) {
+              const int64_t* call, const SlotRows& g) {
     using K = Kernels<T>;
     if (call[C_LORA] == 0 || lp[LP_A] == 0) return;
     const int64_t C = lp[LP_COLS], XA = call[C_XA], D = call[C_D];
@@ -175,6 +374,10 @@ void lora_add(const int64_t* lp, int64_t x, int64_t sx, int64_t k, int64_t y, in
         K::linear(r);
     }
     T* xa = reinterpret_cast<T*>(XA);
+    if (m > kLoraStackedMaxRows) {
+        if (!g.order.empty()) lora_expand<T>(lp, xa, reinterpret_cast<T*>(y), sy, g, sf_lin_block_width());
+        return;
+    }
     const int64_t* row_slot = reinterpret_cast<const int64_t*>(call[C_ROW_SLOT]);
     const int64_t* col_slot = reinterpret_cast<const int64_t*>(lp[LP_COL_SLOT]);
     for (int64_t t = 0; t < m; ++t)
@@ -190,7 +393,7 @@ void lora_add(const int64_t* lp, int64_t x, int64_t sx, int64_t k, int64_t y, in
 #pragma omp parallel for schedule(static) if (m * n >= 65536 && omp_get_max_threads() > 1)
         for (int64_t t = 0; t < m; ++t)
             for (int64_t c = 0; c < n; ++c)
-                out[t * sy + c] = K::narrow(K::widen(out[t * sy + c]) + K::widen(d[t * n + c]));
+                sf_ew::store1(out + t * sy + c, sf_ew::load1(out + t * sy + c) + sf_ew::load1(d + t * n + c));
     }
 }
 
@@ -208,6 +411,10 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
     const double eps = slot_double(shape[S_EPS]);
     const float scale = float(slot_double(shape[S_SCALE]));
     int64_t a[32];
+    SlotRows lora_rows;
+    if (call[C_LORA] && T_ > kLoraStackedMaxRows &&
+        !group_rows(reinterpret_cast<const int64_t*>(call[C_ROW_SLOT]), T_, call[C_LORA_SLOTS], lora_rows))
+        return SF_DEC_BAD_LORA_SLOT;
     for (int64_t l = 0; l < layers; ++l) {
         const int64_t* w = table + l * L_FIELDS;
         const int64_t* lw = call[C_LORA] ? reinterpret_cast<const int64_t*>(call[C_LORA]) + l * LORA_FIELDS : nullptr;
@@ -222,7 +429,7 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
         std::memcpy(a + 11, &eps, sizeof(eps));
         K::rms(a);
         project<T>(w + L_QKV, false, Y, H, N, H, QKV, N, T_, shape, call);  // QKV = Y . Wqkv^T
-        if (lw) lora_add<T>(lw, Y, H, H, QKV, N, T_, call);
+        if (lw) lora_add<T>(lw, Y, H, H, QKV, N, T_, call, lora_rows);
         const int64_t q = QKV, k = QKV + QD * es, v = QKV + (QD + Hkv * D) * es;
         {  // rotate q and k in place (views of QKV: token stride N, head stride D)
             const int64_t r[] = {q, N, D, k, N, D, q, N, D, k, N, D, call[C_POS], call[C_COS], call[C_COS_ST],
@@ -245,7 +452,7 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
         }
         if (sizeof(T) == 2) to_bf16(reinterpret_cast<const float*>(ATT), reinterpret_cast<uint16_t*>(ATTC), T_ * QD);
         project<T>(w + L_O, false, ATTC, QD, H, QD, AO, H, T_, shape, call);  // AO = ATT . Wo^T
-        if (lw) lora_add<T>(lw + LP_FIELDS, ATTC, QD, QD, AO, H, T_, call);
+        if (lw) lora_add<T>(lw + LP_FIELDS, ATTC, QD, QD, AO, H, T_, call, lora_rows);
         {  // RES = AO + RES; AO = norm_post(RES)
             const int64_t r[] = {AO, H, X, H, w[L_NORM_POST], AO, H, X, H, T_, H};
             std::memcpy(a, r, sizeof(r));
@@ -256,12 +463,12 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
             project<T>(w + L_GATE_UP, true, AO, H, I, H, ACT, I, T_, shape, call);  // ACT = silu(gate) * up
         } else {  // GU = AO . Wgate_up^T (+ LoRA); ACT = silu(gate) * up
             project<T>(w + L_GATE_UP, false, AO, H, 2 * I, H, call[C_GU], 2 * I, T_, shape, call);
-            if (lw) lora_add<T>(lw + 2 * LP_FIELDS, AO, H, H, call[C_GU], 2 * I, T_, call);
+            if (lw) lora_add<T>(lw + 2 * LP_FIELDS, AO, H, H, call[C_GU], 2 * I, T_, call, lora_rows);
             const int64_t r[] = {call[C_GU], 2 * I, ACT, I, T_, I};
             K::silu_mul(r);
         }
         project<T>(w + L_DOWN, false, ACT, I, H, I, Y, H, T_, shape, call);  // Y = ACT . Wdown^T
-        if (lw) lora_add<T>(lw + 3 * LP_FIELDS, ACT, I, I, Y, H, T_, call);
+        if (lw) lora_add<T>(lw + 3 * LP_FIELDS, ACT, I, I, Y, H, T_, call, lora_rows);
     }
     return 0;
 }

@@ -1,0 +1,104 @@
+"""LoRA deltas inside the one-call C++ decoder (splitfuse.kernels.cpu.decoder) against the Python
+layers' (splitfuse.lora.batching: grouped and stacked products in torch): per step, the logits of
+steps of few rows (decodes: the stacked, masked products) and of many rows (prompt chunks beside
+decodes: each row through its own slot's rows of B, csrc/decoder.cpp's lora_expand), odd row
+counts, base rows between adapter rows, adapters of rank 8, 16 and 64 (one slot's rows of B
+starting at an odd pair in bf16 when a rank is odd: rank 5), float32 and bfloat16."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from splitfuse import LLM, SamplingParams
+from splitfuse.kernels.cpu import decoder as cpu_decoder
+
+pytestmark = pytest.mark.skipif(not cpu_decoder.available(), reason="C++ CPU kernels not built")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name: (rank, targets)
+    "r8": (8, ALL), "r16": (16, ["q_proj", "v_proj", "down_proj"]), "r64": (64, ALL), "r5": (5, ["k_proj", "up_proj"]),
+}
+
+
+def _adapter(base: str, folder, seed: int, rank: int, targets: list[str]) -> str:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets,
+                                                  init_lora_weights=False, lora_dropout=0.0))
+    peft_model.save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_factory, tmp_path_factory):
+    base = tiny_model_factory("llama")
+    root = tmp_path_factory.mktemp("decoder_lora")
+    modules = ",".join(f"{name}={_adapter(base, root / name, i, rank, targets)}"
+                       for i, (name, (rank, targets)) in enumerate(ADAPTERS.items()))
+    return base, modules
+
+
+def _run(base: str, modules: str, fused: bool, dtype: str) -> tuple[LLM, list[torch.Tensor], list[list[int]], dict]:
+    llm = LLM(base, dtype=dtype, lora_modules=modules, max_loras=4, max_lora_rank=64, fused_decoder=fused,
+              linear_backend="cpu", attention_backend="cpu", token_budget=97, num_kv_blocks=256)
+    runner = llm.engine.runner
+    logits: list[torch.Tensor] = []
+    execute = runner.execute
+    rows = {"few": 0, "many": 0}
+
+    def recording(batch):
+        if batch.lora is not None:
+            rows["many" if batch.num_tokens > 64 else "few"] += 1
+        out = execute(batch)
+        logits.append(out.clone())
+        return out
+
+    runner.execute = recording
+    rng = random.Random(3)
+    names = [None, *ADAPTERS]
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 90))] for _ in range(15)]
+    params = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, lora_name=names[i % len(names)])
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    return llm, logits, [o.token_ids for o in outs], rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_adds_the_python_layers_deltas(served, dtype):
+    base, modules = served
+    fused, fused_logits, fused_tokens, rows = _run(base, modules, True, dtype)
+    plain, plain_logits, plain_tokens, _ = _run(base, modules, False, dtype)
+    if fused.engine.runner.model.decoder_stack is None:
+        pytest.skip(f"no fused decoder here: {fused.engine.runner.decoder_layers}")
+    assert plain.engine.runner.model.decoder_stack is None
+    assert rows["few"] > 0 and rows["many"] > 0, rows  # both of the C++ decoder's LoRA forms ran
+    assert len(fused_logits) == len(plain_logits)
+    # The same products in another grouping: float32 sums agree to rounding, bf16 to its rounding.
+    atol = 1e-4 if dtype == "float32" else 0.05
+    for step, (a, b) in enumerate(zip(fused_logits, plain_logits)):
+        assert torch.allclose(a.float(), b.float(), atol=atol, rtol=0), \
+            f"step {step}: max |diff| {(a.float() - b.float()).abs().max().item()}"
+    assert fused_tokens == plain_tokens
+
+
+def test_a_row_slot_outside_the_stacks_is_refused(served):
+    base, modules = served
+    llm = LLM(base, dtype="float32", lora_modules=modules, max_loras=4, max_lora_rank=64, linear_backend="cpu",
+              attention_backend="cpu", token_budget=97)
+    model = llm.engine.runner.model
+    if model.decoder_stack is None:
+        pytest.skip(f"no fused decoder here: {llm.engine.runner.decoder_layers}")
+    model._sync_stack_lora()
+    stack, t = model.decoder_stack, 80  # more rows than the stacked form takes
+    x = torch.zeros(t, stack.hidden)
+    slots = torch.full((t,), 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="LoRA row slot"):
+        stack.run(x, 1, torch.zeros(t, dtype=torch.int64), torch.zeros(8, stack.head_dim // 2),
+                  torch.zeros(8, stack.head_dim // 2), torch.full((t,), -1, dtype=torch.int64),
+                  torch.tensor([0, t], dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
+                  torch.zeros(1, 1, dtype=torch.int32), lora_row_slot=slots)
