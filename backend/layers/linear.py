@@ -297,7 +297,7 @@ class Linear(nn.Module):
         # deltas go in before it).
         self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # Set by the loader for a checkpoint converted from a GGUF file: reads this weight's
-        # quantized blocks from it (quantization="gguf").
+        # quantized blocks from it (quantization="gguf" or "gguf-exact").
         self.gguf_blocks: BlockSource | None = None
 
     def prepare(self, backend: str, quantization: str = "none", release_weight: bool = True) -> None:

@@ -17,8 +17,9 @@ The conversion:
   same reference the tests compare against), the chat template included.
 
 The converted directory records its source file (`splitfuse_gguf.json`): with
-`EngineConfig.quantization="gguf"` the loader reads the projections' quantized blocks from it
-(`gguf_source`, `GGUFSource.blocks`) and the engine multiplies them packed (layers/q4_linear.py).
+`EngineConfig.quantization="gguf"` or "gguf-exact" the loader reads the projections' quantized
+blocks from it (`gguf_source`, `GGUFSource.blocks`) and the engine multiplies them packed
+(layers/q4_linear.py).
 
 Dense Llama-family architectures (llama, mistral, qwen2) are taken; any other architecture, a
 mixture-of-experts file, a tensor type `gguf` cannot dequantize, or a file that is not GGUF or is

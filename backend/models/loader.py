@@ -85,7 +85,8 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
 
 def _attach_gguf_blocks(model: LlamaForCausalLM, source: GGUFSource) -> None:
     """Give each projection the means to read its weight's blocks from the GGUF file the
-    checkpoint was converted from (read only when quantization="gguf" prepares it)."""
+    checkpoint was converted from (read only when quantization="gguf" or "gguf-exact" prepares
+    it). The LM head is left out: it is prepared without the quantization."""
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or module is model.lm_head:
             continue
