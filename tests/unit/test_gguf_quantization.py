@@ -2,7 +2,7 @@
 from the GGUF file a checkpoint was converted from (the trained SmolLM2 Q4_1 file, where its
 package is installed) dequantizing to exactly the converted checkpoint's float32 weights, in
 Hugging Face's row order (llama.cpp's rotary interleave of q and k undone) and stacked as the
-fused projections stack them."""
+fused projections stack them; and without the C++ kernels the float weights run."""
 
 from __future__ import annotations
 
@@ -46,3 +46,24 @@ def test_no_source_for_a_plain_checkpoint(tiny_llama):
     from splitfuse.models.gguf_checkpoint import gguf_source
 
     assert gguf_source(tiny_llama) is None
+
+
+@pytest.mark.slow  # a fresh process loading the 135M model
+def test_without_the_cpp_kernels_the_float_weights_run(trained_model):
+    """No compiler (or SPLITFUSE_CPU_KERNELS=0): the projections keep the dequantized float32
+    weights and the torch path, with the reason logged, and answer as float32 does."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from splitfuse import LLM, SamplingParams; import sys\n"
+            "for q in ('gguf', 'none'):\n"
+            "    llm = LLM(sys.argv[1], quantization=q, enable_prefix_caching=False)\n"
+            "    print(llm.engine.runner.weight_memory_summary(),\n"
+            "          llm.generate([[1, 2, 3, 100]], SamplingParams(max_tokens=8, temperature=0.0))[0].token_ids)\n")
+    run = subprocess.run([sys.executable, "-c", code, trained_model], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, SPLITFUSE_CPU_KERNELS="0"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    gguf_line, none_line = run.stdout.strip().splitlines()[-2:]
+    assert gguf_line == none_line and gguf_line.startswith("float32"), run.stdout
+    assert "keeps the float kernel (the C++ CPU kernels are not built)" in run.stderr
