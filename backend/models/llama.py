@@ -240,8 +240,8 @@ class LlamaForCausalLM(nn.Module):
         # Set by attach_lora: the step's LoRA adapters (splitfuse.lora.batching.LoraState).
         self.lora_state: LoraState | None = None
         self._logged_stack_declined = False
-        # Whether the decoder stack adds LoRA deltas itself (steps of few rows: the stacked path),
-        # and the version of the LoRA stacks it was last given.
+        # Whether the decoder stack adds LoRA deltas itself (when the stacks run the C++ linear
+        # kernel), and the version of the LoRA stacks it was last given.
         self._stack_takes_lora = False
         self._stack_lora_version = -1
 
@@ -260,15 +260,15 @@ class LlamaForCausalLM(nn.Module):
         state = self.lora_state
         if stack is not None and state is not None and state.active:
             rows = state.step_rows
-            if self._stack_takes_lora and rows.row_slot is not None:  # few rows: the C++ stack adds the deltas
+            if self._stack_takes_lora and rows.row_slot is not None:  # the C++ stack adds the deltas
                 self._sync_stack_lora()
                 lora_slots = rows.row_slot
-            else:  # grouped deltas (many rows) are the Python layers' hooks
+            else:  # LoRA stacks not packed for the C++ kernel: the Python layers' hooks add the deltas
                 stack = None
                 if not self._logged_stack_declined:
                     self._logged_stack_declined = True
-                    log.info("splitfuse: steps with LoRA adapter rows beyond the stacked path's (more than a few "
-                             "dozen rows) run the decoder layers in Python")
+                    log.info("splitfuse: the LoRA stacks do not run the C++ linear kernel: steps with adapter rows "
+                             "run the decoder layers in Python")
         if stack is not None:
             # All layers in one call, but a last layer that keeps some rows only (Python's).
             start = last if keep is not None else last + 1
@@ -293,9 +293,9 @@ class LlamaForCausalLM(nn.Module):
         and arguments of the layers' Python without the Python between them (bit-identical
         results). For dense models whose layers all run the C++ CPU kernels in float32 or
         bfloat16 (projections float or int8), with the KV cache in the model's dtype and no
-        tensor parallelism. With LoRA attached, the stack also adds the adapters' deltas in steps
-        of few rows (the stacked path's products, in C++) when the stacks run the C++ linear
-        kernel; steps of more rows run the Python layers. Call after prepare_linears; returns None
+        tensor parallelism. With LoRA attached, the stack also adds the adapters' deltas (in
+        steps of any size) when the stacks run the C++ linear kernel; otherwise steps with adapter
+        rows run the Python layers. Call after prepare_linears; returns None
         when set, else why not."""
         layers = self.model.layers
         if not cpu_decoder.available():
