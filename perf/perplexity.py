@@ -46,6 +46,9 @@ MODES: dict[str, dict] = {
     "bf16": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int8-bf16": {"dtype": "bfloat16", "quantization": "int8"},
+    # A checkpoint converted from a GGUF file: the file's own Q4_0/Q4_1/Q8_0 blocks.
+    "gguf": {"dtype": "float32", "quantization": "gguf"},
+    "gguf-exact": {"dtype": "float32", "quantization": "gguf-exact"},
 }
 QUESTIONS = [
     "What is the capital of France?", "Say good morning in Spanish.", "Write a haiku about the sea.",

@@ -10,10 +10,6 @@ float32 checkpoint first), and the greedy agreement with float32.
 
     .venv/bin/python perf/q4_bench.py --rounds 3                  # SmolLM2-135M-Instruct Q4_1
     .venv/bin/python perf/q4_bench.py --threads 2 --modes fp32,gguf
-    .venv/bin/python perf/q4_bench.py --modes fp32,gguf,gguf+q8-head --out perf/results/q4/lm-head
-
-The mode gguf+q8-head is an experiment: gguf with the LM head also on the file's blocks (see
-HEAD_FROM_BLOCKS).
 
 Writes perf/results/q4/result.json and summary.md (machine, CPU flags, commit, command).
 """
@@ -36,25 +32,12 @@ from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
 MODES = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
          "gguf": {"dtype": "float32", "quantization": "gguf"},
          "gguf-exact": {"dtype": "float32", "quantization": "gguf-exact"}}
-# An experiment, not an engine setting: gguf with the LM head's kernel replaced after load by the
-# packed kernel over the file's blocks for it (SmolLM2: the tied Q8_0 embedding), what the engine
-# would run if LlamaForCausalLM.prepare_linears gave the LM head the GGUF quantization.
-HEAD_FROM_BLOCKS = {"gguf+q8-head": "gguf"}
-MODES["gguf+q8-head"] = MODES["gguf"]
-
 CHILD = """
 import json, sys, time, resource
 from splitfuse import LLM, SamplingParams
 from splitfuse.kernels.cpu import build, quant4
 cfg = json.loads(sys.argv[1])
 llm = LLM(cfg.pop("model"), enable_prefix_caching=False, **cfg.pop("params"))
-if cfg["head_from_blocks"]:
-    from splitfuse.layers.q4_linear import CpuQ4Linear
-    from splitfuse.models.gguf_checkpoint import gguf_source
-    model = llm.engine.runner.model
-    name = "lm_head.weight" if not model.args.tie_word_embeddings else "model.embed_tokens.weight"
-    kind, rows = gguf_source(llm.engine.runner.config.model).blocks([name])
-    model.lm_head.kernel = CpuQ4Linear(kind, rows, None)
 prompts = [llm.tokenizer(f"Question {i}: tell me something about the number {i}.")["input_ids"] for i in range(cfg["n"])]
 llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
 t = time.perf_counter()
@@ -71,11 +54,10 @@ json.dump({"wall_s": wall, "tokens": sum(len(o.token_ids) for o in outs),
 """
 
 
-def run(model: str, params: dict, n: int, gen: int, head_from_blocks: bool = False) -> dict:
+def run(model: str, params: dict, n: int, gen: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        cfg = {"model": model, "params": params, "n": n, "gen": gen, "out": str(out),
-               "head_from_blocks": head_from_blocks}
+        cfg = {"model": model, "params": params, "n": n, "gen": gen, "out": str(out)}
         subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], check=True)
         return json.loads(out.read_text())
 
@@ -105,8 +87,7 @@ def main() -> None:
     rounds, outputs = [], {}
     for rnd in range(args.rounds):
         for mode in modes:
-            r = run(model, {**MODES[mode], "num_threads": args.threads}, args.num_seqs, args.gen_tokens,
-                    head_from_blocks=mode in HEAD_FROM_BLOCKS)
+            r = run(model, {**MODES[mode], "num_threads": args.threads}, args.num_seqs, args.gen_tokens)
             outputs.setdefault(mode, r.pop("outputs"))
             rec = {"round": rnd, "mode": mode, "tok_per_s": r["tokens"] / r["wall_s"], **r,
                    "loadavg": Path("/proc/loadavg").read_text().split()[:3]}

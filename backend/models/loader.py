@@ -84,11 +84,15 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
 
 
 def _attach_gguf_blocks(model: LlamaForCausalLM, source: GGUFSource) -> None:
-    """Give each projection the means to read its weight's blocks from the GGUF file the
-    checkpoint was converted from (read only when quantization="gguf" or "gguf-exact" prepares
-    it). The LM head is left out: it is prepared without the quantization."""
+    """Give each projection and the LM head the means to read its weight's blocks from the GGUF
+    file the checkpoint was converted from (read only when quantization="gguf" or "gguf-exact"
+    prepares it). A tied head reads the embedding's blocks."""
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or module is model.lm_head:
+        if not isinstance(module, Linear):
+            continue
+        if module is model.lm_head:
+            head = "model.embed_tokens.weight" if model.args.tie_word_embeddings else "lm_head.weight"
+            module.gguf_blocks = lambda names=[head]: source.blocks(names)
             continue
         fused = f".{name.rsplit('.', 1)[-1]}."
         parts = [p for p, (ours, _) in _FUSED.items() if ours == fused]  # a fused projection's, in order
