@@ -187,17 +187,18 @@ inline void store(vf (&acc)[MR][NV], const float* bias, float* y, int64_t sy, in
     }
 }
 
-// Calls fn(std::integral_constant<int, R>{}, m) for strips of rows [0..rows).
-template <typename Fn>
+// Calls fn(std::integral_constant<int, R>{}, m) for strips of at most STRIP rows over [0..rows).
+template <int STRIP, typename Fn>
 inline void for_each_strip(int64_t rows, Fn&& fn) {
+    static_assert(STRIP >= 1 && STRIP <= 6, "strips of 1 to 6 rows");
     int64_t m = 0;
-    for (; m + MR <= rows; m += MR) fn(std::integral_constant<int, MR>{}, m);
+    for (; m + STRIP <= rows; m += STRIP) fn(std::integral_constant<int, STRIP>{}, m);
     switch (rows - m) {
         case 1: fn(std::integral_constant<int, 1>{}, m); break;
-        case 2: if constexpr (MR > 2) fn(std::integral_constant<int, 2>{}, m); break;
-        case 3: if constexpr (MR > 3) fn(std::integral_constant<int, 3>{}, m); break;
-        case 4: if constexpr (MR > 4) fn(std::integral_constant<int, 4>{}, m); break;
-        case 5: if constexpr (MR > 5) fn(std::integral_constant<int, 5>{}, m); break;
+        case 2: if constexpr (STRIP > 2) fn(std::integral_constant<int, 2>{}, m); break;
+        case 3: if constexpr (STRIP > 3) fn(std::integral_constant<int, 3>{}, m); break;
+        case 4: if constexpr (STRIP > 4) fn(std::integral_constant<int, 4>{}, m); break;
+        case 5: if constexpr (STRIP > 5) fn(std::integral_constant<int, 5>{}, m); break;
         default: break;
     }
 }
@@ -239,7 +240,7 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
                 for (int64_t g = 0; g < kn / QK; ++g)
                     widen_group<KIND>(wb + (k0 / QK + g) * record_bytes<KIND>(), buf + g * QK * NB);
                 const bool first = k0 == 0, last = k0 + kn >= K;
-                for_each_strip(rows, [&](auto r, int64_t m) {
+                for_each_strip<MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
                     vf acc[MR][NV];
                     float* park = parked.data() + m * NB;
@@ -497,18 +498,6 @@ inline void store_dot(vf (&acc)[DOT_MR][NV], const float* bias, float* y, int64_
     store<R, GATED>(tmp, bias, y, sy, cols);
 }
 
-template <typename Fn>
-inline void for_each_dot_strip(int64_t rows, Fn&& fn) {
-    int64_t m = 0;
-    for (; m + DOT_MR <= rows; m += DOT_MR) fn(std::integral_constant<int, DOT_MR>{}, m);
-    switch (rows - m) {
-        case 1: fn(std::integral_constant<int, 1>{}, m); break;
-        case 2: if constexpr (DOT_MR > 2) fn(std::integral_constant<int, 2>{}, m); break;
-        case 3: if constexpr (DOT_MR > 3) fn(std::integral_constant<int, 3>{}, m); break;
-        default: break;
-    }
-}
-
 template <int KIND, bool GATED>
 void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
                 int64_t sy, int64_t M) {
@@ -557,7 +546,7 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
                                        ws + (KIND == Q8_0 && SF_Q4_DOT == 2 ? g * QK * NB : 0), dbuf + g * NB,
                                        mbuf + (KIND == Q4_1 ? g * NB : 0));
                 const bool first = k0 == 0, last = k0 + groups * QK >= K;
-                for_each_dot_strip(rows, [&](auto r, int64_t m) {
+                for_each_strip<DOT_MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
                     vf acc[DOT_MR][NV];
                     float* park = parked.data() + m * NB;
