@@ -416,7 +416,6 @@ class LLMEngine:
         would have drawn masked (SamplerOutput.scores), in place in `sampled`: the best-scored
         allowed token among the first few, else the argmax of the row's scores under its whole
         mask (log-probs: none, such rows are masked before sampling)."""
-        grammars = None
         for row, matcher in unmasked:
             got = sampled[row]
             if isinstance(got, Exception) or matcher.allows(got[0]):
@@ -425,7 +424,7 @@ class LLMEngine:
             values, ids = row_scores.topk(min(REPICK_CANDIDATES, row_scores.shape[0]))
             token = matcher.first_allowed(ids[values > float("-inf")].tolist())
             if token is None:
-                grammars = grammars or self.grammars()
+                grammars = self.grammars()
                 bitmask = grammars.new_bitmask(1)
                 matcher.fill_(bitmask, 0)
                 masked = row_scores[None].clone()

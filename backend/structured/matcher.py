@@ -41,8 +41,9 @@ def masks_before_sampling(params: SamplingParams, num_drafts: int) -> bool:
     row (the sampler's exponential race): masking only removes competitors, so when the winner
     is allowed it is also the masked row's winner, and when it is not, the best-scored allowed
     token under the same noise is (the very token masking first gives). That fails where the
-    mask changes what the sampler computes from the row: top-k / top-p cut the distribution by rank and mass (the masked row keeps other tokens), and
-    log-probs are reported under the masked distribution. Speculative rows are filled together
+    mask changes what the sampler computes from the row: top-k / top-p cut the distribution by
+    rank and mass (the masked row keeps other tokens), and log-probs are reported under the
+    masked distribution. Speculative rows are filled together
     (each after its proposals), as verification reads them all.
     """
     return bool(num_drafts or params.logprobs or params.top_logprobs
