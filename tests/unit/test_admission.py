@@ -93,15 +93,25 @@ def test_requests_not_started_within_max_queue_time_end_busy(tiny_llama):
     loop = _loop(tiny_llama, max_queue_time_s=0.3)
     c = Collector()
     try:
-        loop.submit("runs", "hello", SamplingParams(max_tokens=3000, **GREEDY), c.callback("runs"))
-        assert c.first["runs"].wait(60)
+        # "runs" is under the same deadline: on a loaded machine the engine thread may take it
+        # up later than 0.3 s after submit, and then it rightly ends busy. Submit again until
+        # one starts (the behaviour under test is the queued request behind it).
+        for attempt in range(10):
+            runs = f"runs-{attempt}"
+            loop.submit(runs, "hello", SamplingParams(max_tokens=3000, **GREEDY), c.callback(runs))
+            assert c.first[runs].wait(60)
+            first = c.outputs[runs][0]
+            if first.error is None:
+                break
+            assert first.error.startswith(SERVER_BUSY), first.error
+        assert first.error is None and first.token_ids, "no request started within 10 tries"
         loop.submit("late", "hello world", SamplingParams(max_tokens=4, **GREEDY), c.callback("late"))
         late = c.final("late")  # still behind "runs" 0.3 s later
         assert late.finish_reason == "error" and late.error.startswith(SERVER_BUSY)
         assert "max_queue_time_s=0.3" in late.error and late.token_ids == []
-        assert not c.done["runs"].is_set()  # the running request is not touched
-        loop.abort("runs")
-        assert c.final("runs").finish_reason == "abort"
+        assert not c.done[runs].is_set()  # the running request is not touched
+        loop.abort(runs)
+        assert c.final(runs).finish_reason == "abort"
         loop.submit("fresh", "hello", SamplingParams(max_tokens=2, **GREEDY), c.callback("fresh"))
         assert len(c.final("fresh").token_ids) == 2
         assert loop.engine.blocks.num_used_blocks == 0
