@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Multi-LoRA throughput: a batch mixing several adapters against the base model, same workload.
 
-The engine in this process (`EngineLoop`), N closed-loop clients that cost nothing (a client's
-next request is submitted from the callback that receives its previous one's final output, as in
-engine_closed_loop.py). Per model, engines stay up side by side and phases alternate over them
-(base, mix of 4 adapters, base, ...), so the machine's drift spreads over every system:
+Each engine (`EngineLoop`) in a process of its own, N closed-loop clients there that cost nothing
+(a client's next request is submitted from the callback that receives its previous one's final
+output, as in engine_closed_loop.py). Per model, the engines' processes stay up side by side and
+phases alternate over them (base, mix of 4 adapters, base, ...), one at a time, so the machine's
+drift spreads over every system:
 
 * `base`: an engine without adapters, plain requests;
 * `all-kN` / `attn-kN`: an engine serving 4 PEFT adapters of rank 16 (all seven projections, or
@@ -137,48 +138,87 @@ def _warm(loop: EngineLoop, names: list[str | None]) -> None:
         done.wait()
 
 
+def _engine_process(conn, config: dict[str, str], warm: list[str | None]) -> None:
+    """One engine in a process of its own, running the phases the parent sends. Engines share no
+    process: two engine threads in one process mean two OpenMP teams, more threads than cores,
+    and libgomp then cuts its spin-wait short for every team, which slowed an engine by ~11% on
+    2 cores whether or not the other one was busy."""
+    loop = EngineLoop(EngineConfig.from_strings(config))
+    try:
+        runner = loop.start().runner
+        _warm(loop, warm)
+        conn.send(f"dtype {str(runner.dtype).removeprefix('torch.')}, linear {runner.linear_backend}, "
+                  f"attention {runner.attention_backend}, decoder layers in {runner.decoder_layers}")
+        while (message := conn.recv()) is not None:
+            requests, clients, adapters, tag = message
+            conn.send(Closed(loop, requests, clients, adapters, tag).run())
+    finally:
+        loop.shutdown()
+        conn.close()
+
+
+class EngineProcess:
+    def __init__(self, config: dict[str, str], warm: list[str | None]) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_engine_process, args=(child, config, warm), daemon=True)
+        self.process.start()
+        child.close()
+        self.info: str = self._receive()
+
+    def _receive(self):
+        if not self.conn.poll(1800):
+            raise TimeoutError("engine process did not answer in 30 min")
+        return self.conn.recv()
+
+    def run(self, requests: list[dict], clients: int, adapters: list[str | None], tag: str) -> dict:
+        self.conn.send((requests, clients, adapters, tag))
+        return self._receive()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(60)
+        if self.process.is_alive():
+            self.process.kill()
+
+
 def bench_model(model_dir: Path, params: dict[str, str], clients: int, num_requests: int, prompt_mean: float,
                 gen_mean: float, rounds: int, kinds: list[str], ks: list[int], seed: int) -> dict:
     requests = random_id_requests(str(model_dir), num_requests, prompt_mean, gen_mean, seed)
-    engines: dict[str, EngineLoop] = {}
+    engines: dict[str, EngineProcess] = {}
     systems: list[tuple[str, str, list[str | None]]] = [("base", "base", [None])]
-    info: dict[str, str] = {}
-
-    def start(key: str, extra: dict[str, str]) -> EngineLoop:
-        loop = EngineLoop(EngineConfig.from_strings({"model": str(model_dir), **params, **extra}))
-        engine = loop.start()
-        runner = engine.runner
-        info[key] = (f"dtype {str(runner.dtype).removeprefix('torch.')}, linear {runner.linear_backend}, "
-                     f"attention {runner.attention_backend}, decoder layers in {runner.decoder_layers}")
-        engines[key] = loop
-        return loop
-
-    start("base", {})
-    _warm(engines["base"], [None])
-    for kind in kinds:
-        adapters = make_adapters(model_dir, kind)
-        modules = ",".join(f"{n}={p}" for n, p in adapters.items())
-        loop = start(kind, {"lora_modules": modules, "max_loras": str(NUM_ADAPTERS), "max_lora_rank": str(RANK)})
-        _warm(loop, [None, *adapters])
-        names = list(adapters)
-        for k in ks:
-            systems.append((f"{kind}-k{k}", kind, names[:k]))
-        if kind == kinds[0]:
-            systems.append((f"{kind}-base", kind, [None]))
-    phases: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
     try:
+        engines["base"] = EngineProcess({"model": str(model_dir), **params}, [None])
+        for kind in kinds:
+            adapters = make_adapters(model_dir, kind)
+            modules = ",".join(f"{n}={p}" for n, p in adapters.items())
+            engines[kind] = EngineProcess({"model": str(model_dir), **params, "lora_modules": modules,
+                                           "max_loras": str(NUM_ADAPTERS), "max_lora_rank": str(RANK)},
+                                          [None, *adapters])
+            names = list(adapters)
+            for k in ks:
+                systems.append((f"{kind}-k{k}", kind, names[:k]))
+            if kind == kinds[0]:
+                systems.append((f"{kind}-base", kind, [None]))
+        phases: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
         for r in range(rounds):
             for name, key, adapters in systems:
-                result = Closed(engines[key], requests, clients, adapters, f"{name}-{r}").run()
+                result = engines[key].run(requests, clients, adapters, f"{name}-{r}")
                 phases[name].append(result)
                 print(f"[lora_bench] {model_dir.name} round {r} {name}: {result['tokens_per_s']} tok/s", flush=True)
     finally:
-        for loop in engines.values():
-            loop.shutdown()
+        for engine in engines.values():
+            engine.close()
     median = {name: statistics.median(p["tokens_per_s"] for p in runs) for name, runs in phases.items()}
     return {
-        "model": str(model_dir), "engines": info, "params": params, "clients": clients,
-        "num_requests": num_requests, "prompt_mean": prompt_mean, "gen_mean": gen_mean, "rounds": rounds,
+        "model": str(model_dir), "engines": {key: engine.info for key, engine in engines.items()},
+        "params": params, "clients": clients, "num_requests": num_requests, "prompt_mean": prompt_mean,
+        "gen_mean": gen_mean, "rounds": rounds,
         "order": [name for name, _, _ in systems],
         "phases": phases,
         "median_tokens_per_s": median,
