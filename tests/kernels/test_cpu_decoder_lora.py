@@ -23,6 +23,9 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 ADAPTERS = {  # name: (rank, targets)
     "r8": (8, ALL), "r16": (16, ["q_proj", "v_proj", "down_proj"]), "r64": (64, ALL), "r5": (5, ["k_proj", "up_proj"]),
 }
+# Slots as wide as the largest rank per projection: 5 here, so a slot's columns start and end
+# inside a vector (lora_shrink's partial stores) on every ISA.
+NARROW = {"r5": (5, ALL), "r3": (3, ["q_proj", "o_proj", "up_proj"])}
 
 
 def _adapter(base: str, folder, seed: int, rank: int, targets: list[str]) -> str:
@@ -34,13 +37,21 @@ def _adapter(base: str, folder, seed: int, rank: int, targets: list[str]) -> str
     return str(folder)
 
 
+def _modules(base: str, root, adapters: dict) -> str:
+    return ",".join(f"{name}={_adapter(base, root / name, i, rank, targets)}"
+                    for i, (name, (rank, targets)) in enumerate(adapters.items()))
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_factory, tmp_path_factory):
     base = tiny_model_factory("llama")
-    root = tmp_path_factory.mktemp("decoder_lora")
-    modules = ",".join(f"{name}={_adapter(base, root / name, i, rank, targets)}"
-                       for i, (name, (rank, targets)) in enumerate(ADAPTERS.items()))
-    return base, modules
+    return base, _modules(base, tmp_path_factory.mktemp("decoder_lora"), ADAPTERS)
+
+
+@pytest.fixture(scope="module")
+def served_narrow(tiny_model_factory, tmp_path_factory):
+    base = tiny_model_factory("llama")
+    return base, _modules(base, tmp_path_factory.mktemp("decoder_lora_narrow"), NARROW)
 
 
 def _run(base: str, modules: str, fused: bool, dtype: str) -> tuple[LLM, list[torch.Tensor], list[list[int]], dict]:
@@ -60,7 +71,7 @@ def _run(base: str, modules: str, fused: bool, dtype: str) -> tuple[LLM, list[to
 
     runner.execute = recording
     rng = random.Random(3)
-    names = [None, *ADAPTERS]
+    names = [None, *(name.split("=")[0] for name in modules.split(","))]
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 90))] for _ in range(15)]
     params = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, lora_name=names[i % len(names)])
               for i in range(len(prompts))]
@@ -68,9 +79,10 @@ def _run(base: str, modules: str, fused: bool, dtype: str) -> tuple[LLM, list[to
     return llm, logits, [o.token_ids for o in outs], rows
 
 
+@pytest.mark.parametrize("adapters", ["served", "served_narrow"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_one_call_adds_the_python_layers_deltas(served, dtype):
-    base, modules = served
+def test_one_call_adds_the_python_layers_deltas(request, adapters, dtype):
+    base, modules = request.getfixturevalue(adapters)
     fused, fused_logits, fused_tokens, rows = _run(base, modules, True, dtype)
     plain, plain_logits, plain_tokens, _ = _run(base, modules, False, dtype)
     if fused.engine.runner.model.decoder_stack is None:

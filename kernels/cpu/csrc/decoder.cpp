@@ -19,14 +19,17 @@
 // projected into GU [T, 2I] and then ACT = silu_and_mul(GU).
 //
 // LoRA (optional; the deltas splitfuse/lora/batching.py's add_stacked computes): after each
-// adapted projection P = IN . W^T, XA = IN . A_all (every resident slot's A side by side, [T, C]:
-// one product, at the linear kernel's speed). Then per output part j of P:
-// * steps of at most kLoraStackedMaxRows rows (decodes): XA[t, c] = 0 unless column c belongs to
-//   row t's slot (base rows: slot -1, none), and P[:, part] += XA[:, part's columns] . B_j (every
-//   slot's rows of B_j: a few long products, where the weights' bytes are the cost);
-// * larger steps (prompt chunks beside decodes): the rows grouped by slot once per call, and
-//   P[rows of s, part] += XA[rows of s, s's columns of part j] . B_j[s's rows] (lora_expand):
-//   each row through its own adapter's rank only, however many adapters are resident.
+// adapted projection P = IN . W^T:
+// * steps of at most kLoraStackedMaxRows rows (decodes): XA = IN . A_all (every resident slot's
+//   A side by side, [T, C]: one product at the linear kernel's speed), XA[t, c] = 0 unless column
+//   c belongs to row t's slot (base rows: slot -1, none), and per output part j of P,
+//   P[:, part] += XA[:, part's columns] . B_j (every slot's rows of B_j: a few long products,
+//   where the weights' bytes are the cost);
+// * larger steps (prompt chunks beside decodes): the rows grouped by slot once per call; XA only
+//   at each row's own slot's columns (lora_shrink), and P[rows of s, part] += XA[rows of s, s's
+//   columns of part j] . B_j[s's rows] (lora_expand): each row through its own adapter's rank
+//   only, however many adapters are resident. (XA over every slot's columns cost 4 adapters of
+//   rank 16 on the bench model ~9% of the base's multiply-adds per row; own slot only, ~2%.)
 #include <omp.h>
 
 #include <cstdint>
@@ -361,6 +364,70 @@ void lora_expand(const int64_t* lp, const T* xa, T* y, int64_t sy, const SlotRow
     });
 }
 
+// XA[rows of s, s's columns of every part] = X[rows of s] . A_all[:, those columns]: each row
+// through its own slot's columns only, not every resident slot's (lora_expand reads no other).
+// Whole vectors are multiplied (a rank below the vector width spans a neighbour slot's columns
+// too) and only the slot's own columns stored.
+template <typename T>
+void lora_shrink(const int64_t* lp, const T* x, int64_t sx, int64_t K, T* xa, const SlotRows& g, int64_t nb) {
+    const int64_t C = lp[LP_COLS], parts = lp[LP_PARTS];
+    const T* a = reinterpret_cast<const T*>(lp[LP_A]);
+    struct Vector {
+        int64_t col, c0, c1;  // its first column; the slot's columns [c0, c1) of its part
+    };
+    struct Item {
+        int64_t r0, r1;
+        int v;
+        Vector vec[LNV];  // up to LNV vectors, of any parts: one strip multiplies them together
+    };
+    std::vector<Item> items;
+    int64_t macs = 0;
+    for (int64_t s = 0; s + 1 < static_cast<int64_t>(g.seg.size()); ++s) {
+        if (g.seg[s + 1] == g.seg[s]) continue;
+        std::vector<Vector> vectors;
+        for (int64_t j = 0; j < parts; ++j) {
+            const int64_t* q = lp + LP_PART0 + j * LQ_FIELDS;
+            const int64_t c0 = q[LQ_COL] + s * q[LQ_RANK], c1 = c0 + q[LQ_RANK];
+            for (int64_t col = c0 / VW * VW; col < c1; col += VW) vectors.push_back({col, c0, c1});
+            macs += (g.seg[s + 1] - g.seg[s]) * q[LQ_RANK] * K;
+        }
+        for (size_t v0 = 0; v0 < vectors.size(); v0 += LNV)
+            for (int64_t r0 = g.seg[s]; r0 < g.seg[s + 1]; r0 += kLoraChunk) {
+                Item item{r0, r0 + kLoraChunk < g.seg[s + 1] ? r0 + kLoraChunk : g.seg[s + 1], 0, {}};
+                for (size_t i = v0; i < vectors.size() && item.v < LNV; ++i) item.vec[item.v++] = vectors[i];
+                items.push_back(item);
+            }
+    }
+    const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic) if (n > 1 && macs >= kLoraParallelMacs && omp_get_max_threads() > 1)
+    for (int64_t it = 0; it < n; ++it) {
+        const Item& item = items[it];
+        const T* w[LNV];
+        for (int j = 0; j < item.v; ++j) w[j] = packed_vector(a, K, nb, item.vec[j].col);
+        for (int64_t i = item.r0; i < item.r1; i += LMR) {
+            const int rows = static_cast<int>(item.r1 - i < LMR ? item.r1 - i : LMR);
+            const T* xr[LMR];
+            for (int r = 0; r < rows; ++r) xr[r] = x + g.order[i + r] * sx;
+            vf acc[LMR][LNV];
+            strip_rows<T>(rows, item.v, xr, w, nb, 0, K, acc);
+            for (int r = 0; r < rows; ++r) {
+                T* out = xa + g.order[i + r] * C;
+                for (int j = 0; j < item.v; ++j) {
+                    const Vector& vec = item.vec[j];
+                    if (vec.col >= vec.c0 && vec.col + VW <= vec.c1) {
+                        sf_ew::storeu(out + vec.col, acc[r][j]);
+                    } else {
+                        float tmp[VW];
+                        sf_ew::storeu(tmp, acc[r][j]);
+                        for (int64_t c = vec.col < vec.c0 ? vec.c0 : vec.col; c < vec.col + VW && c < vec.c1; ++c)
+                            sf_ew::store1(out + c, tmp[c - vec.col]);
+                    }
+                }
+            }
+        }
+    }
+}
+
 // P [m, sy columns per row] += the rows' LoRA deltas of projection lp from its input x [m, k]
 // (see the top); g: the rows grouped by slot (larger steps only).
 template <typename T>
@@ -369,14 +436,16 @@ void lora_add(const int64_t* lp, int64_t x, int64_t sx, int64_t k, int64_t y, in
     using K = Kernels<T>;
     if (call[C_LORA] == 0 || lp[LP_A] == 0) return;
     const int64_t C = lp[LP_COLS], XA = call[C_XA], D = call[C_D];
+    T* xa = reinterpret_cast<T*>(XA);
+    if (m > kLoraStackedMaxRows) {
+        if (g.order.empty()) return;
+        lora_shrink<T>(lp, reinterpret_cast<const T*>(x), sx, k, xa, g, sf_lin_block_width());
+        lora_expand<T>(lp, xa, reinterpret_cast<T*>(y), sy, g, sf_lin_block_width());
+        return;
+    }
     {
         const int64_t r[] = {x, sx, lp[LP_A], C, k, 0, XA, C, m};
         K::linear(r);
-    }
-    T* xa = reinterpret_cast<T*>(XA);
-    if (m > kLoraStackedMaxRows) {
-        if (!g.order.empty()) lora_expand<T>(lp, xa, reinterpret_cast<T*>(y), sy, g, sf_lin_block_width());
-        return;
     }
     const int64_t* row_slot = reinterpret_cast<const int64_t*>(call[C_ROW_SLOT]);
     const int64_t* col_slot = reinterpret_cast<const int64_t*>(lp[LP_COL_SLOT]);
