@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Sequence
 
 from fastgen_metrics import RequestRecord
 from workload import RequestSpec
@@ -41,18 +41,23 @@ class TritonDriver(Driver):
 
     name = "triton"
 
-    def __init__(self, url: str, model: str = "ensemble", temperature: float = 0.0):
+    def __init__(self, url: str, model: str = "ensemble", temperature: float = 0.0,
+                 lora_names: Sequence[str | None] | None = None):
+        """`lora_names`: request i names adapter lora_names[i % len] (None: the base model)."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
         self.url = url
         self.model = model
         self.temperature = temperature
+        self.lora_names = list(lora_names or [])
         probe = grpcclient.InferenceServerClient(url)
         meta = probe.get_model_metadata(model, as_json=True)
         probe.close()
         self.input_names = {i["name"]: i["datatype"] for i in meta.get("inputs", [])}
         self.output_names = [o["name"] for o in meta.get("outputs", [])]
+        if any(n is not None for n in self.lora_names) and "lora_name" not in self.input_names:
+            raise ValueError(f"model {model!r} has no lora_name input")
         self._local = threading.local()
 
     def _client(self):
@@ -77,6 +82,9 @@ class TritonDriver(Driver):
             "return_num_input_tokens": (np.array([[True]], dtype=bool), "BOOL"),
             "return_num_output_tokens": (np.array([[True]], dtype=bool), "BOOL"),
         }
+        lora_name = self.lora_names[spec.idx % len(self.lora_names)] if self.lora_names else None
+        if lora_name is not None:
+            values["lora_name"] = (np.array([[lora_name.encode("utf-8")]], dtype=object), "BYTES")
         inputs = []
         for name, (arr, dtype) in values.items():
             if name not in self.input_names:

@@ -20,6 +20,11 @@ the median over rounds, and each system's ratio to `base`.
 
     .venv/bin/python perf/lora_bench.py                # bench model and SmolLM2-135M, ~15 min
     .venv/bin/python perf/lora_bench.py --quick        # bench model only, fewer rounds
+    .venv/bin/python perf/lora_bench.py --served       # also through two real tritonservers
+
+`--served` adds, per model, the comparison through Triton: a server without adapters and one with
+the 4 adapters on all seven projections, 16 gRPC streaming clients on the ensemble (text prompts
+of the same length distribution, tokenized in the server), phases alternating over the servers.
 
 Writes --out (default perf/results/lora/): result.json and summary.md, with the machine, CPU
 flags, commit and command.
@@ -226,6 +231,59 @@ def bench_model(model_dir: Path, params: dict[str, str], clients: int, num_reque
     }
 
 
+def bench_served(model_dir: Path, params: dict[str, str], clients: int, num_requests: int, prompt_mean: float,
+                 gen_mean: float, rounds: int, seed: int, workdir: Path) -> dict:
+    """The same comparison through Triton: two real tritonservers (the base; the 4 adapters on
+    all seven projections), gRPC streaming clients on the ensemble (text in, tokenized by its own
+    model), phases alternating: base, all-k4 (requests naming the 4 adapters in turn), all-base."""
+    import contextlib
+
+    from closed_loop import run_point
+    from drivers import TritonDriver
+    from fastgen_metrics import summarize
+    from workload import make_workload
+
+    from splitfuse.launcher import serve
+
+    specs = make_workload(str(model_dir), num_requests, prompt_mean, gen_mean, seed=seed)
+    adapters = make_adapters(model_dir, "all")
+    names = list(adapters)
+    lora_params = {**params, "lora_modules": ",".join(f"{n}={p}" for n, p in adapters.items()),
+                   "max_loras": str(NUM_ADAPTERS), "max_lora_rank": str(RANK)}
+    with contextlib.ExitStack() as stack:
+        servers = {key: stack.enter_context(serve(str(model_dir), p, workdir=workdir / key, ready_timeout_s=600))
+                   for key, p in (("base", params), ("all", lora_params))}
+        systems = [("base", "base", [None]), ("all-k4", "all", names), ("all-base", "all", [None])]
+        drivers = {name: TritonDriver(servers[key].grpc_url, "ensemble", lora_names=lora)
+                   for name, key, lora in systems}
+        for name, driver in drivers.items():  # warm-up: every adapter loaded, every path run once
+            records = run_point(driver, specs[:8], clients=min(clients, 8), num_requests=8)
+            if any(not r.ok for r in records):
+                raise RuntimeError(f"{name}: warm-up failed: {[r.error for r in records if not r.ok][:1]}")
+        phases: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
+        for r in range(rounds):
+            for name, _, _ in systems:
+                records = run_point(drivers[name], specs, clients=clients, num_requests=len(specs))
+                m = summarize(records)
+                if m["errors"]:
+                    raise RuntimeError(f"{name}: {m['errors']} requests failed, e.g. "
+                                       f"{next(rec.error for rec in records if not rec.ok)}")
+                phases[name].append({"tokens_per_s": round(m["output_tokens_per_s"], 2),
+                                     "requests_per_s": round(m["throughput_rps"], 3),
+                                     "wall_s": round(m["duration_s"], 3)})
+                print(f"[lora_bench] served {model_dir.name} round {r} {name}: "
+                      f"{m['output_tokens_per_s']:.1f} tok/s", flush=True)
+    median = {name: statistics.median(p["tokens_per_s"] for p in runs) for name, runs in phases.items()}
+    return {
+        "model": str(model_dir), "served": True, "params": params, "clients": clients,
+        "num_requests": len(specs), "prompt_mean": prompt_mean, "gen_mean": gen_mean, "rounds": rounds,
+        "engines": {"base": "tritonserver, ensemble (tokenizer + llm), no adapters",
+                    "all": f"tritonserver, ensemble, {NUM_ADAPTERS} adapters on all seven projections"},
+        "order": [name for name, _, _ in systems], "phases": phases, "median_tokens_per_s": median,
+        "ratio_to_base": {name: round(v / median["base"], 3) for name, v in median.items()},
+    }
+
+
 def summary_md(result: dict) -> str:
     m = result["machine"]
     lines = ["# Multi-LoRA throughput (perf/lora_bench.py)", "",
@@ -234,9 +292,11 @@ def summary_md(result: dict) -> str:
              "(every system once per round, rounds repeated) and medians are reported.", "",
              f"Command: `{result['command']}`", ""]
     for res in result["models"]:
-        lines += [f"## {Path(res['model']).name}", "",
-                  f"{res['clients']} closed-loop clients in-process, {res['num_requests']} requests per phase "
-                  f"(prompts ~N({res['prompt_mean']:g}, 30%), generations ~N({res['gen_mean']:g}, 30%), random ids, "
+        where = ("gRPC streaming clients on the ensemble of a real tritonserver (text prompts, tokenized "
+                 "there)" if res.get("served") else "clients in-process, random ids")
+        lines += [f"## {Path(res['model']).name}{' (served)' if res.get('served') else ''}", "",
+                  f"{res['clients']} closed-loop {where}, {res['num_requests']} requests per phase "
+                  f"(prompts ~N({res['prompt_mean']:g}, 30%), generations ~N({res['gen_mean']:g}, 30%), "
                   f"greedy, ignore_eos), {res['rounds']} rounds; engine parameters {res['params']}; "
                   f"{NUM_ADAPTERS} adapters of rank {RANK}.", ""]
         for key, text in res["engines"].items():
@@ -266,6 +326,9 @@ def main() -> None:
                     help="an engine parameter (defaults: token_budget=256, enable_prefix_caching=false)")
     ap.add_argument("--quick", action="store_true", help="bench model, 2 rounds, k=4 only")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--served", action="store_true",
+                    help="also through Triton: two real tritonservers (base; all-k4 and all-base), gRPC clients")
+    ap.add_argument("--workdir", default="/tmp/splitfuse-lora-bench", help="--served: the servers' directories")
     ap.add_argument("--out", default=str(HERE / "results" / "lora"))
     args = ap.parse_args()
     if args.quick:
@@ -290,6 +353,9 @@ def main() -> None:
         result["models"].append(bench_model(Path(model_dir), params, args.clients, n, args.prompt_mean,
                                             args.gen_mean, rounds, args.kinds.split(","),
                                             [int(k) for k in args.ks.split(",")], args.seed))
+        if args.served:
+            result["models"].append(bench_served(Path(model_dir), params, args.clients, n, args.prompt_mean,
+                                                 args.gen_mean, rounds, args.seed, Path(args.workdir) / model))
         out = Path(args.out)  # written after each model: a long run keeps what it measured
         out.mkdir(parents=True, exist_ok=True)
         (out / "result.json").write_text(json.dumps(result, indent=1))

@@ -18,6 +18,10 @@ one contiguous delta (torch's index_add_ into a column slice is several times sl
 Where the decoder layers run as one C++ call (kernels/cpu/decoder.py), that call adds the deltas
 itself from each row's slot (`_Rows.row_slot`) in steps of any size; these paths then serve the
 layers it leaves to Python (a last layer keeping only the sampling rows) and other backends.
+
+With the Triton-lang kernels (attention backends triton / flash_attn: GPUs, or the CPU
+interpreter) every projection's parts go through `lora_delta` instead (kernels/triton_lang/lora.py:
+shrink and expand grouped by slot on the device, no host sync), straight from the stacks.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class _Rows:
         self.scattered: tuple[_Rows, torch.Tensor] | None = None
         """Rows outside the groups' runs (decodes beside prompt chunks), through the stacks."""
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self._segments = None  # the Triton-lang kernel's grouping by slot, made once per step
         # Each row's slot: the stacked path's mask, and the fused C++ decoder's input (any step).
         slot_of = np.asarray(slots, dtype=np.int64)
         row_slot = np.where(row_adapter >= 0, slot_of[row_adapter], -1)
@@ -108,6 +113,13 @@ class _Rows:
             if len(rows):
                 self.groups.append((adapter, torch.from_numpy(rows).to(device, non_blocking=True)))
 
+    def segments(self, num_slots: int):
+        if self._segments is None:
+            from splitfuse.kernels.triton_lang.lora import lora_segments
+
+            self._segments = lora_segments(self.row_slot, num_slots)
+        return self._segments
+
     def mask(self, stacked: StackedProjection, dtype: torch.dtype) -> torch.Tensor:
         """[rows, columns]: 1 where the column is the row's own slot's; shared by the projections
         of one layout within the step."""
@@ -121,8 +133,10 @@ class _Rows:
 class LoraState:
     """The current step's adapters and their rows, shared by every adapted projection."""
 
-    def __init__(self, stacks: LoraStacks | None = None) -> None:
+    def __init__(self, stacks: LoraStacks | None = None, device_kernel: bool = False) -> None:
         self.stacks = stacks
+        self.device_kernel = device_kernel
+        """Whether the projections add their deltas with the Triton-lang kernel (`add_on_device`)."""
         self._full: _Rows | None = None
         self._kept: _Rows | None = None
 
@@ -170,6 +184,11 @@ class LoraProjection:
         if not self.state.active:
             return out
         rows = self.state.rows(x.shape[0])
+        if self.state.device_kernel:
+            stacked = self.state.stacks.projections.get(self.key)
+            if stacked is not None:
+                add_on_device(x, out, stacked, rows, self.state.stacks.max_loras)
+            return out
         if rows.stacked:
             stacked = self.state.stacks.projections.get(self.key)
             if stacked is not None:
@@ -216,3 +235,15 @@ def add_stacked(x: torch.Tensor, out: torch.Tensor, stacked: StackedProjection, 
             target += delta
         else:
             target.index_add_(0, rows, delta)
+
+
+def add_on_device(x: torch.Tensor, out: torch.Tensor, stacked: StackedProjection, rows: _Rows,
+                  num_slots: int) -> None:
+    """out += each row's own slot's delta, part by part, through the Triton-lang kernel reading
+    the stacks in place (scale folded into B; base rows, slot -1, get nothing)."""
+    from splitfuse.kernels.triton_lang.lora import lora_delta, slot_views
+
+    for part in stacked.parts:
+        a, b = slot_views(stacked.a[:, part.col_start:part.col_end], part.b, num_slots)
+        lora_delta(x, rows.row_slot, a, b, out=out[:, part.out_start:part.out_end],
+                   segments=rows.segments(num_slots))

@@ -107,6 +107,19 @@ def test_mixed_batch_matches_peft(setup, cpu_path, token_budget, block_size):
     assert stats.loads == len(setup.adapters) and stats.evictions == 0
 
 
+@pytest.mark.interpreter
+def test_triton_lang_kernel_in_the_engine_matches_peft(setup):
+    """The Triton-lang attention backend takes the Triton-lang LoRA kernel too (on CPU under the
+    interpreter: a few prompts, every adapter and the base in one batch)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA tests run the kernel natively")
+    prompts, params, refs = setup.mixed()
+    n = 2 * (len(setup.adapters) + 1)  # the first two prompts, with each adapter and the base
+    got, llm = _generate(setup, prompts[:n], params[:n], attention_backend="triton", token_budget=24, block_size=4)
+    assert llm.engine.runner.lora_state.device_kernel
+    _assert_refs(got, refs[:n], params[:n], "triton-lang")
+
+
 @pytest.mark.parametrize("token_budget", [16, 512])
 def test_fused_cpu_decoder_with_adapters(setup, cpu_path, token_budget, caplog):
     """Adapters (gate/up included) keep the fused C++ decoder: it adds the deltas itself (its
