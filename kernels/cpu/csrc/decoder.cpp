@@ -211,19 +211,29 @@ constexpr int64_t kLoraParallelMacs = 1 << 15;
 // acc[r][j] = sum over k in [k0, k1) of x[r][k] * W[k, vector j] for rows r < R and vectors
 // j < V, W in linear.cpp's packed layout: w[j] is vector j's first column at k = 0 (float32:
 // nb floats per k). One sequential sum over k per output, as linear.cpp's strips compute it.
+// The sums run in a local array (registers) and are copied to acc at the end: acc is the caller's
+// and the loads of x (float) may alias it, so summing into it directly keeps every accumulator in
+// memory (a store and a reload per multiply-add: ~10x slower).
 template <int R, int V>
 inline void lora_strip(const float* const* x, const float* const* w, int64_t nb, int64_t k0, int64_t k1,
                        vf (&acc)[LMR][LNV]) {
+    vf sum[R][V];
     for (int r = 0; r < R; ++r)
-        for (int j = 0; j < V; ++j) acc[r][j] = vf{};
+        for (int j = 0; j < V; ++j) sum[r][j] = vf{};
+    const float* xr[R];
+    const float* wj[V];
+    for (int r = 0; r < R; ++r) xr[r] = x[r];
+    for (int j = 0; j < V; ++j) wj[j] = w[j];
     for (int64_t k = k0; k < k1; ++k) {
         vf wk[V];
-        for (int j = 0; j < V; ++j) wk[j] = sf_ew::loadu(w[j] + k * nb);
+        for (int j = 0; j < V; ++j) wk[j] = sf_ew::loadu(wj[j] + k * nb);
         for (int r = 0; r < R; ++r) {
-            const vf xb = sf_ew::splat(x[r][k]);
-            for (int j = 0; j < V; ++j) acc[r][j] += wk[j] * xb;
+            const vf xb = sf_ew::splat(xr[r][k]);
+            for (int j = 0; j < V; ++j) sum[r][j] += wk[j] * xb;
         }
     }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < V; ++j) acc[r][j] = sum[r][j];
 }
 
 // bf16: W holds pairs of consecutive k per column (nb pairs per k pair); a pair's half outside
@@ -232,8 +242,9 @@ inline void lora_strip(const float* const* x, const float* const* w, int64_t nb,
 template <int R, int V>
 inline void lora_strip(const uint16_t* const* x, const uint16_t* const* w, int64_t nb, int64_t k0, int64_t k1,
                        vf (&acc)[LMR][LNV]) {
+    vf sum[R][V];  // local: see the float32 form
     for (int r = 0; r < R; ++r)
-        for (int j = 0; j < V; ++j) acc[r][j] = vf{};
+        for (int j = 0; j < V; ++j) acc[r][j] = sum[r][j] = vf{};
     if (k0 >= k1) return;
     auto pair = [&](int64_t p, const uint32_t (&xp)[LMR]) {
         sf_ew::vu wv[V];
@@ -242,8 +253,8 @@ inline void lora_strip(const uint16_t* const* x, const uint16_t* const* w, int64
         for (int r = 0; r < R; ++r) {
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r]));
             for (int j = 0; j < V; ++j)
-                acc[r][j] = reinterpret_cast<vf>(
-                    _mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[r][j]), (__m512bh)wv[j], xb));
+                sum[r][j] = reinterpret_cast<vf>(
+                    _mm512_dpbf16_ps(reinterpret_cast<__m512>(sum[r][j]), (__m512bh)wv[j], xb));
         }
 #else
         vf w_even[V], w_odd[V];
@@ -254,7 +265,7 @@ inline void lora_strip(const uint16_t* const* x, const uint16_t* const* w, int64
         for (int r = 0; r < R; ++r) {
             const vf x_even = sf_ew::splat(sf_bf16::to_f32(static_cast<uint16_t>(xp[r])));
             const vf x_odd = sf_ew::splat(sf_bf16::to_f32(static_cast<uint16_t>(xp[r] >> 16)));
-            for (int j = 0; j < V; ++j) acc[r][j] += w_even[j] * x_even + w_odd[j] * x_odd;
+            for (int j = 0; j < V; ++j) sum[r][j] += w_even[j] * x_even + w_odd[j] * x_odd;
         }
 #endif
     };
@@ -272,6 +283,8 @@ inline void lora_strip(const uint16_t* const* x, const uint16_t* const* w, int64
         for (int r = 0; r < R; ++r) xp[r] = x[r][2 * p];
         pair(p, xp);
     }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < V; ++j) acc[r][j] = sum[r][j];
 }
 
 // lora_strip for rows [0, rows) (at most LMR) and V vectors, dispatched to the templates.
