@@ -131,6 +131,11 @@ class EngineConfig:
     and its end at once). Each Triton response is a round trip to the server process (~1 ms on 2
     busy cores): larger values send fewer responses per token under load, the tokens arriving in
     groups. 1 sends every step's tokens."""
+    stream_interval_max_ms: float = 50.0
+    """The longest a token waits for stream_interval's group: it goes out with the first step
+    that ends this many milliseconds after it was made, however few tokens are held then (under
+    light load groups fill quickly; under heavy load, where steps are slow, this caps the added
+    latency). 0 = no bound."""
     lora_modules: str = ""
     """LoRA adapters served over the base model: "name=path[,name=path...]", each path a PEFT
     folder (adapter_config.json + adapter_model.safetensors), all read and checked at start. A
@@ -182,6 +187,8 @@ class EngineConfig:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         _check_positive("stream_interval", self.stream_interval)
+        if not (isinstance(self.stream_interval_max_ms, (int, float)) and 0.0 <= self.stream_interval_max_ms < float("inf")):
+            raise ValueError(f"stream_interval_max_ms must be a finite number >= 0, got {self.stream_interval_max_ms!r}")
         if not (isinstance(self.max_waiting_requests, int) and self.max_waiting_requests >= 0):
             raise ValueError(f"max_waiting_requests must be an integer >= 0, got {self.max_waiting_requests!r}")
         if not (isinstance(self.max_queue_time_s, (int, float)) and 0.0 <= self.max_queue_time_s < float("inf")):

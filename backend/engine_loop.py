@@ -92,7 +92,8 @@ class EngineLoop:
         self._engine_waiting = 0  # the engine's num_waiting after its last step (engine thread)
         self._failure: str | None = None
         self._delivery_pool: ThreadPoolExecutor | None = None
-        self._held: dict[str, RequestOutput] = {}  # stream_interval: undelivered outputs (engine thread)
+        # stream_interval: undelivered outputs and when their oldest token was made (engine thread)
+        self._held: dict[str, tuple[RequestOutput, float]] = {}
         # The last step's outputs, handed to the delivery threads when the next step's forward pass
         # starts (engine thread): their Python then runs while this thread is in the kernels rather
         # than competing for the GIL with its scheduling and batch building.
@@ -312,16 +313,21 @@ class EngineLoop:
 
     def _coalesced(self, out: RequestOutput) -> RequestOutput | None:
         """`out` with the request's held deltas in front, or None while it carries fewer than
-        stream_interval new tokens (a request's first output and its last go at once)."""
+        stream_interval new tokens and its oldest token is younger than stream_interval_max_ms
+        (a request's first output and its last go at once)."""
         interval = self.config.stream_interval
         if interval == 1:
             return out
+        now = time.monotonic()
+        since = now
         held = self._held.pop(out.request_id, None)
         if held is not None:
-            out = out.after(held)
-        if out.finished or out.is_first or len(out.delta_token_ids) >= interval:
+            out, since = out.after(held[0]), held[1]
+        max_wait = self.config.stream_interval_max_ms / 1e3
+        if (out.finished or out.is_first or len(out.delta_token_ids) >= interval
+                or (max_wait and now - since >= max_wait)):
             return out
-        self._held[out.request_id] = out
+        self._held[out.request_id] = (out, since)
         return None
 
     def _post(self, callback: OutputCallback, out: RequestOutput) -> None:

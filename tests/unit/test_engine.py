@@ -296,6 +296,28 @@ def _stream(loop: EngineLoop, requests: dict[str, SamplingParams]) -> dict[str, 
     return on_output.results
 
 
+def test_stream_interval_holds_a_token_at_most_stream_interval_max_ms(tiny_llama):
+    """A group that would take 1000 tokens goes out anyway once its oldest token is older than
+    the bound: steps made slower than it (on_step sleeps 20 ms, bound 1 ms) release every step's
+    token; the tokens are those of an unbounded run."""
+    greedy = dict(ignore_eos=True, temperature=0.0)
+    streams = {}
+    for bound in (0, 1):
+        loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, stream_interval=1000,
+                                       stream_interval_max_ms=bound))
+        loop.on_step = lambda *args: time.sleep(0.02)
+        loop.start()
+        try:
+            streams[bound] = _stream(loop, {"a": SamplingParams(max_tokens=8, **greedy)})["a"]
+        finally:
+            loop.shutdown(timeout=30)
+    unbounded, bounded = streams[0], streams[1]
+    assert len(unbounded) == 2  # the first token, then the rest with the end
+    assert len(bounded) > 2, [len(o.delta_token_ids) for o in bounded]
+    tokens = [t for o in bounded for t in o.delta_token_ids]
+    assert tokens == [t for o in unbounded for t in o.delta_token_ids] == bounded[-1].token_ids
+
+
 def test_stream_interval_groups_tokens_but_not_the_first_or_last(tiny_llama):
     """stream_interval=3: the first token alone, then groups of 3, the end at once (with the
     rest, or with the abort); the tokens, text and log-probs are those of stream_interval=1."""
@@ -304,7 +326,8 @@ def test_stream_interval_groups_tokens_but_not_the_first_or_last(tiny_llama):
               "c": SamplingParams(max_tokens=1, **greedy)}
     streams = {}
     for interval in (1, 3):
-        loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, stream_interval=interval))
+        loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, stream_interval=interval,
+                                       stream_interval_max_ms=0))
         loop.start()
         try:
             streams[interval] = _stream(loop, params)
