@@ -122,7 +122,8 @@ def test_another_client_cannot_stop_a_generation_by_its_request_id(slow_replicas
             assert r.error is None and r.finish_reason == "abort"  # the same answer as a real stop
         time.sleep(0.3)  # a stop would have ended it by now (stops are applied within 10 ms)
         going_on = victim.collect(timeout=30, max_responses=60)  # slowed: 20 ms a token, past the sleep
-        assert going_on.error is None and len(going_on.output_ids) == 60 and not going_on.finish_reason
+        # (60 responses: at least 60 tokens, grouped by stream_interval)
+        assert going_on.error is None and len(going_on.output_ids) >= 60 and not going_on.finish_reason
         assert wait_for(lambda: _generated(server) > generated)
         r = grpc_generate(server.grpc_url, "llm", {"stop": True, "stop_handle": first.stop_handle})
         assert r.error is None
