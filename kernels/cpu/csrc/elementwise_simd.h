@@ -1,4 +1,5 @@
-// Vector helpers for elementwise.cpp (namespace sf_ew; nothing here is exported).
+// Vector helpers for elementwise.cpp and the matrix kernels (namespace sf_ew; nothing here is
+// exported).
 //
 // GCC/Clang vector extensions sized for the widest ISA the compiler targets (-march=native):
 // 16 floats with AVX-512, 8 with AVX/AVX2, 4 otherwise (SSE / NEON / generic). The operators
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "bf16.h"
 
@@ -148,6 +150,24 @@ inline float round_to<uint16_t>(float v) { return sf_bf16::to_f32(sf_bf16::from_
 template <typename T>
 static inline vf silu_mul(vf g, vf u) {
     return round_to<T>(g / (splat(1.0f) + exp_v(-g))) * u;
+}
+
+// Calls fn(std::integral_constant<int, R>{}, m) for the register strips of rows [0..rows): whole
+// strips of STRIP rows from m = 0, then one strip of the R < STRIP rows left (the matrix kernels'
+// row loop, R a template argument so each strip's accumulators stay in registers).
+template <int STRIP, typename Fn>
+inline void for_each_strip(int64_t rows, Fn&& fn) {
+    static_assert(STRIP >= 1 && STRIP <= 6, "strips of 1 to 6 rows");
+    int64_t m = 0;
+    for (; m + STRIP <= rows; m += STRIP) fn(std::integral_constant<int, STRIP>{}, m);
+    switch (rows - m) {
+        case 1: fn(std::integral_constant<int, 1>{}, m); break;
+        case 2: if constexpr (STRIP > 2) fn(std::integral_constant<int, 2>{}, m); break;
+        case 3: if constexpr (STRIP > 3) fn(std::integral_constant<int, 3>{}, m); break;
+        case 4: if constexpr (STRIP > 4) fn(std::integral_constant<int, 4>{}, m); break;
+        case 5: if constexpr (STRIP > 5) fn(std::integral_constant<int, 5>{}, m); break;
+        default: break;
+    }
 }
 
 }  // namespace sf_ew

@@ -235,22 +235,6 @@ inline void store(vf (&acc)[MR][NV], const float* bias, T* y, int64_t sy, int64_
     }
 }
 
-// Calls fn(std::integral_constant<int, R>{}, m) for the register strips of rows [0..rows): whole
-// strips of MR rows from m = 0, then one strip of the R < MR rows left.
-template <typename Fn>
-inline void for_each_strip(int64_t rows, Fn&& fn) {
-    int64_t m = 0;
-    for (; m + MR <= rows; m += MR) fn(std::integral_constant<int, MR>{}, m);
-    switch (rows - m) {  // MR is at most 6
-        case 1: fn(std::integral_constant<int, 1>{}, m); break;
-        case 2: if constexpr (MR > 2) fn(std::integral_constant<int, 2>{}, m); break;
-        case 3: if constexpr (MR > 3) fn(std::integral_constant<int, 3>{}, m); break;
-        case 4: if constexpr (MR > 4) fn(std::integral_constant<int, 4>{}, m); break;
-        case 5: if constexpr (MR > 5) fn(std::integral_constant<int, 5>{}, m); break;
-        default: break;
-    }
-}
-
 #if SF_LIN_VNNI
 // One quad of k: the block's int8 weights for quad kq times the rows' quads (as 32-bit values).
 template <int R>
@@ -420,7 +404,7 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
     for_each_item(M, N, K, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
         const T* wb = w + b * block_elems;
         const float* bb = bias == nullptr ? nullptr : bias + b * NB;
-        for_each_strip(rows, [=](auto r, int64_t m) {
+        for_each_strip<MR>(rows, [=](auto r, int64_t m) {
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip<R>(x + (m0 + m) * sx, sx, wb, K, acc);
@@ -448,7 +432,7 @@ void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, co
     for_each_item(M, N, K / 2, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
         const int8_t* wb = w + b * block_elems;
         const float* bb = bias == nullptr ? nullptr : bias + b * NB;
-        for_each_strip(rows, [=](auto r, int64_t m) {
+        for_each_strip<MR>(rows, [=](auto r, int64_t m) {
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip_i8<R>(x + (m0 + m) * sx, sx, wb, K, colsum + b * NB, zp, wscale + b * NB, xscale + m0 + m, acc);

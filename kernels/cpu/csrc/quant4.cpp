@@ -187,22 +187,6 @@ inline void store(vf (&acc)[MR][NV], const float* bias, float* y, int64_t sy, in
     }
 }
 
-// Calls fn(std::integral_constant<int, R>{}, m) for strips of at most STRIP rows over [0..rows).
-template <int STRIP, typename Fn>
-inline void for_each_strip(int64_t rows, Fn&& fn) {
-    static_assert(STRIP >= 1 && STRIP <= 6, "strips of 1 to 6 rows");
-    int64_t m = 0;
-    for (; m + STRIP <= rows; m += STRIP) fn(std::integral_constant<int, STRIP>{}, m);
-    switch (rows - m) {
-        case 1: fn(std::integral_constant<int, 1>{}, m); break;
-        case 2: if constexpr (STRIP > 2) fn(std::integral_constant<int, 2>{}, m); break;
-        case 3: if constexpr (STRIP > 3) fn(std::integral_constant<int, 3>{}, m); break;
-        case 4: if constexpr (STRIP > 4) fn(std::integral_constant<int, 4>{}, m); break;
-        case 5: if constexpr (STRIP > 5) fn(std::integral_constant<int, 5>{}, m); break;
-        default: break;
-    }
-}
-
 template <int KIND, bool GATED>
 void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
             int64_t sy, int64_t M) {
