@@ -324,8 +324,8 @@ struct LoraItem {
 };
 
 // Runs fn(item) over the items on the pool (dynamic: one slot's rows may be most of the work).
-template <typename Fn>
-void for_each_lora_item(const std::vector<LoraItem>& items, int64_t macs, Fn&& fn) {
+template <typename Item, typename Fn>
+void for_each_lora_item(const std::vector<Item>& items, int64_t macs, Fn&& fn) {
     const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic) if (n > 1 && macs >= kLoraParallelMacs && omp_get_max_threads() > 1)
     for (int64_t i = 0; i < n; ++i) fn(items[i]);
@@ -411,10 +411,7 @@ void lora_shrink(const int64_t* lp, const T* x, int64_t sx, int64_t K, T* xa, co
                 items.push_back(item);
             }
     }
-    const int64_t n = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic) if (n > 1 && macs >= kLoraParallelMacs && omp_get_max_threads() > 1)
-    for (int64_t it = 0; it < n; ++it) {
-        const Item& item = items[it];
+    for_each_lora_item(items, macs, [&](const Item& item) {
         const T* w[LNV];
         for (int j = 0; j < item.v; ++j) w[j] = packed_vector(a, K, nb, item.vec[j].col);
         for (int64_t i = item.r0; i < item.r1; i += LMR) {
@@ -438,7 +435,7 @@ void lora_shrink(const int64_t* lp, const T* x, int64_t sx, int64_t K, T* xa, co
                 }
             }
         }
-    }
+    });
 }
 
 // P [m, sy columns per row] += the rows' LoRA deltas of projection lp from its input x [m, k]
