@@ -171,9 +171,8 @@ class ModelRunner:
         backend = self.linear_backend
         self.lora = LoraRegistry(adapters, base, self.config.max_loras, self.config.max_lora_rank, self.dtype,
                                  self.device, make_kernel=lambda weight: make_linear_kernel(weight, None, backend))
-        # The Triton-lang attention backends run on the device: LoRA there too (one kernel per part).
-        state = self.lora_state = LoraState(self.lora.stacks,
-                                            device_kernel=self.attention_backend in ("triton", "flash_attn"))
+        # Where the Triton-lang kernels run, LoRA takes its Triton-lang kernel too (one per part).
+        state = self.lora_state = LoraState(self.lora.stacks, device_kernel=self.kernels.triton_lang)
         self.model.attach_lora(state, lambda layer, name: LoraProjection(layer, name, state),
                                {TARGETS[t][0] for t in self.lora.targets})
 

@@ -38,6 +38,11 @@ class KernelSet:
         """Whether attention and the elementwise ops are the C++ CPU kernels."""
         return self.attention_backend == "cpu" and self.rms_norm is _cpu_rms_norm
 
+    @property
+    def triton_lang(self) -> bool:
+        """Whether the Triton-lang kernels run (attention backends triton / flash_attn)."""
+        return self.attention_backend not in ("torch", "cpu")
+
     @classmethod
     def create(cls, attention_backend: str, dtype: torch.dtype = torch.float32) -> "KernelSet":
         attention = make_backend(attention_backend)
