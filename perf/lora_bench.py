@@ -84,6 +84,19 @@ def make_adapters(model_dir: Path, kind: str) -> dict[str, str]:
     return out
 
 
+def adapter_params(adapters: dict[str, str]) -> dict[str, str]:
+    """The engine parameters that serve `adapters` (name: PEFT folder)."""
+    return {"lora_modules": ",".join(f"{n}={p}" for n, p in adapters.items()),
+            "max_loras": str(NUM_ADAPTERS), "max_lora_rank": str(RANK)}
+
+
+def medians_and_ratios(phases: dict[str, list[dict]]) -> dict:
+    """Each system's median generated tok/s over its rounds, and its ratio to `base`'s."""
+    median = {name: statistics.median(p["tokens_per_s"] for p in runs) for name, runs in phases.items()}
+    return {"median_tokens_per_s": median,
+            "ratio_to_base": {name: round(v / median["base"], 3) for name, v in median.items()}}
+
+
 class Closed:
     """One phase: `clients` closed-loop clients over `requests` on one engine."""
 
@@ -201,9 +214,7 @@ def bench_model(model_dir: Path, params: dict[str, str], clients: int, num_reque
         engines["base"] = EngineProcess({"model": str(model_dir), **params}, [None])
         for kind in kinds:
             adapters = make_adapters(model_dir, kind)
-            modules = ",".join(f"{n}={p}" for n, p in adapters.items())
-            engines[kind] = EngineProcess({"model": str(model_dir), **params, "lora_modules": modules,
-                                           "max_loras": str(NUM_ADAPTERS), "max_lora_rank": str(RANK)},
+            engines[kind] = EngineProcess({"model": str(model_dir), **params, **adapter_params(adapters)},
                                           [None, *adapters])
             names = list(adapters)
             for k in ks:
@@ -219,15 +230,13 @@ def bench_model(model_dir: Path, params: dict[str, str], clients: int, num_reque
     finally:
         for engine in engines.values():
             engine.close()
-    median = {name: statistics.median(p["tokens_per_s"] for p in runs) for name, runs in phases.items()}
     return {
         "model": str(model_dir), "engines": {key: engine.info for key, engine in engines.items()},
         "params": params, "clients": clients, "num_requests": num_requests, "prompt_mean": prompt_mean,
         "gen_mean": gen_mean, "rounds": rounds,
         "order": [name for name, _, _ in systems],
         "phases": phases,
-        "median_tokens_per_s": median,
-        "ratio_to_base": {name: round(v / median["base"], 3) for name, v in median.items()},
+        **medians_and_ratios(phases),
     }
 
 
@@ -248,8 +257,7 @@ def bench_served(model_dir: Path, params: dict[str, str], clients: int, num_requ
     specs = make_workload(str(model_dir), num_requests, prompt_mean, gen_mean, seed=seed)
     adapters = make_adapters(model_dir, "all")
     names = list(adapters)
-    lora_params = {**params, "lora_modules": ",".join(f"{n}={p}" for n, p in adapters.items()),
-                   "max_loras": str(NUM_ADAPTERS), "max_lora_rank": str(RANK)}
+    lora_params = {**params, **adapter_params(adapters)}
     with contextlib.ExitStack() as stack:
         servers = {key: stack.enter_context(serve(str(model_dir), p, workdir=workdir / key, ready_timeout_s=600))
                    for key, p in (("base", params), ("all", lora_params))}
@@ -273,14 +281,12 @@ def bench_served(model_dir: Path, params: dict[str, str], clients: int, num_requ
                                      "wall_s": round(m["duration_s"], 3)})
                 print(f"[lora_bench] served {model_dir.name} round {r} {name}: "
                       f"{m['output_tokens_per_s']:.1f} tok/s", flush=True)
-    median = {name: statistics.median(p["tokens_per_s"] for p in runs) for name, runs in phases.items()}
     return {
         "model": str(model_dir), "served": True, "params": params, "clients": clients,
         "num_requests": len(specs), "prompt_mean": prompt_mean, "gen_mean": gen_mean, "rounds": rounds,
         "engines": {"base": "tritonserver, ensemble (tokenizer + llm), no adapters",
                     "all": f"tritonserver, ensemble, {NUM_ADAPTERS} adapters on all seven projections"},
-        "order": [name for name, _, _ in systems], "phases": phases, "median_tokens_per_s": median,
-        "ratio_to_base": {name: round(v / median["base"], 3) for name, v in median.items()},
+        "order": [name for name, _, _ in systems], "phases": phases, **medians_and_ratios(phases),
     }
 
 
