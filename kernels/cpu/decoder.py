@@ -16,9 +16,9 @@ int8. A gate_up projection may be ungated (its product, then `silu_and_mul`): Lo
 gate/up add their deltas between the two. `set_lora` gives the stack the resident LoRA adapters'
 stacked weights (`splitfuse.lora.stacks`, packed for the C++ linear kernel); `run` with
 `lora_row_slot` then adds each row's own adapter's deltas to every adapted projection, the sums
-`splitfuse.lora.batching.add_stacked` computes, in steps of any size: few rows through the
-stacks with a mask, as add_stacked, more (prompt chunks) each through its own slot's rows of B
-only (csrc/decoder.cpp: lora_expand).
+`splitfuse.lora.batching.add_stacked` computes, in steps of any size: the rows' products with A
+first, then each row's through its own slot's rows of B as the base product stores its outputs
+(csrc/decoder.cpp, csrc/lora_simd.h).
 
 The call releases the GIL (ctypes) and runs on the calling thread's OpenMP pool. Callers
 check `available()` first.
@@ -38,8 +38,8 @@ from .paged_attention import K_TRANSPOSED, window_arg
 
 __all__ = ["DecoderLayerWeights", "DecoderStack", "LoraWeights", "available"]
 
-_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS = 26, 14, 31  # csrc/decoder.cpp: Layer, Shape, Call
-_LORA_FIELDS, _LP_FIELDS, _LQ_FIELDS = 88, 22, 6  # LORA_FIELDS, LP_FIELDS, LQ_FIELDS
+_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS = 26, 14, 30  # csrc/decoder.cpp: Layer, Shape, Call
+_LORA_FIELDS, _LP_FIELDS, _LQ_FIELDS = 84, 21, 6  # LORA_FIELDS, LP_FIELDS, LQ_FIELDS
 _LP_MAX_PARTS = 3
 _CALL = struct.Struct(f"={_CALL_FIELDS}q")
 _ERRORS = {-100: "a position is outside the rotary tables", -101: "bad layer count or token count",
@@ -130,7 +130,7 @@ class DecoderStack:
         self._ungated = not all(w.gate_up.gated for w in layers)
         self._lora: torch.Tensor | None = None
         self._lora_keep: list = []
-        self._lora_cols = self._lora_out = self._lora_slots = 0
+        self._lora_cols = self._lora_slots = 0
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._shape = torch.tensor([len(layers), hidden, num_heads, num_kv_heads, head_dim, inter,
                                     block_elems // head_dim, num_blocks, int(dtype is torch.bfloat16), K_TRANSPOSED,
@@ -147,7 +147,7 @@ class DecoderStack:
         if len(projections) != self.num_layers or any(len(p) != 4 for p in projections):
             raise ValueError(f"DecoderStack.set_lora: 4 projections for each of {self.num_layers} layers")
         table = torch.zeros(self.num_layers, _LORA_FIELDS, dtype=torch.int64)
-        keep, cols, widest, num_slots = [], 0, 0, None
+        keep, cols, num_slots = [], 0, None
         for layer, row in enumerate(projections):
             for j, lw in enumerate(row):
                 if lw is None:
@@ -156,12 +156,12 @@ class DecoderStack:
                         or lw.col_slot.shape != (lw.a.out_features,) or len(lw.parts) > _LP_MAX_PARTS):
                     raise ValueError(f"DecoderStack.set_lora: layer {layer} projection {j}: {self.dtype} weights, "
                                      f"int64 column slots [{lw.a.out_features}], at most {_LP_MAX_PARTS} parts")
-                slots = [lw.a.data.data_ptr(), lw.a.out_features, lw.col_slot.data_ptr(), len(lw.parts)]
+                slots = [lw.a.data.data_ptr(), lw.a.out_features, len(lw.parts)]
                 for b, col, out in lw.parts:
                     if b.dtype is not self.dtype or b.gated or b.bias is not None:
                         raise ValueError("DecoderStack.set_lora: a part's B must be a plain packed weight")
-                    # Steps of many rows read slot s's columns [col + s R, col + (s + 1) R) of XA
-                    # and those rows of B: the stacks' layout (part-major, slot-minor), checked here.
+                    # Row t of slot s reads columns [col + s R, col + (s + 1) R) of XA and those rows
+                    # of B: the stacks' layout (part-major, slot-minor), checked here.
                     width = b.in_features
                     col_slot = lw.col_slot[col:col + width]
                     rank = int((col_slot == col_slot[0]).sum()) if width else 0
@@ -171,12 +171,11 @@ class DecoderStack:
                                          "are not every slot's equal run, slot-major")
                     num_slots = width // rank
                     slots += [b.data.data_ptr(), col, width, rank, out, b.out_features]
-                    widest = max(widest, b.out_features)
                 base = j * _LP_FIELDS
                 table[layer, base:base + len(slots)] = torch.tensor(slots, dtype=torch.int64)
                 keep.append(lw)
                 cols = max(cols, lw.a.out_features)
-        self._lora, self._lora_keep, self._lora_cols, self._lora_out = table, keep, cols, widest
+        self._lora, self._lora_keep, self._lora_cols = table, keep, cols
         self._lora_slots = num_slots or 0
 
     def run(self, x: torch.Tensor, num_layers: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -228,7 +227,6 @@ class DecoderStack:
         xq = torch.empty(t, max(self.hidden, qd, self.intermediate) if self._int8 else 0, dtype=torch.uint8)
         xs = torch.empty(t if self._int8 else 0, dtype=torch.float32)
         xa = torch.empty(t if lora else 0, self._lora_cols, dtype=self.dtype)
-        d = torch.empty(t if lora else 0, self._lora_out, dtype=self.dtype)  # steps of few rows
         gu = torch.empty(t if self._ungated else 0, 2 * self.intermediate, dtype=self.dtype)
         call = _CALL.pack(
             t, num_layers, x.data_ptr(), y.data_ptr(), positions.data_ptr(), cos.data_ptr(), cos.stride(0),
@@ -236,7 +234,7 @@ class DecoderStack:
              seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], b,
              torch.get_num_threads(), qkv.data_ptr(), att.data_ptr(), attc.data_ptr(), ao.data_ptr(),
              act.data_ptr(), xq.data_ptr(), xs.data_ptr(), lora, 0 if lora == 0 else lora_row_slot.data_ptr(),
-             xa.data_ptr(), d.data_ptr(), self._lora_slots, gu.data_ptr())
+             xa.data_ptr(), self._lora_slots, gu.data_ptr())
         rc = fn(self._shape.data_ptr(), self._table.data_ptr(), call)
         if rc:
             raise ValueError(f"DecoderStack.run: {_ERRORS.get(rc) or f'attention kernel error {rc}'}")

@@ -1,9 +1,12 @@
 """LoRA deltas inside the one-call C++ decoder (splitfuse.kernels.cpu.decoder) against the Python
 layers' (splitfuse.lora.batching: grouped and stacked products in torch): per step, the logits of
-steps of few rows (decodes: the stacked, masked products) and of many rows (prompt chunks beside
-decodes: each row through its own slot's rows of B, csrc/decoder.cpp's lora_expand), odd row
-counts, base rows between adapter rows, adapters of rank 8, 16 and 64 (one slot's rows of B
-starting at an odd pair in bf16 when a rank is odd: rank 5), float32 and bfloat16."""
+steps of few rows (decodes: XA over every slot's A) and of many rows (prompt chunks beside
+decodes: XA over each row's own slot's columns, csrc/decoder.cpp's lora_shrink), the deltas
+added by the linear kernel's epilogue (csrc/lora_simd.h), odd row counts, base rows between
+adapter rows, adapters of rank 8, 16 and 64 (one slot's rows of B starting at an odd pair in bf16
+when a rank is odd: rank 5), float32 and bfloat16; and a model whose projections' parts (q / k /
+v, gate / up) start and end inside a vector and whose outputs end in a partial block (the
+epilogue's column-by-column form)."""
 
 from __future__ import annotations
 
@@ -49,6 +52,13 @@ def served(tiny_model_factory, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def served_misaligned(tiny_model_factory, tmp_path_factory):
+    # head_dim 18: q [0, 72), k [72, 90), v [90, 108); intermediate 100: gate [0, 100), up [100, 200).
+    base = tiny_model_factory("llama", hidden_size=72, intermediate_size=100)
+    return base, _modules(base, tmp_path_factory.mktemp("decoder_lora_misaligned"), {"r8": (8, ALL), "r4": (4, ALL)})
+
+
+@pytest.fixture(scope="module")
 def served_narrow(tiny_model_factory, tmp_path_factory):
     base = tiny_model_factory("llama")
     return base, _modules(base, tmp_path_factory.mktemp("decoder_lora_narrow"), NARROW)
@@ -79,7 +89,7 @@ def _run(base: str, modules: str, fused: bool, dtype: str) -> tuple[LLM, list[to
     return llm, logits, [o.token_ids for o in outs], rows
 
 
-@pytest.mark.parametrize("adapters", ["served", "served_narrow"])
+@pytest.mark.parametrize("adapters", ["served", "served_narrow", "served_misaligned"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_call_adds_the_python_layers_deltas(request, adapters, dtype):
     base, modules = request.getfixturevalue(adapters)

@@ -20,7 +20,8 @@ from splitfuse.kernels.cpu import build
 ROOT = Path(__file__).resolve().parents[2]
 AVX2_ENV = {"SPLITFUSE_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 TESTS = ["tests/kernels/test_cpu_paged_attention.py", "tests/kernels/test_cpu_elementwise.py",
-         "tests/kernels/test_cpu_linear.py", "tests/kernels/test_cpu_decoder.py", "tests/unit/test_linear.py",
+         "tests/kernels/test_cpu_linear.py", "tests/kernels/test_cpu_decoder.py",
+         "tests/kernels/test_cpu_decoder_lora.py", "tests/unit/test_linear.py",
          "tests/unit/test_int8_linear.py", "tests/unit/test_dtype_auto.py",
          "tests/models/test_low_precision_agreement.py"]
 # What the AVX2 build offers and what the engine's `auto` choices take from it: bf16 weights

@@ -18,18 +18,14 @@
 // A gate_up weight that is not gated (LoRA adapts gate/up: the deltas go in before SwiGLU) is
 // projected into GU [T, 2I] and then ACT = silu_and_mul(GU).
 //
-// LoRA (optional; the deltas splitfuse/lora/batching.py's add_stacked computes): after each
-// adapted projection P = IN . W^T:
-// * steps of at most kLoraStackedMaxRows rows (decodes): XA = IN . A_all (every resident slot's
-//   A side by side, [T, C]: one product at the linear kernel's speed), XA[t, c] = 0 unless column
-//   c belongs to row t's slot (base rows: slot -1, none), and per output part j of P,
-//   P[:, part] += XA[:, part's columns] . B_j (every slot's rows of B_j: a few long products,
-//   where the weights' bytes are the cost);
-// * larger steps (prompt chunks beside decodes): the rows grouped by slot once per call; XA only
-//   at each row's own slot's columns (lora_shrink), and P[rows of s, part] += XA[rows of s, s's
-//   columns of part j] . B_j[s's rows] (lora_expand): each row through its own adapter's rank
-//   only, however many adapters are resident. (XA over every slot's columns cost 4 adapters of
-//   rank 16 on the bench model ~9% of the base's multiply-adds per row; own slot only, ~2%.)
+// LoRA (optional; the deltas splitfuse/lora/batching.py's add_stacked computes): before each
+// adapted projection P = IN . W^T, XA = IN . A: for steps of at most kLoraStackedMaxRows rows
+// (decodes) one product with every resident slot's A side by side (A_all [in, C], at the linear
+// kernel's speed), for larger ones (prompt chunks beside decodes) each row through its own slot's
+// columns only (lora_shrink: 4 adapters of rank 16 on the bench model cost ~9% of the base's
+// multiply-adds per row over every slot's columns, ~2% over its own). The base product then adds
+// each row's XA[t, its slot's columns of part j] . B_j[its slot's rows] to its sums as it stores
+// them (linear.cpp with lora_simd.h: each block's deltas computed first, on the same thread).
 #include <omp.h>
 
 #include <cstdint>
@@ -39,6 +35,7 @@
 
 #include "bf16.h"
 #include "elementwise_simd.h"
+#include "lora_simd.h"
 
 #if defined(__AVX512BF16__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
 #include <immintrin.h>
@@ -53,6 +50,7 @@ void sf_lin_linear_i8_f32_packed(const int64_t* a);
 void sf_lin_linear_i8_bf16_packed(const int64_t* a);
 void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t* a);
 void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t* a);
+void sf_lin_linear_lora_packed(const int64_t* a, int bf16, int int8, const void* lora);
 void sf_ew_quantize_rows_u8_packed(const int64_t* a);
 void sf_ew_quantize_rows_u8_bf16_packed(const int64_t* a);
 void sf_ew_rms_norm_f32_packed(const int64_t* a);
@@ -92,17 +90,17 @@ enum Shape { S_LAYERS, S_H, S_HQ, S_HKV, S_D, S_I, S_BLOCK, S_NUM_BLOCKS, S_BF16
 // [T, Hq*D], bf16 models), AO [T, H], ACT [T, I], and for int8 projections XQ (uint8 [T, the
 // largest K]) and XS (fp32 [T]).
 // Then the LoRA table (0: none; LORA_FIELDS slots per layer, below), the rows' slots (int64 [T]),
-// the scratch XA [T, the widest C] and D [T, the widest part], the slots in the stacks, and GU
-// [T, 2I] for a gate_up that is not gated.
+// the scratch XA [T, the widest C], the slots in the stacks, and GU [T, 2I] for a gate_up that
+// is not gated.
 enum Call {
     C_T, C_LAYERS, C_X, C_Y, C_POS, C_COS, C_COS_ST, C_SIN, C_SIN_ST, C_MAX_POS, C_SLOTS, C_QSL, C_SEQ_LENS,
     C_BT, C_BT_ST, C_BT_W, C_SEQS, C_THREADS, C_QKV, C_ATT, C_ATTC, C_AO, C_ACT, C_XQ, C_XS, C_LORA, C_ROW_SLOT,
-    C_XA, C_D, C_LORA_SLOTS, C_GU, C_FIELDS
+    C_XA, C_LORA_SLOTS, C_GU, C_FIELDS
 };
-// One projection's LoRA: A_all packed (0: not adapted), its columns C, each column's slot (int64
-// [C]), the number of parts, then per part its B packed, its first column in XA, its columns
-// (B's K: every slot's R_j, slot-major), R_j, its first output column in P and output columns.
-enum LoraProjection { LP_A, LP_COLS, LP_COL_SLOT, LP_PARTS, LP_PART0, LP_MAX_PARTS = 3 };
+// One projection's LoRA: A_all packed (0: not adapted), its columns C, the number of parts, then
+// per part its B packed, its first column in XA, its columns (B's K: every slot's R_j,
+// slot-major), R_j, its first output column in P and output columns.
+enum LoraProjection { LP_A, LP_COLS, LP_PARTS, LP_PART0, LP_MAX_PARTS = 3 };
 enum LoraPart { LQ_B, LQ_COL, LQ_WIDTH, LQ_RANK, LQ_OUT, LQ_OUT_WIDTH, LQ_FIELDS };
 enum { LP_FIELDS = LP_PART0 + LP_MAX_PARTS * LQ_FIELDS, LORA_FIELDS = 4 * LP_FIELDS };
 
@@ -154,22 +152,29 @@ struct Kernels<uint16_t> {
 };
 
 // y [m, n] (row stride sy) = x [m, k] (row stride sx) times projection p (gated: SwiGLU's
-// silu(gate) * up, n = I); an int8 projection first quantizes x's rows into XQ / XS, as
-// CpuInt8Linear does.
+// silu(gate) * up, n = I), plus the rows' LoRA deltas where `lora` is given (never gated); an
+// int8 projection first quantizes x's rows into XQ / XS, as CpuInt8Linear does.
 template <typename T>
 void project(const int64_t* p, bool gated, int64_t x, int64_t sx, int64_t n, int64_t k, int64_t y, int64_t sy,
-             int64_t m, const int64_t* shape, const int64_t* call) {
+             int64_t m, const int64_t* shape, const int64_t* call, const sf_lora::Deltas* lora = nullptr) {
     using K = Kernels<T>;
+    constexpr int bf16 = sizeof(T) == 2;
     if (p[P_KIND] == 0) {
         const int64_t r[] = {x, sx, p[P_DATA], n, k, p[P_BIAS], y, sy, m};
-        (gated ? K::linear_gated : K::linear)(r);
+        if (lora != nullptr)
+            sf_lin_linear_lora_packed(r, bf16, 0, lora);
+        else
+            (gated ? K::linear_gated : K::linear)(r);
         return;
     }
     const int64_t q[] = {x, sx, call[C_XQ], call[C_XS], m, k, shape[S_LEVELS], shape[S_ZERO_POINT]};
     K::quantize(q);
     const int64_t r[] = {call[C_XQ], k, call[C_XS], shape[S_ZERO_POINT], p[P_DATA], p[P_COL_SUMS], p[P_SCALES],
                          p[P_BIAS], n, k, y, sy, m};
-    (gated ? K::linear_i8_gated : K::linear_i8)(r);
+    if (lora != nullptr)
+        sf_lin_linear_lora_packed(r, bf16, 1, lora);
+    else
+        (gated ? K::linear_i8_gated : K::linear_i8)(r);
 }
 
 using sf_ew::vf;
@@ -196,132 +201,17 @@ bool group_rows(const int64_t* row_slot, int64_t T, int64_t slots, SlotRows& g) 
     return true;
 }
 
-// Rows per register strip and weight vectors per strip, as linear.cpp's MR and NV.
-constexpr int LMR = SF_EW_NATIVE_VW == 16 ? 6 : 2;
-constexpr int LNV = 4;
-// Steps of at most this many rows take the stacked products (see the top): measured on the bench
-// model (16 decodes over 4 adapters of rank 16), lora_expand's short strips (one slot's few rows
-// through R_j of B's rows each) cost more than the stacked B's extra products.
+using sf_lora::LMR;
+using sf_lora::LNV;
+using sf_lora::packed_vector;
+using sf_lora::strip_rows;
+// Steps of at most this many rows compute XA over every resident slot's columns (one product at
+// the linear kernel's speed); larger ones each row's own slot's only (lora_shrink).
 constexpr int64_t kLoraStackedMaxRows = 64;
 // Rows of one slot per work item (whole strips), so that a long prompt chunk's rows spread over
-// the threads; and the multiply-adds below which lora_expand stays on the calling thread.
+// the threads; and the multiply-adds below which lora_shrink stays on the calling thread.
 constexpr int64_t kLoraChunk = 4 * LMR;
 constexpr int64_t kLoraParallelMacs = 1 << 15;
-
-// acc[r][j] = sum over k in [k0, k1) of x[r][k] * W[k, vector j] for rows r < R and vectors
-// j < V, W in linear.cpp's packed layout: w[j] is vector j's first column at k = 0 (float32:
-// nb floats per k). One sequential sum over k per output, as linear.cpp's strips compute it.
-// The sums run in a local array (registers) and are copied to acc at the end: acc is the caller's
-// and the loads of x (float) may alias it, so summing into it directly keeps every accumulator in
-// memory (a store and a reload per multiply-add: ~10x slower).
-template <int R, int V>
-inline void lora_strip(const float* const* x, const float* const* w, int64_t nb, int64_t k0, int64_t k1,
-                       vf (&acc)[LMR][LNV]) {
-    vf sum[R][V];
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < V; ++j) sum[r][j] = vf{};
-    const float* xr[R];
-    const float* wj[V];
-    for (int r = 0; r < R; ++r) xr[r] = x[r];
-    for (int j = 0; j < V; ++j) wj[j] = w[j];
-    for (int64_t k = k0; k < k1; ++k) {
-        vf wk[V];
-        for (int j = 0; j < V; ++j) wk[j] = sf_ew::loadu(wj[j] + k * nb);
-        for (int r = 0; r < R; ++r) {
-            const vf xb = sf_ew::splat(xr[r][k]);
-            for (int j = 0; j < V; ++j) sum[r][j] += wk[j] * xb;
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < V; ++j) acc[r][j] = sum[r][j];
-}
-
-// bf16: W holds pairs of consecutive k per column (nb pairs per k pair); a pair's half outside
-// [k0, k1) gets x = 0, so a slot's rows of B starting at an odd k leave its neighbour's out.
-// The pair product is linear.cpp's (vdpbf16ps where the compiler targets AVX-512 BF16).
-template <int R, int V>
-inline void lora_strip(const uint16_t* const* x, const uint16_t* const* w, int64_t nb, int64_t k0, int64_t k1,
-                       vf (&acc)[LMR][LNV]) {
-    vf sum[R][V];  // local: see the float32 form
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < V; ++j) acc[r][j] = sum[r][j] = vf{};
-    if (k0 >= k1) return;
-    auto pair = [&](int64_t p, const uint32_t (&xp)[LMR]) {
-        sf_ew::vu wv[V];
-        for (int j = 0; j < V; ++j) std::memcpy(&wv[j], w[j] + p * 2 * nb, sizeof(sf_ew::vu));
-#if defined(__AVX512BF16__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
-        for (int r = 0; r < R; ++r) {
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r]));
-            for (int j = 0; j < V; ++j)
-                sum[r][j] = reinterpret_cast<vf>(
-                    _mm512_dpbf16_ps(reinterpret_cast<__m512>(sum[r][j]), (__m512bh)wv[j], xb));
-        }
-#else
-        vf w_even[V], w_odd[V];
-        for (int j = 0; j < V; ++j) {
-            w_even[j] = reinterpret_cast<vf>(wv[j] << 16);
-            w_odd[j] = reinterpret_cast<vf>(wv[j] & 0xffff0000u);
-        }
-        for (int r = 0; r < R; ++r) {
-            const vf x_even = sf_ew::splat(sf_bf16::to_f32(static_cast<uint16_t>(xp[r])));
-            const vf x_odd = sf_ew::splat(sf_bf16::to_f32(static_cast<uint16_t>(xp[r] >> 16)));
-            for (int j = 0; j < V; ++j) sum[r][j] += w_even[j] * x_even + w_odd[j] * x_odd;
-        }
-#endif
-    };
-    uint32_t xp[LMR];
-    int64_t p = k0 / 2;
-    if (k0 & 1) {  // the first pair's even half is the previous slot's
-        for (int r = 0; r < R; ++r) xp[r] = uint32_t(x[r][k0]) << 16;
-        pair(p++, xp);
-    }
-    for (; 2 * p + 1 < k1; ++p) {
-        for (int r = 0; r < R; ++r) std::memcpy(&xp[r], x[r] + 2 * p, sizeof(uint32_t));
-        pair(p, xp);
-    }
-    if (2 * p < k1) {  // the last pair's odd half is outside (the next slot's, or K's padding)
-        for (int r = 0; r < R; ++r) xp[r] = x[r][2 * p];
-        pair(p, xp);
-    }
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < V; ++j) acc[r][j] = sum[r][j];
-}
-
-// lora_strip for rows [0, rows) (at most LMR) and V vectors, dispatched to the templates.
-template <typename T>
-void strip_rows(int rows, int v, const T* const* x, const T* const* w, int64_t nb, int64_t k0, int64_t k1,
-                vf (&acc)[LMR][LNV]) {
-    auto by_v = [&](auto r) {
-        constexpr int R = decltype(r)::value;
-        switch (v) {
-            case 1: lora_strip<R, 1>(x, w, nb, k0, k1, acc); break;
-            case 2: lora_strip<R, 2>(x, w, nb, k0, k1, acc); break;
-            case 3: lora_strip<R, 3>(x, w, nb, k0, k1, acc); break;
-            default: lora_strip<R, 4>(x, w, nb, k0, k1, acc); break;
-        }
-    };
-    switch (rows) {  // LMR is 6 or 2
-        case 1: by_v(std::integral_constant<int, 1>{}); break;
-        case 2: by_v(std::integral_constant<int, 2>{}); break;
-        case 3: if constexpr (LMR > 2) by_v(std::integral_constant<int, 3>{}); break;
-        case 4: if constexpr (LMR > 3) by_v(std::integral_constant<int, 4>{}); break;
-        case 5: if constexpr (LMR > 4) by_v(std::integral_constant<int, 5>{}); break;
-        default: if constexpr (LMR > 5) by_v(std::integral_constant<int, LMR>{}); break;
-    }
-}
-
-// Where the vector of columns [col, col + VW) (col a multiple of VW) of a packed weight of K rows
-// (linear.cpp's layout) starts, at k = 0.
-template <typename T>
-const T* packed_vector(const T* w, int64_t K, int64_t nb, int64_t col) {
-    const int64_t block_elems = (sizeof(T) == 2 ? (K + 1) / 2 * 2 : K) * nb;
-    return w + (col / nb) * block_elems + (col % nb) * (sizeof(T) == 2 ? 2 : 1);
-}
-
-// lora_expand's unit of work: slot s's rows [r0, r1) of `order`, part j, output block b.
-struct LoraItem {
-    int64_t s, j, b, r0, r1;
-};
 
 // Runs fn(item) over the items on the pool (dynamic: one slot's rows may be most of the work).
 template <typename Item, typename Fn>
@@ -331,54 +221,8 @@ void for_each_lora_item(const std::vector<Item>& items, int64_t macs, Fn&& fn) {
     for (int64_t i = 0; i < n; ++i) fn(items[i]);
 }
 
-// y[rows of s, part j's outputs] += XA[rows of s, s's columns of part j] . B_j[s's rows], the
-// product rounded to T and added as torch's `+=` of two T tensors; y row stride sy.
-template <typename T>
-void lora_expand(const int64_t* lp, const T* xa, T* y, int64_t sy, const SlotRows& g, int64_t nb) {
-    const int64_t C = lp[LP_COLS], parts = lp[LP_PARTS];
-    std::vector<LoraItem> items;
-    int64_t macs = 0;
-    for (int64_t j = 0; j < parts; ++j) {
-        const int64_t* q = lp + LP_PART0 + j * LQ_FIELDS;
-        const int64_t blocks = (q[LQ_OUT_WIDTH] + nb - 1) / nb;
-        for (int64_t b = 0; b < blocks; ++b)
-            for (int64_t s = 0; s + 1 < static_cast<int64_t>(g.seg.size()); ++s)
-                for (int64_t r0 = g.seg[s]; r0 < g.seg[s + 1]; r0 += kLoraChunk)
-                    items.push_back({s, j, b, r0, r0 + kLoraChunk < g.seg[s + 1] ? r0 + kLoraChunk : g.seg[s + 1]});
-        macs += g.seg.back() * q[LQ_RANK] * q[LQ_OUT_WIDTH];
-    }
-    for_each_lora_item(items, macs, [&](const LoraItem& it) {
-        const int64_t* q = lp + LP_PART0 + it.j * LQ_FIELDS;
-        const int64_t n = q[LQ_OUT_WIDTH], n0 = it.b * nb, cols = n - n0 < nb ? n - n0 : nb;
-        const int v = static_cast<int>((cols + VW - 1) / VW);
-        const T* w[LNV];
-        for (int j = 0; j < v; ++j) w[j] = packed_vector(reinterpret_cast<const T*>(q[LQ_B]), q[LQ_WIDTH], nb, n0 + j * VW);
-        const int64_t k0 = it.s * q[LQ_RANK], k1 = k0 + q[LQ_RANK];
-        for (int64_t i = it.r0; i < it.r1; i += LMR) {
-            const int rows = static_cast<int>(it.r1 - i < LMR ? it.r1 - i : LMR);
-            const T* xr[LMR];
-            for (int r = 0; r < rows; ++r) xr[r] = xa + g.order[i + r] * C + q[LQ_COL];
-            vf acc[LMR][LNV];
-            strip_rows<T>(rows, v, xr, w, nb, k0, k1, acc);
-            for (int r = 0; r < rows; ++r) {
-                T* out = y + g.order[i + r] * sy + q[LQ_OUT] + n0;
-                for (int j = 0; j < v; ++j) {
-                    const vf d = sf_ew::round_to<T>(acc[r][j]);
-                    if (cols - j * VW >= VW) {
-                        sf_ew::storeu(out + j * VW, sf_ew::loadu(out + j * VW) + d);
-                    } else {
-                        float tmp[VW];
-                        sf_ew::storeu(tmp, d);
-                        for (int64_t c = j * VW; c < cols; ++c) sf_ew::store1(out + c, sf_ew::load1(out + c) + tmp[c - j * VW]);
-                    }
-                }
-            }
-        }
-    });
-}
-
 // XA[rows of s, s's columns of every part] = X[rows of s] . A_all[:, those columns]: each row
-// through its own slot's columns only, not every resident slot's (lora_expand reads no other).
+// through its own slot's columns only, not every resident slot's (the linear kernel's deltas read no other).
 // Whole vectors are multiplied (a rank below the vector width spans a neighbour slot's columns
 // too) and only the slot's own columns stored.
 template <typename T>
@@ -438,42 +282,29 @@ void lora_shrink(const int64_t* lp, const T* x, int64_t sx, int64_t K, T* xa, co
     });
 }
 
-// P [m, sy columns per row] += the rows' LoRA deltas of projection lp from its input x [m, k]
-// (see the top); g: the rows grouped by slot (larger steps only).
+// XA = the rows' products with projection lp's A (see the top) from its input x [m, k], and in
+// e what the linear kernel needs to add their deltas to the projection's outputs; null where lp
+// is not adapted or no row has an adapter. g: the rows with an adapter, grouped by slot.
 template <typename T>
-void lora_add(const int64_t* lp, int64_t x, int64_t sx, int64_t k, int64_t y, int64_t sy, int64_t m,
-              const int64_t* call, const SlotRows& g) {
-    using K = Kernels<T>;
-    if (call[C_LORA] == 0 || lp[LP_A] == 0) return;
-    const int64_t C = lp[LP_COLS], XA = call[C_XA], D = call[C_D];
-    T* xa = reinterpret_cast<T*>(XA);
+const sf_lora::Deltas* lora_inputs(const int64_t* lp, int64_t x, int64_t sx, int64_t k, int64_t m,
+                                     const int64_t* call, const SlotRows& g, sf_lora::Deltas& e) {
+    if (lp == nullptr || lp[LP_A] == 0 || g.order.empty()) return nullptr;
+    const int64_t C = lp[LP_COLS], nb = sf_lin_block_width();
     if (m > kLoraStackedMaxRows) {
-        if (g.order.empty()) return;
-        lora_shrink<T>(lp, reinterpret_cast<const T*>(x), sx, k, xa, g, sf_lin_block_width());
-        lora_expand<T>(lp, xa, reinterpret_cast<T*>(y), sy, g, sf_lin_block_width());
-        return;
+        lora_shrink<T>(lp, reinterpret_cast<const T*>(x), sx, k, reinterpret_cast<T*>(call[C_XA]), g, nb);
+    } else {
+        const int64_t r[] = {x, sx, lp[LP_A], C, k, 0, call[C_XA], C, m};
+        Kernels<T>::linear(r);
     }
-    {
-        const int64_t r[] = {x, sx, lp[LP_A], C, k, 0, XA, C, m};
-        K::linear(r);
-    }
-    const int64_t* row_slot = reinterpret_cast<const int64_t*>(call[C_ROW_SLOT]);
-    const int64_t* col_slot = reinterpret_cast<const int64_t*>(lp[LP_COL_SLOT]);
-    for (int64_t t = 0; t < m; ++t)
-        for (int64_t c = 0; c < C; ++c)
-            if (col_slot[c] != row_slot[t]) xa[t * C + c] = T(0);
+    e = sf_lora::Deltas{reinterpret_cast<const void*>(call[C_XA]), C, g.order.data(), g.seg.data(),
+                          static_cast<int64_t>(g.seg.size()) - 1, reinterpret_cast<const int64_t*>(call[C_ROW_SLOT]),
+                          nb, 0, lp[LP_PARTS], {}};
     for (int64_t j = 0; j < lp[LP_PARTS]; ++j) {
         const int64_t* q = lp + LP_PART0 + j * LQ_FIELDS;
-        const int64_t n = q[LQ_OUT_WIDTH];
-        const int64_t r[] = {XA + q[LQ_COL] * int64_t(sizeof(T)), C, q[LQ_B], n, q[LQ_WIDTH], 0, D, n, m};
-        K::linear(r);
-        const T* d = reinterpret_cast<const T*>(D);
-        T* out = reinterpret_cast<T*>(y) + q[LQ_OUT];
-#pragma omp parallel for schedule(static) if (m * n >= 65536 && omp_get_max_threads() > 1)
-        for (int64_t t = 0; t < m; ++t)
-            for (int64_t c = 0; c < n; ++c)
-                sf_ew::store1(out + t * sy + c, sf_ew::load1(out + t * sy + c) + sf_ew::load1(d + t * n + c));
+        e.part[j] = sf_lora::DeltaPart{reinterpret_cast<const void*>(q[LQ_B]), q[LQ_WIDTH], q[LQ_RANK], q[LQ_COL],
+                                          q[LQ_OUT], q[LQ_OUT] + q[LQ_OUT_WIDTH]};
     }
+    return &e;
 }
 
 template <typename T>
@@ -491,9 +322,10 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
     const float scale = float(slot_double(shape[S_SCALE]));
     int64_t a[32];
     SlotRows lora_rows;
-    if (call[C_LORA] && T_ > kLoraStackedMaxRows &&
+    if (call[C_LORA] &&
         !group_rows(reinterpret_cast<const int64_t*>(call[C_ROW_SLOT]), T_, call[C_LORA_SLOTS], lora_rows))
         return SF_DEC_BAD_LORA_SLOT;
+    sf_lora::Deltas deltas;
     for (int64_t l = 0; l < layers; ++l) {
         const int64_t* w = table + l * L_FIELDS;
         const int64_t* lw = call[C_LORA] ? reinterpret_cast<const int64_t*>(call[C_LORA]) + l * LORA_FIELDS : nullptr;
@@ -507,8 +339,8 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
         }
         std::memcpy(a + 11, &eps, sizeof(eps));
         K::rms(a);
-        project<T>(w + L_QKV, false, Y, H, N, H, QKV, N, T_, shape, call);  // QKV = Y . Wqkv^T
-        if (lw) lora_add<T>(lw, Y, H, H, QKV, N, T_, call, lora_rows);
+        project<T>(w + L_QKV, false, Y, H, N, H, QKV, N, T_, shape, call,  // QKV = Y . Wqkv^T
+                   lora_inputs<T>(lw, Y, H, H, T_, call, lora_rows, deltas));
         const int64_t q = QKV, k = QKV + QD * es, v = QKV + (QD + Hkv * D) * es;
         {  // rotate q and k in place (views of QKV: token stride N, head stride D)
             const int64_t r[] = {q, N, D, k, N, D, q, N, D, k, N, D, call[C_POS], call[C_COS], call[C_COS_ST],
@@ -530,8 +362,8 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
             if (rc) return rc;
         }
         if (sizeof(T) == 2) to_bf16(reinterpret_cast<const float*>(ATT), reinterpret_cast<uint16_t*>(ATTC), T_ * QD);
-        project<T>(w + L_O, false, ATTC, QD, H, QD, AO, H, T_, shape, call);  // AO = ATT . Wo^T
-        if (lw) lora_add<T>(lw + LP_FIELDS, ATTC, QD, QD, AO, H, T_, call, lora_rows);
+        project<T>(w + L_O, false, ATTC, QD, H, QD, AO, H, T_, shape, call,  // AO = ATT . Wo^T
+                   lora_inputs<T>(lw ? lw + LP_FIELDS : nullptr, ATTC, QD, QD, T_, call, lora_rows, deltas));
         {  // RES = AO + RES; AO = norm_post(RES)
             const int64_t r[] = {AO, H, X, H, w[L_NORM_POST], AO, H, X, H, T_, H};
             std::memcpy(a, r, sizeof(r));
@@ -541,13 +373,13 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
         if (w[L_GATED]) {
             project<T>(w + L_GATE_UP, true, AO, H, I, H, ACT, I, T_, shape, call);  // ACT = silu(gate) * up
         } else {  // GU = AO . Wgate_up^T (+ LoRA); ACT = silu(gate) * up
-            project<T>(w + L_GATE_UP, false, AO, H, 2 * I, H, call[C_GU], 2 * I, T_, shape, call);
-            if (lw) lora_add<T>(lw + 2 * LP_FIELDS, AO, H, H, call[C_GU], 2 * I, T_, call, lora_rows);
+            project<T>(w + L_GATE_UP, false, AO, H, 2 * I, H, call[C_GU], 2 * I, T_, shape, call,
+                       lora_inputs<T>(lw ? lw + 2 * LP_FIELDS : nullptr, AO, H, H, T_, call, lora_rows, deltas));
             const int64_t r[] = {call[C_GU], 2 * I, ACT, I, T_, I};
             K::silu_mul(r);
         }
-        project<T>(w + L_DOWN, false, ACT, I, H, I, Y, H, T_, shape, call);  // Y = ACT . Wdown^T
-        if (lw) lora_add<T>(lw + 3 * LP_FIELDS, ACT, I, I, Y, H, T_, call, lora_rows);
+        project<T>(w + L_DOWN, false, ACT, I, H, I, Y, H, T_, shape, call,  // Y = ACT . Wdown^T
+                   lora_inputs<T>(lw ? lw + 3 * LP_FIELDS : nullptr, ACT, I, I, T_, call, lora_rows, deltas));
     }
     return 0;
 }

@@ -35,7 +35,11 @@ typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 
 static inline vf loadu(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
 static inline void storeu(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
-static inline vf splat(float a) { return vf{} + a; }
+// a - 0 rather than 0 + a: the compiler may drop the subtraction (exact for every a, -0 too) and
+// broadcast straight from memory into the multiply (vfmadd231ps m32{1to16}); 0 + a is not a when
+// a is -0, so it kept an add and a register broadcast per row and k in the matrix kernels' inner
+// loops, on the same pipes as their multiply-adds.
+static inline vf splat(float a) { return a - vf{}; }
 
 static inline float hsum(vf v) {
     // Pairwise halving: a fixed, data-independent order.
