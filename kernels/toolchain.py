@@ -26,7 +26,10 @@ def compile_library(cxx: str, args: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    proc = subprocess.run([cxx, *args, "-o", tmp], capture_output=True, text=True)
+    # The compiler's messages decoded as UTF-8 whatever this process's locale: Triton's Python
+    # stub runs with an ASCII one, and g++ in a UTF-8 environment quotes names with curly quotes.
+    proc = subprocess.run([cxx, *args, "-o", tmp], capture_output=True, text=True, encoding="utf-8",
+                          errors="replace")
     if proc.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")

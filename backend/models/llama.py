@@ -21,7 +21,7 @@ from splitfuse.layers.int8_linear import CpuInt8Linear
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import CpuLinear, Linear, fuses_swiglu
 from splitfuse.layers.moe import Experts, SparseMoeBlock
-from splitfuse.layers.q4_linear import GGUF_QUANTIZATIONS
+from splitfuse.layers.q4_linear import GGUF_QUANTIZATIONS, CpuQ4Linear
 
 if TYPE_CHECKING:
     from splitfuse.lora.batching import LoraState
@@ -293,8 +293,8 @@ class LlamaForCausalLM(nn.Module):
         """Run the decoder layers in one C++ call (`splitfuse.kernels.cpu.decoder`): the kernels
         and arguments of the layers' Python without the Python between them (bit-identical
         results). For dense models whose layers all run the C++ CPU kernels in float32 or
-        bfloat16 (projections float or int8), with the KV cache in the model's dtype and no
-        tensor parallelism. With LoRA attached, the stack also adds the adapters' deltas (in
+        bfloat16 (projections float or int8; GGUF blocks in float32 models), with the KV cache in
+        the model's dtype and no tensor parallelism. With LoRA attached, the stack also adds the adapters' deltas (in
         steps of any size) when the stacks run the C++ linear kernel; otherwise steps with adapter
         rows run the Python layers. Call after prepare_linears; returns None
         when set, else why not."""
@@ -315,8 +315,10 @@ class LlamaForCausalLM(nn.Module):
         stack = []
         for layer, kernels, (k_cache, v_cache) in zip(layers, projections, kv_caches):
             attn = layer.self_attn
-            if not all(isinstance(k, (CpuLinear, CpuInt8Linear)) for k in kernels):
+            if not all(isinstance(k, (CpuLinear, CpuInt8Linear, CpuQ4Linear)) for k in kernels):
                 return "projections not all through the C++ linear kernels (oneDNN, torch or another backend)"
+            if dtype is not torch.float32 and any(isinstance(k, CpuQ4Linear) for k in kernels):
+                return f"GGUF blocks in a {dtype} model (their kernel is float32)"
             if not fuses_swiglu(kernels[2]) and layer.mlp.gate_up_proj.lora is None:
                 return "a gate_up projection without the fused SwiGLU"
             if k_cache.dtype is not dtype:
@@ -331,7 +333,8 @@ class LlamaForCausalLM(nn.Module):
                                                       head_dim=a.head_dim, eps=a.rms_norm_eps,
                                                       scale=layers[0].self_attn.scale, int8_levels=levels,
                                                       int8_zero_point=zero_point)
-        self._stack_takes_lora = self.lora_state is not None and self._stack_lora_weights() is not None
+        self._stack_takes_lora = (self.lora_state is not None and not self.decoder_stack.gguf
+                                  and self._stack_lora_weights() is not None)
         return None
 
     def _stack_lora_weights(self) -> list[list[cpu_decoder.LoraWeights | None]] | None:

@@ -1,12 +1,13 @@
 """The decoder layers of a dense Llama-family model in one C++ call (`csrc/decoder.cpp`).
 
 `DecoderStack` holds, per layer, the packed projections (qkv, o, the gated gate_up and down:
-`linear.PackedWeight` in the model's dtype, or `linear.PackedInt8Weight` whose input rows are
-quantized first, as `layers.int8_linear.CpuInt8Linear` does), the two norms' weights, the
-layer's K/V caches (the paged-attention kernel's layout) and its attention window; `run`
-computes layers 0..n-1 over a ragged batch with the kernels the Python layers call one by one
-(`elementwise.rms_norm`, `apply_rotary`, `linear.linear` or `quantize_rows` +
-`linear.linear_int8`, `paged_attention.write_kv_cache`, `paged_attention.paged_attention`),
+`linear.PackedWeight` in the model's dtype, `linear.PackedInt8Weight` whose input rows are
+quantized first, as `layers.int8_linear.CpuInt8Linear` does, or a float32 model's GGUF blocks,
+`quant4.PackedQuantWeight`), the two norms' weights, the layer's K/V caches (the paged-attention
+kernel's layout) and its attention window; `run` computes layers 0..n-1 over a ragged batch with
+the kernels the Python layers call one by one (`elementwise.rms_norm`, `apply_rotary`,
+`linear.linear`, `quantize_rows` + `linear.linear_int8` or `quant4.linear`,
+`paged_attention.write_kv_cache`, `paged_attention.paged_attention`),
 with the same arguments: results are bit-identical. It returns the hidden states and the
 residual stream, as the Python layers leave them. What it saves is the Python between the
 kernels.
@@ -35,6 +36,8 @@ import torch
 from .build import Entries
 from .linear import PackedInt8Weight, PackedWeight
 from .paged_attention import K_TRANSPOSED, window_arg
+from .quant4 import KINDS as GGUF_KINDS
+from .quant4 import PackedQuantWeight
 
 __all__ = ["DecoderLayerWeights", "DecoderStack", "LoraWeights", "available"]
 
@@ -64,7 +67,7 @@ def available() -> bool:
     return _entries.available()
 
 
-Packed = PackedWeight | PackedInt8Weight
+Packed = PackedWeight | PackedInt8Weight | PackedQuantWeight
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class DecoderStack:
         self.num_layers = len(layers)
         self._layers = layers  # keeps every tensor the table points into alive
         self._int8 = any(isinstance(p, PackedInt8Weight) for w in layers for p in (w.qkv, w.o, w.gate_up, w.down))
+        self.gguf = any(isinstance(p, PackedQuantWeight) for w in layers for p in (w.qkv, w.o, w.gate_up, w.down))
         rows = []
         for w in layers:
             rows.append([*_projection(w.qkv), *_projection(w.o), *_projection(w.gate_up), *_projection(w.down),
@@ -146,6 +150,8 @@ class DecoderStack:
             return
         if len(projections) != self.num_layers or any(len(p) != 4 for p in projections):
             raise ValueError(f"DecoderStack.set_lora: 4 projections for each of {self.num_layers} layers")
+        if self.gguf:
+            raise ValueError("DecoderStack.set_lora: the GGUF blocks' kernel adds no LoRA deltas")
         table = torch.zeros(self.num_layers, _LORA_FIELDS, dtype=torch.int64)
         keep, cols, num_slots = [], 0, None
         for layer, row in enumerate(projections):
@@ -257,4 +263,6 @@ def _projection(p: Packed) -> list[int]:
     bias = 0 if p.bias is None else p.bias.data_ptr()
     if isinstance(p, PackedInt8Weight):
         return [1, p.data.data_ptr(), bias, p.column_sums.data_ptr(), p.scales.data_ptr()]
+    if isinstance(p, PackedQuantWeight):
+        return [2, p.data.data_ptr(), bias, GGUF_KINDS.index(p.kind), int(p.form == "dot")]
     return [0, p.data.data_ptr(), bias, 0, 0]

@@ -4,7 +4,7 @@ dequantized to float32 (quantization none).
 
 gguf-exact widens the blocks as the gguf package dequantizes them and sums in the float32
 kernel's order: greedy tokens identical, logits of the projections bit for bit (the decoder
-layers then run in Python, with the same kernels). gguf quantizes activations per 32-k group
+layers run in one C++ call, kernels/cpu/decoder.py, with the blocks' kernel). gguf quantizes activations per 32-k group
 (llama.cpp's arithmetic): its greedy agreement with float32 is measured and bounded here and
 reported in perf/results/q4/. Both keep the projections' weights at the file's Q4_1 size.
 """

@@ -61,3 +61,28 @@ def test_kernels_build_where_a_compiler_is_present():
 
         pytest.skip("no C++ compiler on this machine")
     assert library() is not None, unavailable_reason()
+
+
+@pytest.mark.skipif(not any(os.path.exists(os.path.join(d, "g++")) for d in os.environ.get("PATH", "").split(":")),
+                    reason="no g++")
+def test_compiler_messages_in_utf8_under_an_ascii_locale(tmp_path):
+    """Triton's Python stub runs with an ASCII locale while g++, in a UTF-8 environment, quotes
+    names with curly quotes: a failed build is still a RuntimeError with the compiler's message
+    (which the kernel loader turns into the torch path), not a UnicodeDecodeError."""
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int f() { return undeclared_name; }\n")
+    code = textwrap.dedent(f"""
+        import locale
+        from pathlib import Path
+        locale.setlocale(locale.LC_CTYPE, "C")
+        assert locale.getencoding().lower() in ("ascii", "ansi_x3.4-1968"), locale.getencoding()
+        from splitfuse.kernels import toolchain
+        try:
+            toolchain.compile_library("g++", ["-shared", "-fPIC", {str(bad)!r}], Path({str(tmp_path / "out.so")!r}))
+        except RuntimeError as e:
+            print("RuntimeError", "undeclared_name" in str(e), "\\u2018" in str(e))
+    """)
+    env = dict(os.environ, LANG="C.UTF-8", LC_ALL="C.UTF-8", PYTHONUTF8="0")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["RuntimeError", "True", "True"], run.stdout + run.stderr[-2000:]

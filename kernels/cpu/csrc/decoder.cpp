@@ -14,7 +14,8 @@
 //   AO = ATT . Wo^T (+ b); RES = AO + RES; AO = norm_post(RES)
 //   ACT = silu(AO . Wgate^T) * (AO . Wup^T); Y = ACT . Wdown^T (+ b)
 // The hidden state after the last layer run is Y, the residual stream RES (= X). A projection
-// may be int8 (quantization=int8): its input rows are quantized first, as CpuInt8Linear does.
+// may be int8 (quantization=int8): its input rows are quantized first, as CpuInt8Linear does;
+// or GGUF blocks (quantization=gguf / gguf-exact, float32 models): quant4.cpp's kernel.
 // A gate_up weight that is not gated (LoRA adapts gate/up: the deltas go in before SwiGLU) is
 // projected into GU [T, 2I] and then ACT = silu_and_mul(GU).
 //
@@ -51,6 +52,7 @@ void sf_lin_linear_i8_bf16_packed(const int64_t* a);
 void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t* a);
 void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t* a);
 void sf_lin_linear_lora_packed(const int64_t* a, int bf16, int int8, const void* lora);
+void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated);
 void sf_ew_quantize_rows_u8_packed(const int64_t* a);
 void sf_ew_quantize_rows_u8_bf16_packed(const int64_t* a);
 void sf_ew_rms_norm_f32_packed(const int64_t* a);
@@ -72,10 +74,14 @@ namespace {
 // as the Python wrapper clamps it).
 enum Layer { L_QKV = 0, L_O = 5, L_GATE_UP = 10, L_DOWN = 15, L_NORM_IN = 20, L_NORM_POST, L_K_CACHE, L_V_CACHE,
              L_WINDOW, L_GATED, L_FIELDS };
-// A projection: 0 for a float weight (linear.cpp's blocks in the model's dtype) or 1 for int8
-// (its quads, with per-column weight sums and scales), the packed data, the float32 bias in the
-// packed column order (0: none), and for int8 the column sums and scales.
+// A projection: 0 for a float weight (linear.cpp's blocks in the model's dtype), 1 for int8
+// (its quads, with per-column weight sums and scales) or 2 for GGUF blocks (quant4.cpp; float32
+// models), the packed data, the float32 bias in the packed column order (0: none), and for int8
+// the column sums and scales, for GGUF blocks their kind (quant4.cpp's Kind) and 1 for the
+// integer form.
 enum Projection { P_KIND, P_DATA, P_BIAS, P_COL_SUMS, P_SCALES, P_FIELDS };
+enum { P_Q4_KIND = P_COL_SUMS, P_Q4_DOT = P_SCALES };
+enum { KIND_FLOAT = 0, KIND_INT8 = 1, KIND_GGUF = 2 };
 static_assert(L_O - L_QKV == P_FIELDS && L_NORM_IN - L_DOWN == P_FIELDS, "projection slots");
 // The model's shape: layers in the table, hidden, heads, kv heads, head dim, intermediate size,
 // block size, cache blocks, model dtype bf16 (0/1), K layout of the caches, eps and the
@@ -153,13 +159,19 @@ struct Kernels<uint16_t> {
 
 // y [m, n] (row stride sy) = x [m, k] (row stride sx) times projection p (gated: SwiGLU's
 // silu(gate) * up, n = I), plus the rows' LoRA deltas where `lora` is given (never gated); an
-// int8 projection first quantizes x's rows into XQ / XS, as CpuInt8Linear does.
+// int8 projection first quantizes x's rows into XQ / XS, as CpuInt8Linear does; GGUF blocks go
+// through quant4.cpp's kernel, as CpuQ4Linear does.
 template <typename T>
 void project(const int64_t* p, bool gated, int64_t x, int64_t sx, int64_t n, int64_t k, int64_t y, int64_t sy,
              int64_t m, const int64_t* shape, const int64_t* call, const sf_lora::Deltas* lora = nullptr) {
     using K = Kernels<T>;
     constexpr int bf16 = sizeof(T) == 2;
-    if (p[P_KIND] == 0) {
+    if (p[P_KIND] == KIND_GGUF) {  // float32 models, no LoRA (the Python wrapper checks both)
+        const int64_t r[] = {x, sx, p[P_DATA], n, k, p[P_BIAS], y, sy, m};
+        sf_q4_linear_any(r, static_cast<int>(p[P_Q4_KIND]), static_cast<int>(p[P_Q4_DOT]), gated);
+        return;
+    }
+    if (p[P_KIND] == KIND_FLOAT) {
         const int64_t r[] = {x, sx, p[P_DATA], n, k, p[P_BIAS], y, sy, m};
         if (lora != nullptr)
             sf_lin_linear_lora_packed(r, bf16, 0, lora);

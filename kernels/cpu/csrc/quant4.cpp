@@ -602,4 +602,16 @@ void sf_q4_dot_silu_mul_q4_1(const int64_t*) {}
 void sf_q4_dot_silu_mul_q8_0(const int64_t*) {}
 #endif
 
+// Any of the above by number (kind: Kind, Q4_0 / Q4_1 / Q8_0; dot: the integer form; gated:
+// silu_mul), for decoder.cpp's projections.
+void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated) {
+    using Fn = void (*)(const int64_t*);
+    static constexpr Fn plain[2][3] = {{sf_q4_linear_q4_0, sf_q4_linear_q4_1, sf_q4_linear_q8_0},
+                                       {sf_q4_linear_silu_mul_q4_0, sf_q4_linear_silu_mul_q4_1, sf_q4_linear_silu_mul_q8_0}};
+    static constexpr Fn integer[2][3] = {{sf_q4_dot_q4_0, sf_q4_dot_q4_1, sf_q4_dot_q8_0},
+                                         {sf_q4_dot_silu_mul_q4_0, sf_q4_dot_silu_mul_q4_1, sf_q4_dot_silu_mul_q8_0}};
+    if (kind < 0 || kind > 2) return;
+    (dot ? integer : plain)[gated ? 1 : 0][kind](a);
+}
+
 }  // extern "C"
