@@ -105,6 +105,18 @@ class CpuLinear:
         out = cpu_linear.linear(x.reshape(-1, self.in_features), self.packed)
         return out.view(*x.shape[:-1], self.out_features)
 
+    @property
+    def addend_features(self) -> int:
+        """The columns of `with_addend`'s addend: the unfused product's (2I for a gated weight)."""
+        return 2 * self.out_features if self.packed.gated else self.out_features
+
+    def with_addend(self, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+        """As calling it, with `addend` [rows of x, addend_features] (x's dtype) added to the sums
+        before they are stored (a gated weight: before SwiGLU)."""
+        flat = x.reshape(-1, self.in_features)
+        out = cpu_linear.linear(flat, self.packed, addend=addend.reshape(flat.shape[0], self.addend_features))
+        return out.view(*x.shape[:-1], self.out_features)
+
 
 _FAST_CPU_WIDTH = 64  # block width of an AVX-512 build (the ISA the `cpu` kernel was measured on)
 
@@ -293,8 +305,8 @@ class Linear(nn.Module):
         self.kernel: LinearKernel | None = None
         self.silu_and_mul = silu_and_mul
         # LoRA (splitfuse.lora.batching.LoraProjection): adds the step's adapters' deltas to the
-        # product; set before `prepare`, so a SwiGLU kernel then leaves the activation out (the
-        # deltas go in before it).
+        # product; set before `prepare`: a SwiGLU projection then keeps the fused activation only
+        # where its kernel takes the deltas before it (CpuLinear.with_addend), else leaves it out.
         self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # Set by the loader for a checkpoint converted from a GGUF file: reads this weight's
         # quantized blocks from it (quantization="gguf" or "gguf-exact").
@@ -304,9 +316,14 @@ class Linear(nn.Module):
         """Build the kernel for `backend` (or `quantization`). With a packed kernel and
         `release_weight`, the plain weight's storage is freed (pass False for a weight shared
         with another module, such as a tied LM head)."""
-        self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization,
-                                         swiglu=self.silu_and_mul is not None and self.lora is None,
+        swiglu = self.silu_and_mul is not None
+        self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization, swiglu=swiglu,
                                          gguf_blocks=self.gguf_blocks)
+        if swiglu and self.lora is not None and not (isinstance(self.kernel, CpuLinear) and self.kernel.packed.gated):
+            # Only the float C++ kernel takes LoRA deltas before its fused SwiGLU: the plain
+            # product here, the deltas added to it, then the activation.
+            self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization, swiglu=False,
+                                             gguf_blocks=self.gguf_blocks)
         if isinstance(self.kernel, CpuQ4Linear):
             self.gguf_blocks = None  # holds the GGUF file open; the kernel has its own copy
         if release_weight:
@@ -317,8 +334,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._unprepared if self.kernel is None else self.kernel
-        if self.lora is not None:  # the kernel gives the plain product (see prepare)
-            out = self.lora(x, kernel(x))
+        if self.lora is not None:
+            if fuses_swiglu(kernel):  # the deltas go into the kernel's sums, before SwiGLU
+                return self.lora.through(kernel, x)
+            out = self.lora(x, kernel(x))  # the plain product (see prepare)
             return out if self.silu_and_mul is None else self.silu_and_mul(out)
         return kernel(x) if self.silu_and_mul is None else swiglu(kernel, x, self.silu_and_mul)
 

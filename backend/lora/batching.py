@@ -180,6 +180,15 @@ class LoraProjection:
         self.key = (layer, projection)
         self.state = state
 
+    def through(self, kernel, x: torch.Tensor) -> torch.Tensor:
+        """`kernel(x)` with the step's deltas added to its sums before they are stored: a
+        `CpuLinear` whose fused SwiGLU must see them (the deltas are made into zeros first, then
+        handed to the kernel: the same sums and roundings as adding them to its plain product)."""
+        if not self.state.active:
+            return kernel(x)
+        deltas = self(x, torch.zeros(x.shape[0], kernel.addend_features, dtype=x.dtype, device=x.device))
+        return kernel.with_addend(x, deltas)
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if not self.state.active:
             return out

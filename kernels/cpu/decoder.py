@@ -13,8 +13,9 @@ residual stream, as the Python layers leave them. What it saves is the Python be
 kernels.
 
 Float32 or bfloat16 models whose KV cache has the model's dtype, projections in that dtype or
-int8. A gate_up projection may be ungated (its product, then `silu_and_mul`): LoRA adapters on
-gate/up add their deltas between the two. `set_lora` gives the stack the resident LoRA adapters'
+int8 (or GGUF blocks in float32). A gate_up projection may be ungated (its product, then
+`silu_and_mul`: an int8 one with LoRA adapters on gate/up, whose deltas go in between the two;
+a gated one takes them into its sums before SwiGLU). `set_lora` gives the stack the resident LoRA adapters'
 stacked weights (`splitfuse.lora.stacks`, packed for the C++ linear kernel); `run` with
 `lora_row_slot` then adds each row's own adapter's deltas to every adapted projection, the sums
 `splitfuse.lora.batching.add_stacked` computes, in steps of any size: the rows' products with A

@@ -57,6 +57,7 @@ _I8_ARGS = struct.Struct("=13q")  # sf_lin_linear_i8_*_packed
 class _Kernels:
     lib: ctypes.CDLL
     fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr]  # (dtype, gated)
+    addend: ctypes._CFuncPtr  # any float form with a dense addend (csrc: sf_lin_linear_addend_packed)
     i8_fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr]  # (output dtype, gated); empty without an int8 path
 
 
@@ -73,7 +74,10 @@ def _lookup(lib: ctypes.CDLL) -> _Kernels:
         f.argtypes, f.restype = [], ctypes.c_int
     for f in (*fns.values(), *i8_fns.values()):
         f.argtypes, f.restype = [ctypes.c_char_p], None
-    return _Kernels(lib, fns, i8_fns if lib.sf_lin_has_int8() else {})
+    addend = lib.sf_lin_linear_addend_packed
+    addend.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    addend.restype = None
+    return _Kernels(lib, fns, addend, i8_fns if lib.sf_lin_has_int8() else {})
 
 
 _entries = Entries("linear", _lookup)
@@ -200,11 +204,16 @@ def _output(name: str, out: torch.Tensor | None, m: int, n: int, dtype: torch.dt
     return out, out.stride(0)
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: PackedWeight, *, out: torch.Tensor | None = None,
+           addend: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (the weight's dtype, CPU; rows may be strided, the last dim contiguous) times the
     packed weight: writes and returns `out` [M, out_features] (default: a new contiguous tensor;
-    a given one may have strided rows and must not overlap x)."""
-    fn = _entries.need().fns.get((x.dtype, weight.gated))
+    a given one may have strided rows and must not overlap x). `addend` (x's dtype, [M, the
+    unfused output's columns]: a gated weight's gate columns then its up columns; last dim
+    contiguous) is added to the sums before they are stored, as `x @ W^T + b + addend` in x's
+    dtype would round it, and for a gated weight before SwiGLU."""
+    kernels = _entries.need()
+    fn = kernels.fns.get((x.dtype, weight.gated))
     if fn is None or x.dtype is not weight.dtype or not x.is_cpu or x.dim() != 2:
         raise ValueError(f"linear: x must be a {weight.dtype} CPU matrix, got {x.dtype} {tuple(x.shape)} on {x.device}")
     m, k = x.shape
@@ -216,8 +225,17 @@ def linear(x: torch.Tensor, weight: PackedWeight, *, out: torch.Tensor | None = 
         raise ValueError(f"linear: x needs a contiguous last dimension (strides {x.stride()})")
     out, so = _output("linear", out, m, n, x.dtype)
     bias = weight.bias
-    fn(_ARGS.pack(x.data_ptr(), sx, weight.data.data_ptr(), n, k, 0 if bias is None else bias.data_ptr(),
-                  out.data_ptr(), so, m))
+    args = _ARGS.pack(x.data_ptr(), sx, weight.data.data_ptr(), n, k, 0 if bias is None else bias.data_ptr(),
+                      out.data_ptr(), so, m)
+    if addend is None:
+        fn(args)
+        return out
+    width = 2 * n if weight.gated else n
+    if (addend.dtype is not x.dtype or addend.dim() != 2 or addend.shape != (m, width)
+            or (addend.stride(1) != 1 and width > 1)):
+        raise ValueError(f"linear: addend must be a {x.dtype} [{m}, {width}] with a contiguous last dimension, got "
+                         f"{addend.dtype} {tuple(addend.shape)}")
+    kernels.addend(args, int(x.dtype is torch.bfloat16), int(weight.gated), addend.data_ptr(), addend.stride(0))
     return out
 
 

@@ -147,6 +147,30 @@ def test_gated_equals_product_then_silu_and_mul(dtype, rows, inter, in_features,
     torch.testing.assert_close(out, silu_and_mul_reference(product), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("inter,in_features", [(1536, 512), (100, 37), (5, 3)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_addend_equals_the_product_plus_it(dtype, rows, inter, in_features, gated):
+    """An addend (the Python layers' LoRA deltas) goes into the sums as `product + addend` in the
+    dtype rounds it, and for a gated weight before SwiGLU; whole and partial blocks."""
+    g = _gen("addend", dtype, rows, inter, in_features, gated)
+    w = torch.randn(2 * inter, in_features, generator=g).to(dtype)
+    b = torch.randn(2 * inter, generator=g).to(dtype)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    addend = torch.randn(rows, 2 * inter + 3, generator=g).to(dtype)[:, :2 * inter]  # strided rows
+    plus = cl.linear(x, cl.pack_weight(w, b)) + addend
+    out = cl.linear(x, cl.pack_weight(w, b, gated=gated), addend=addend)
+    if gated:
+        assert out.shape == (rows, inter)
+        if ew.available():
+            assert torch.equal(out, ew.silu_and_mul(plus))
+    else:
+        assert torch.equal(out, plus)
+    with pytest.raises(ValueError, match="addend"):
+        cl.linear(x, cl.pack_weight(w, b, gated=gated), addend=addend[:, :inter + 1])
+
+
 def test_empty_rows():
     packed = cl.pack_weight(torch.randn(10, 4))
     assert cl.linear(torch.empty(0, 4), packed).shape == (0, 10)

@@ -16,8 +16,8 @@
 // The hidden state after the last layer run is Y, the residual stream RES (= X). A projection
 // may be int8 (quantization=int8): its input rows are quantized first, as CpuInt8Linear does;
 // or GGUF blocks (quantization=gguf / gguf-exact, float32 models): quant4.cpp's kernel.
-// A gate_up weight that is not gated (LoRA adapts gate/up: the deltas go in before SwiGLU) is
-// projected into GU [T, 2I] and then ACT = silu_and_mul(GU).
+// A gate_up weight that is not gated (LoRA on gate/up where the Python layers' kernel cannot take
+// their deltas before SwiGLU: int8) is projected into GU [T, 2I] and then ACT = silu_and_mul(GU).
 //
 // LoRA (optional; the deltas splitfuse/lora/batching.py's add_stacked computes): before each
 // adapted projection P = IN . W^T, XA = IN . A: for steps of at most kLoraStackedMaxRows rows
@@ -51,7 +51,7 @@ void sf_lin_linear_i8_f32_packed(const int64_t* a);
 void sf_lin_linear_i8_bf16_packed(const int64_t* a);
 void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t* a);
 void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t* a);
-void sf_lin_linear_lora_packed(const int64_t* a, int bf16, int int8, const void* lora);
+void sf_lin_linear_lora_packed(const int64_t* a, int bf16, int gated, int int8, const void* lora);
 void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated);
 void sf_ew_quantize_rows_u8_packed(const int64_t* a);
 void sf_ew_quantize_rows_u8_bf16_packed(const int64_t* a);
@@ -158,7 +158,7 @@ struct Kernels<uint16_t> {
 };
 
 // y [m, n] (row stride sy) = x [m, k] (row stride sx) times projection p (gated: SwiGLU's
-// silu(gate) * up, n = I), plus the rows' LoRA deltas where `lora` is given (never gated); an
+// silu(gate) * up, n = I), plus the rows' LoRA deltas where `lora` is given (before SwiGLU); an
 // int8 projection first quantizes x's rows into XQ / XS, as CpuInt8Linear does; GGUF blocks go
 // through quant4.cpp's kernel, as CpuQ4Linear does.
 template <typename T>
@@ -174,7 +174,7 @@ void project(const int64_t* p, bool gated, int64_t x, int64_t sx, int64_t n, int
     if (p[P_KIND] == KIND_FLOAT) {
         const int64_t r[] = {x, sx, p[P_DATA], n, k, p[P_BIAS], y, sy, m};
         if (lora != nullptr)
-            sf_lin_linear_lora_packed(r, bf16, 0, lora);
+            sf_lin_linear_lora_packed(r, bf16, gated, 0, lora);
         else
             (gated ? K::linear_gated : K::linear)(r);
         return;
@@ -184,7 +184,7 @@ void project(const int64_t* p, bool gated, int64_t x, int64_t sx, int64_t n, int
     const int64_t r[] = {call[C_XQ], k, call[C_XS], shape[S_ZERO_POINT], p[P_DATA], p[P_COL_SUMS], p[P_SCALES],
                          p[P_BIAS], n, k, y, sy, m};
     if (lora != nullptr)
-        sf_lin_linear_lora_packed(r, bf16, 1, lora);
+        sf_lin_linear_lora_packed(r, bf16, gated, 1, lora);
     else
         (gated ? K::linear_i8_gated : K::linear_i8)(r);
 }
@@ -310,7 +310,7 @@ const sf_lora::Deltas* lora_inputs(const int64_t* lp, int64_t x, int64_t sx, int
     }
     e = sf_lora::Deltas{reinterpret_cast<const void*>(call[C_XA]), C, g.order.data(), g.seg.data(),
                           static_cast<int64_t>(g.seg.size()) - 1, reinterpret_cast<const int64_t*>(call[C_ROW_SLOT]),
-                          nb, 0, lp[LP_PARTS], {}};
+                          nb, lp[LP_PARTS], {}};
     for (int64_t j = 0; j < lp[LP_PARTS]; ++j) {
         const int64_t* q = lp + LP_PART0 + j * LQ_FIELDS;
         e.part[j] = sf_lora::DeltaPart{reinterpret_cast<const void*>(q[LQ_B]), q[LQ_WIDTH], q[LQ_RANK], q[LQ_COL],
@@ -382,8 +382,9 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
             std::memcpy(a + 11, &eps, sizeof(eps));
             K::rms(a);
         }
-        if (w[L_GATED]) {
-            project<T>(w + L_GATE_UP, true, AO, H, I, H, ACT, I, T_, shape, call);  // ACT = silu(gate) * up
+        if (w[L_GATED]) {  // ACT = silu(gate (+ LoRA)) * (up (+ LoRA))
+            project<T>(w + L_GATE_UP, true, AO, H, I, H, ACT, I, T_, shape, call,
+                       lora_inputs<T>(lw ? lw + 2 * LP_FIELDS : nullptr, AO, H, H, T_, call, lora_rows, deltas));
         } else {  // GU = AO . Wgate_up^T (+ LoRA); ACT = silu(gate) * up
             project<T>(w + L_GATE_UP, false, AO, H, 2 * I, H, call[C_GU], 2 * I, T_, shape, call,
                        lora_inputs<T>(lw ? lw + 2 * LP_FIELDS : nullptr, AO, H, H, T_, call, lora_rows, deltas));

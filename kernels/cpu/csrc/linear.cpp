@@ -219,8 +219,8 @@ inline void strip(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t K, v
 // vectors are gate columns and the rest the matching up columns; y gets silu(gate) * up, each
 // sum first rounded to T as the unfused projection would store it (elementwise_simd.h:
 // silu_mul), so the result is the same as the projection followed by silu_and_mul.
-// lora_d (or null): the rows' LoRA deltas for the block (row stride NB, already rounded to T;
-// lora_simd.h: block_deltas), added to the rows whose row_slot is not -1 as the unfused
+// lora_d (or null): what the rows add to the block (row stride NB, values of T: block_addend),
+// added to the rows whose row_slot is not -1 (all rows where row_slot is null) as the unfused
 // projection's output plus the delta as a T tensor (for gate_up: before SwiGLU).
 template <typename T, int R, bool GATED>
 inline void store(vf (&acc)[MR][NV], const float* bias, T* y, int64_t sy, int64_t cols,
@@ -229,7 +229,7 @@ inline void store(vf (&acc)[MR][NV], const float* bias, T* y, int64_t sy, int64_
     for (int r = 0; r < R; ++r) {
         if (bias != nullptr)
             for (int j = 0; j < NV; ++j) acc[r][j] += loadu(bias + j * VW);
-        if (lora_d != nullptr && row_slot[r] >= 0)
+        if (lora_d != nullptr && (row_slot == nullptr || row_slot[r] >= 0))
             for (int j = 0; j < NV; ++j)
                 acc[r][j] = round_to<T>(round_to<T>(acc[r][j]) + loadu(lora_d + r * NB + j * VW));
         vf o[OUT];
@@ -365,11 +365,23 @@ inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, c
 }
 #endif
 
-// The LoRA deltas of rows [m0, m0 + rows) at the block of output columns from n0 (cols of them;
-// GATED: n0 in the gate columns, the up columns lora.up_offset further), in this thread's
-// scratch (row stride NB), computed before the block's product so that its store adds them.
+// What a call adds to its sums before storing them (GATED: before SwiGLU), or nothing: LoRA
+// deltas computed from XA (lora_simd.h; rows with slot -1 get none), or a dense addend in T
+// [M, the unfused output's columns] (the Python layers' deltas, every row), the unfused output of
+// a GATED call being gate [0, N) then up [N, 2N).
+template <typename T>
+struct Addend {
+    const sf_lora::Deltas* lora = nullptr;
+    const T* dense = nullptr;
+    int64_t dense_stride = 0;
+    bool any() const { return lora != nullptr || dense != nullptr; }
+};
+
+// The addend of rows [m0, m0 + rows) at the block of output columns [n0, n0 + cols) in this
+// thread's scratch (float, row stride NB, vector j at j * VW), made before the block's product so
+// that its store adds it.
 template <typename T, bool GATED>
-const float* block_deltas(const sf_lora::Deltas& lora, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+const float* block_addend(const Addend<T>& add, int64_t N, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
     constexpr int OUT = GATED ? NV / 2 : NV;
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < rows * NB) scratch.resize(rows * NB);
@@ -378,10 +390,25 @@ const float* block_deltas(const sf_lora::Deltas& lora, int64_t m0, int64_t rows,
     for (int j = 0; j < NV; ++j) {
         const int64_t left = cols - (j % OUT) * VW;
         valid[j] = left <= 0 ? 0 : left < VW ? static_cast<int>(left) : VW;
-        col[j] = n0 + (j % OUT) * VW + (GATED && j >= OUT ? lora.up_offset : 0);
+        col[j] = n0 + (j % OUT) * VW + (GATED && j >= OUT ? N : 0);
     }
-    sf_lora::block_deltas<T>(lora, m0, rows, col, valid, scratch.data());
-    return scratch.data();
+    float* d = scratch.data();
+    if (add.lora != nullptr) {
+        sf_lora::block_deltas<T>(*add.lora, m0, rows, col, valid, d);
+        return d;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* src = add.dense + (m0 + r) * add.dense_stride;
+        for (int j = 0; j < NV; ++j) {
+            float* out = d + r * NB + j * VW;
+            if (valid[j] == VW) {
+                storeu(out, loadu(src + col[j]));
+            } else {
+                for (int c = 0; c < VW; ++c) out[c] = c < valid[j] ? load1(src + col[j] + c) : 0.0f;
+            }
+        }
+    }
+    return d;
 }
 
 // How a call's work splits: column blocks, and row chunks (whole strips) only when the blocks
@@ -424,32 +451,32 @@ inline void for_each_item(int64_t M, int64_t N, int64_t k_cost, int64_t out_cols
 
 // y [M, N] from x [M, K]; N counts output columns (GATED: the intermediate size, half the
 // packed weight's columns).
-// `lora` (or null): the rows' LoRA deltas added to the sums (GATED: before SwiGLU) as each block
-// is stored (lora_simd.h).
+// `add`: what the rows add to their sums (GATED: before SwiGLU) as each block is stored.
 template <typename T, bool GATED>
 void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const float* bias, T* y, int64_t sy,
-            int64_t M, const sf_lora::Deltas* lora = nullptr) {
+            int64_t M, const Addend<T>& add = {}) {
     if (M <= 0 || N <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;  // output columns per block
     const int64_t block_elems = (sizeof(T) == 2 ? (K + 1) / 2 * 2 : K) * NB;
     for_each_item(M, N, K, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
         const T* wb = w + b * block_elems;
         const float* bb = bias == nullptr ? nullptr : bias + b * NB;
-        const float* d = lora == nullptr ? nullptr : block_deltas<T, GATED>(*lora, m0, rows, n0, cols);
+        const float* d = add.any() ? block_addend<T, GATED>(add, N, m0, rows, n0, cols) : nullptr;
+        const int64_t* row_slot = add.lora == nullptr ? nullptr : add.lora->row_slot + m0;
         for_each_strip<MR>(rows, [=](auto r, int64_t m) {
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip<R>(x + (m0 + m) * sx, sx, wb, K, acc);
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
-                               d == nullptr ? nullptr : lora->row_slot + m0 + m);
+                               row_slot == nullptr ? nullptr : row_slot + m);
         });
     });
 }
 
 template <typename T, bool GATED>
-void linear_packed(const int64_t* a, const sf_lora::Deltas* lora = nullptr) {
+void linear_packed(const int64_t* a, const Addend<T>& add = {}) {
     linear<T, GATED>(reinterpret_cast<const T*>(a[0]), a[1], reinterpret_cast<const T*>(a[2]), a[3], a[4],
-                     reinterpret_cast<const float*>(a[5]), reinterpret_cast<T*>(a[6]), a[7], a[8], lora);
+                     reinterpret_cast<const float*>(a[5]), reinterpret_cast<T*>(a[6]), a[7], a[8], add);
 }
 
 #if SF_LIN_INT8
@@ -458,7 +485,7 @@ void linear_packed(const int64_t* a, const sf_lora::Deltas* lora = nullptr) {
 template <typename T, bool GATED>
 void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, const int8_t* w, const int32_t* colsum,
                const float* wscale, const float* bias, int64_t N, int64_t K, T* y, int64_t sy, int64_t M,
-               const sf_lora::Deltas* lora = nullptr) {
+               const Addend<T>& add = {}) {
     if (M <= 0 || N <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;
     const int64_t block_elems = (K + 3) / 4 * 4 * NB;
@@ -466,24 +493,25 @@ void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, co
     for_each_item(M, N, K / 2, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
         const int8_t* wb = w + b * block_elems;
         const float* bb = bias == nullptr ? nullptr : bias + b * NB;
-        const float* d = lora == nullptr ? nullptr : block_deltas<T, GATED>(*lora, m0, rows, n0, cols);
+        const float* d = add.any() ? block_addend<T, GATED>(add, N, m0, rows, n0, cols) : nullptr;
+        const int64_t* row_slot = add.lora == nullptr ? nullptr : add.lora->row_slot + m0;
         for_each_strip<MR>(rows, [=](auto r, int64_t m) {
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip_i8<R>(x + (m0 + m) * sx, sx, wb, K, colsum + b * NB, zp, wscale + b * NB, xscale + m0 + m, acc);
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
-                               d == nullptr ? nullptr : lora->row_slot + m0 + m);
+                               row_slot == nullptr ? nullptr : row_slot + m);
         });
     });
 }
 
 template <typename T, bool GATED>
-void linear_i8_packed(const int64_t* a, const sf_lora::Deltas* lora = nullptr) {
+void linear_i8_packed(const int64_t* a, const Addend<T>& add = {}) {
     linear_i8<T, GATED>(reinterpret_cast<const uint8_t*>(a[0]), a[1], reinterpret_cast<const float*>(a[2]),
                         static_cast<int32_t>(a[3]), reinterpret_cast<const int8_t*>(a[4]),
                         reinterpret_cast<const int32_t*>(a[5]), reinterpret_cast<const float*>(a[6]),
                         reinterpret_cast<const float*>(a[7]), a[8], a[9], reinterpret_cast<T*>(a[10]), a[11], a[12],
-                        lora);
+                        add);
 }
 #endif
 
@@ -525,24 +553,43 @@ void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t*) {}
 void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t*) {}
 #endif
 
-// The plain (not gated) forms above, float or (int8) int8, with LoRA: the call's rows' adapter
-// deltas (lora_simd.h: sf_lora::Deltas) added to the outputs. For decoder.cpp, whose LoRA
-// projections are never gated (the Python layers add gate/up deltas before SwiGLU too).
-void sf_lin_linear_lora_packed(const int64_t* a, int bf16, int int8, const void* lora) {
-    const auto* e = static_cast<const sf_lora::Deltas*>(lora);
-    if (!int8) {
-        if (bf16)
-            linear_packed<uint16_t, false>(a, e);
-        else
-            linear_packed<float, false>(a, e);
-        return;
-    }
+// Any of the forms above (bf16: the bf16 form; gated: silu_mul; int8: the int8 form's arguments)
+// with its rows' LoRA deltas (lora_simd.h: sf_lora::Deltas) added to the sums: for decoder.cpp.
+void sf_lin_linear_lora_packed(const int64_t* a, int bf16, int gated, int int8, const void* lora) {
+    const auto* deltas = static_cast<const sf_lora::Deltas*>(lora);
+    auto run = [&](auto t) {
+        using T = decltype(t);
+        Addend<T> add;
+        add.lora = deltas;
+        if (int8) {
 #if SF_LIN_INT8
-    if (bf16)
-        linear_i8_packed<uint16_t, false>(a, e);
-    else
-        linear_i8_packed<float, false>(a, e);
+            (gated ? linear_i8_packed<T, true> : linear_i8_packed<T, false>)(a, add);
 #endif
+        } else {
+            (gated ? linear_packed<T, true> : linear_packed<T, false>)(a, add);
+        }
+    };
+    if (bf16)
+        run(uint16_t{});
+    else
+        run(float{});
+}
+
+// The float forms above (bf16: the bf16 form; gated: silu_mul) with a dense addend [M, the
+// unfused output's columns] in the output's dtype (row stride `stride`; gated: gate columns, then
+// up) added to the sums: the Python layers' LoRA deltas for a gated gate_up.
+void sf_lin_linear_addend_packed(const int64_t* a, int bf16, int gated, const void* addend, int64_t stride) {
+    auto run = [&](auto t) {
+        using T = decltype(t);
+        Addend<T> add;
+        add.dense = static_cast<const T*>(addend);
+        add.dense_stride = stride;
+        (gated ? linear_packed<T, true> : linear_packed<T, false>)(a, add);
+    };
+    if (bf16)
+        run(uint16_t{});
+    else
+        run(float{});
 }
 
 }  // extern "C"

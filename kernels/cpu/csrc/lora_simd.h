@@ -58,7 +58,6 @@ struct Deltas {
     int64_t slots;
     const int64_t* row_slot;  // per row of the call: its slot, -1 for none
     int64_t nb;               // the packed B's block width (linear.cpp's NB)
-    int64_t up_offset;        // gated (SwiGLU) calls: where the up columns start in the unfused output
     int64_t parts;
     DeltaPart part[3];
 };
