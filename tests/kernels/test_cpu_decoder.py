@@ -1,8 +1,9 @@
 """The decoder layers in one C++ call (splitfuse.kernels.cpu.decoder) against the same layers run
 one by one in Python: the same kernels with the same arguments, so every step's logits and the
 KV caches must be bit-identical, for float32 and bfloat16, GQA, q/k/v biases (Qwen2), a sliding
-window (Mistral), block sizes 4 and 16, prompt chunks with decodes in one step, and steps whose
-last layer keeps only the sampling rows (run in Python after the C++ call).
+window (Mistral), block sizes 4 and 16, prompt chunks with decodes in one step, steps whose
+last layer keeps only the sampling rows (run in Python after the C++ call), and a GGUF file's
+Q4_0 / Q4_1 / Q8_0 projections in both of their kernel's forms.
 
 The engine takes the one call only where every projection runs the C++ linear kernel, which
 `linear_backend=auto` picks on some CPUs only (`layers.linear.resolve_linear_backend`: AVX-512
@@ -115,3 +116,30 @@ def test_auto_takes_the_one_call_where_it_picks_the_cpu_linear_kernel(tiny_model
     llm = LLM(tiny_model_factory("llama"), num_kv_blocks=64, dtype=dtype)
     assert llm.engine.runner.linear_backend == chosen
     assert (llm.engine.runner.model.decoder_stack is not None) == (chosen == "cpu"), llm.engine.runner.decoder_layers
+
+
+@pytest.mark.parametrize("quantization", ["gguf-exact", "gguf"])
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_equal_the_python_layers(tiny_model_factory, tmp_path, monkeypatch, quant, quantization):
+    """A tiny Llama written as a GGUF file of `quant` projections, served with the blocks widened
+    to float32 (gguf-exact) or with int8 activations per 32-k group (gguf, where the build has
+    that form): the same quant4 kernels with the same arguments, the same logits bit for bit."""
+    pytest.importorskip("gguf", reason="the gguf package is a dependency of splitfuse-triton")
+    from gguf_files import Q, write_gguf
+
+    from splitfuse.kernels.cpu import quant4
+
+    if quantization == "gguf" and not quant4.dot_products():
+        pytest.skip("this build has no integer form of the GGUF kernel")
+    monkeypatch.setenv("SPLITFUSE_GGUF_CACHE", str(tmp_path / "cache"))
+    # hidden 64: rows of whole 32-element quantization blocks.
+    model = str(write_gguf(tiny_model_factory("llama"), tmp_path / "tiny.gguf", quant=Q[quant]))
+    fused, fused_logits, fused_tokens = _run(model, True, dtype="float32", quantization=quantization)
+    plain, plain_logits, plain_tokens = _run(model, False, dtype="float32", quantization=quantization)
+    stack = fused.engine.runner.model.decoder_stack
+    assert stack is not None and stack.gguf, fused.engine.runner.decoder_layers
+    assert plain.engine.runner.model.decoder_stack is None
+    assert len(fused_logits) == len(plain_logits)
+    for step, (a, b) in enumerate(zip(fused_logits, plain_logits)):
+        assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max().item()}"
+    assert fused_tokens == plain_tokens
