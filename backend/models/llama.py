@@ -17,6 +17,7 @@ from torch import nn
 
 from splitfuse.kernels.cpu import decoder as cpu_decoder
 from splitfuse.layers.attention import AttentionMetadata
+from splitfuse.layers.embedding import Embedding
 from splitfuse.layers.int8_linear import CpuInt8Linear
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import CpuLinear, Linear, fuses_swiglu
@@ -222,7 +223,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, ops: KernelSet, all_reduce: Callable | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i, ops, all_reduce or _identity)
                                     for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
@@ -394,6 +395,12 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare(backend)
             elif isinstance(module, (Linear, Experts)):
                 module.prepare(backend, quantization)
+        # The embedding on the GGUF file's blocks frees its float table, unless a tied head still
+        # multiplies that table (its kernel then has no blocks of its own).
+        embedding = self.model.embed_tokens
+        if embedding.prepare(quantization) and not (self.args.tie_word_embeddings
+                                                    and not isinstance(self.lm_head.kernel, CpuQ4Linear)):
+            embedding.weight.data = torch.empty(0, dtype=embedding.weight.dtype, device=embedding.weight.device)
 
     def weight_memory(self) -> dict[str, int]:
         """Bytes of weights held, by dtype: parameters still stored plus packed kernels' copies."""
@@ -406,7 +413,8 @@ class LlamaForCausalLM(nn.Module):
             add(str(p.dtype).removeprefix("torch."), p.numel() * p.element_size())
         for module in self.modules():
             kernels = [module.kernel] if isinstance(module, Linear) else (
-                module.gate_up + module.down if isinstance(module, Experts) else [])
+                module.gate_up + module.down if isinstance(module, Experts) else
+                [module] if isinstance(module, Embedding) else [])
             for kernel in kernels:
                 for dtype, nbytes in getattr(kernel, "weight_bytes", {}).items():
                     add(dtype, nbytes)

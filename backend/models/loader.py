@@ -86,7 +86,8 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
 def _attach_gguf_blocks(model: LlamaForCausalLM, source: GGUFSource) -> None:
     """Give each projection and the LM head the means to read its weight's blocks from the GGUF
     file the checkpoint was converted from (read only when quantization="gguf" or "gguf-exact"
-    prepares it). A tied head reads the embedding's blocks."""
+    prepares it). A tied head reads the embedding's blocks, and so does the embedding."""
+    model.model.embed_tokens.gguf_blocks = lambda: source.blocks(["model.embed_tokens.weight"])
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue

@@ -67,3 +67,42 @@ def test_without_the_cpp_kernels_the_float_weights_run(trained_model):
     gguf_line, none_line = run.stdout.strip().splitlines()[-2:]
     assert gguf_line == none_line and gguf_line.startswith("float32"), run.stdout
     assert "keeps the float kernel (the C++ CPU kernels are not built)" in run.stderr
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_on_the_files_blocks(tiny_model_factory, tmp_path, monkeypatch, quant, tied):
+    """Under gguf-exact the embedding keeps the file's blocks of its table and widens the rows it
+    looks up (the float32 table's values: the same logits as quantization none, bit for bit), and
+    the float table is freed (a tied head multiplies the file's blocks too)."""
+    pytest.importorskip("gguf", reason="the gguf package is a dependency of splitfuse-triton")
+    from gguf_files import Q, write_gguf
+
+    from splitfuse import LLM, SamplingParams
+    from splitfuse.kernels.cpu import quant4
+
+    if not quant4.available():
+        pytest.skip("the C++ CPU kernels are not built")
+    monkeypatch.setenv("SPLITFUSE_GGUF_CACHE", str(tmp_path / "cache"))
+    base = tiny_model_factory("llama", tie_word_embeddings=tied)
+    model = str(write_gguf(base, tmp_path / "tiny.gguf", quant=Q[quant]))
+    results = {}
+    for mode in ("none", "gguf-exact"):
+        with LLM(model, dtype="float32", quantization=mode, enable_prefix_caching=False) as llm:
+            runner = llm.engine.runner
+            logits = []
+            execute = runner.execute
+            runner.execute = lambda batch: logits.append(execute(batch).clone()) or logits[-1]
+            out = llm.generate([[1, 5, 9, 200, 17], [3] * 40], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                           ignore_eos=True))
+            embedding = runner.model.model.embed_tokens
+            results[mode] = (logits, [o.token_ids for o in out], runner.model.weight_memory(),
+                             embedding.blocks, embedding.weight.numel())
+    plain, exact = results["none"], results["gguf-exact"]
+    assert exact[3] is not None and exact[3][0] == quant and exact[4] == 0
+    assert plain[3] is None and plain[4] > 0
+    vocab_bytes = exact[3][1].numel()
+    assert exact[2][quant.lower()] >= vocab_bytes
+    assert exact[2]["float32"] < plain[2]["float32"] - vocab_bytes  # the table is gone
+    assert exact[1] == plain[1]
+    assert len(exact[0]) == len(plain[0]) and all(torch.equal(a, b) for a, b in zip(exact[0], plain[0]))

@@ -1,0 +1,59 @@
+"""Token embeddings: nn.Embedding's parameter, and under quantization gguf / gguf-exact the GGUF
+file's own blocks instead of the float32 table.
+
+A checkpoint converted from a GGUF file holds the embedding dequantized to float32 (SmolLM2's
+Q8_0 table: 113 MB against the file's 30 MB). With the file at hand, `prepare` keeps its blocks
+and each step widens only the looked-up rows, as the `gguf` package dequantizes them (the same
+values as the float32 table, so the same outputs), the way llama.cpp reads its embedding rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from splitfuse.kernels.cpu import quant4
+from splitfuse.layers.q4_linear import GGUF_QUANTIZATIONS
+
+BlockSource = Callable[[], "tuple[str, torch.Tensor] | None"]
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        # Set by the loader for a checkpoint converted from a GGUF file: reads the table's blocks.
+        self.gguf_blocks: BlockSource | None = None
+        self.blocks: tuple[str, torch.Tensor] | None = None  # (kind, uint8 rows [V, block bytes])
+
+    def prepare(self, quantization: str) -> bool:
+        """Under a GGUF quantization (float32 model, the C++ kernels built, as for the
+        projections), keep the file's blocks of the table (when it stores them in a kind `quant4`
+        reads) in place of the float table's rows; returns whether it did. The caller frees the
+        float weight (a tied LM head may still need it)."""
+        source, self.gguf_blocks = self.gguf_blocks, None  # holds the GGUF file open
+        if (quantization not in GGUF_QUANTIZATIONS or source is None or self.weight.dtype is not torch.float32
+                or not quant4.available()):  # without the C++ kernels every weight stays float
+            return False
+        found = source()
+        if found is None or found[0] not in quant4.KINDS or found[1].shape[0] != self.weight.shape[0]:
+            return False
+        self.blocks = found
+        return True
+
+    @property
+    def weight_bytes(self) -> dict[str, int]:
+        if self.blocks is None:
+            return {}
+        kind, rows = self.blocks
+        return {kind.lower(): rows.numel()}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return F.embedding(ids, self.weight)
+        kind, rows = self.blocks
+        flat = ids.reshape(-1)
+        return quant4.dequantize(kind, rows.index_select(0, flat)).view(*ids.shape, -1)
