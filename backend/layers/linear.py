@@ -248,17 +248,20 @@ def _q4_kernel(weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockSou
 
 def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
                        quantization: str = "none", swiglu: bool = False,
-                       gguf_blocks: BlockSource | None = None) -> LinearKernel:
+                       gguf_blocks: BlockSource | None = None, addend: bool = False) -> LinearKernel:
     """The kernel for `backend` / `quantization`. `swiglu`: the weight is SwiGLU's gate_up [2I, K];
     a kernel that can (`fuses_swiglu`) then returns silu(gate) * up itself, others the product.
+    `addend`: the caller adds to the product before the activation (LoRA deltas), so only a kernel
+    that takes an addend into its sums (`CpuLinear.with_addend`) fuses the activation.
     `gguf_blocks`: reads the weight's GGUF blocks (quantization="gguf" / "gguf-exact")."""
+    fuse_without_addend = swiglu and not addend
     if quantization in GGUF_QUANTIZATIONS:
-        kernel = _q4_kernel(weight, bias, gguf_blocks, swiglu, quantization)
+        kernel = _q4_kernel(weight, bias, gguf_blocks, fuse_without_addend, quantization)
         if kernel is not None:
             return kernel
     if quantization == "int8":
         if backend == "cpu" and cpu_int8_supported(weight.dtype):
-            return CpuInt8Linear(weight, bias, gated=swiglu)
+            return CpuInt8Linear(weight, bias, gated=fuse_without_addend)
         return Int8Linear(weight, bias)
     if backend == "cpu":
         return CpuLinear(weight, bias, gated=swiglu)
@@ -316,14 +319,9 @@ class Linear(nn.Module):
         """Build the kernel for `backend` (or `quantization`). With a packed kernel and
         `release_weight`, the plain weight's storage is freed (pass False for a weight shared
         with another module, such as a tied LM head)."""
-        swiglu = self.silu_and_mul is not None
-        self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization, swiglu=swiglu,
-                                         gguf_blocks=self.gguf_blocks)
-        if swiglu and self.lora is not None and not (isinstance(self.kernel, CpuLinear) and self.kernel.packed.gated):
-            # Only the float C++ kernel takes LoRA deltas before its fused SwiGLU: the plain
-            # product here, the deltas added to it, then the activation.
-            self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization, swiglu=False,
-                                             gguf_blocks=self.gguf_blocks)
+        self.kernel = make_linear_kernel(self.weight, self.bias, backend, quantization,
+                                         swiglu=self.silu_and_mul is not None, gguf_blocks=self.gguf_blocks,
+                                         addend=self.lora is not None)
         if isinstance(self.kernel, CpuQ4Linear):
             self.gguf_blocks = None  # holds the GGUF file open; the kernel has its own copy
         if release_weight:

@@ -398,8 +398,8 @@ class LlamaForCausalLM(nn.Module):
         # The embedding on the GGUF file's blocks frees its float table, unless a tied head still
         # multiplies that table (its kernel then has no blocks of its own).
         embedding = self.model.embed_tokens
-        if embedding.prepare(quantization) and not (self.args.tie_word_embeddings
-                                                    and not isinstance(self.lm_head.kernel, CpuQ4Linear)):
+        if embedding.prepare(quantization) and (not self.args.tie_word_embeddings
+                                                or isinstance(self.lm_head.kernel, CpuQ4Linear)):
             embedding.weight.data = torch.empty(0, dtype=embedding.weight.dtype, device=embedding.weight.device)
 
     def weight_memory(self) -> dict[str, int]:

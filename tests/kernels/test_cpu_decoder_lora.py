@@ -64,9 +64,11 @@ def served_narrow(tiny_model_factory, tmp_path_factory):
     return base, _modules(base, tmp_path_factory.mktemp("decoder_lora_narrow"), NARROW)
 
 
-def _run(base: str, modules: str, fused: bool, dtype: str) -> tuple[LLM, list[torch.Tensor], list[list[int]], dict]:
+def _run(base: str, modules: str, fused: bool, dtype: str,
+         quantization: str = "none") -> tuple[LLM, list[torch.Tensor], list[list[int]], dict]:
     llm = LLM(base, dtype=dtype, lora_modules=modules, max_loras=4, max_lora_rank=64, fused_decoder=fused,
-              linear_backend="cpu", attention_backend="cpu", token_budget=97, num_kv_blocks=256)
+              linear_backend="cpu", attention_backend="cpu", token_budget=97, num_kv_blocks=256,
+              quantization=quantization)
     runner = llm.engine.runner
     logits: list[torch.Tensor] = []
     execute = runner.execute
@@ -90,14 +92,25 @@ def _run(base: str, modules: str, fused: bool, dtype: str) -> tuple[LLM, list[to
 
 
 @pytest.mark.parametrize("adapters", ["served", "served_narrow", "served_misaligned"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_one_call_adds_the_python_layers_deltas(request, adapters, dtype):
+    """int8: float32 activations over int8 projections, whose gate_up runs unfused (its kernel
+    takes no addend); the float kernels keep gate_up's fused SwiGLU with the deltas inside."""
     base, modules = request.getfixturevalue(adapters)
-    fused, fused_logits, fused_tokens, rows = _run(base, modules, True, dtype)
-    plain, plain_logits, plain_tokens, _ = _run(base, modules, False, dtype)
+    quantization = "int8" if dtype == "int8" else "none"
+    if quantization == "int8":
+        from splitfuse.layers.int8_linear import cpu_int8_supported
+
+        if not cpu_int8_supported(torch.float32):
+            pytest.skip("no C++ int8 kernel here")
+        dtype = "float32"
+    fused, fused_logits, fused_tokens, rows = _run(base, modules, True, dtype, quantization)
+    plain, plain_logits, plain_tokens, _ = _run(base, modules, False, dtype, quantization)
     if fused.engine.runner.model.decoder_stack is None:
         pytest.skip(f"no fused decoder here: {fused.engine.runner.decoder_layers}")
     assert plain.engine.runner.model.decoder_stack is None
+    gate_up = fused.engine.runner.model.model.layers[0].mlp.gate_up_proj.kernel
+    assert gate_up.packed.gated == (quantization == "none")
     assert rows["few"] > 0 and rows["many"] > 0, rows  # both of the C++ decoder's LoRA forms ran
     assert len(fused_logits) == len(plain_logits)
     # The same products in another grouping: float32 sums agree to rounding, bf16 to its rounding.
