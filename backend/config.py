@@ -15,7 +15,11 @@ from typing import Any
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
-QUANTIZATIONS = ("none", "int8", "gguf", "gguf-exact")
+GGUF_QUANTIZATIONS = ("gguf", "gguf-exact")  # the blocks of the GGUF file a checkpoint came from
+LOAD_QUANTIZATIONS = ("q4_0", "q4_1", "q8_0")  # any float checkpoint quantized into GGUF blocks at load
+# Those run the GGUF block kernel (float32 activations, whole rows: no tensor parallelism).
+BLOCK_QUANTIZATIONS = GGUF_QUANTIZATIONS + LOAD_QUANTIZATIONS
+QUANTIZATIONS = ("none", "int8") + BLOCK_QUANTIZATIONS
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16")
@@ -64,13 +68,16 @@ class EngineConfig:
     model's dtype, no tensor parallelism): the same kernels and results without the Python between
     them. false runs them layer by layer in Python."""
     quantization: str = "none"
-    """none | int8 | gguf | gguf-exact. int8 quantizes the projections' weights at load (per output
+    """none | int8 | gguf | gguf-exact | q4_0 | q4_1 | q8_0. int8 quantizes the projections' weights at load (per output
     channel) and their activations per token at run time (CPU, oneDNN); the LM head and MoE
     routers stay float. gguf / gguf-exact (a checkpoint converted from a GGUF file, float32, CPU):
     the projections multiply the file's own Q4_0 / Q4_1 / Q8_0 blocks, kept packed in memory at
     about the file's size; gguf with int8 activations per 32-k group (llama.cpp's arithmetic,
     integer dot products), gguf-exact widening the blocks to float32 in registers (the same
-    results as the dequantized float32 model, bit for bit). Other tensors stay float."""
+    results as the dequantized float32 model, bit for bit). Other tensors stay float. q4_0 / q4_1 /
+    q8_0 (any float checkpoint, run in float32, CPU): the projections quantized at load into
+    GGUF's blocks of that kind (32 weights a block, round to nearest: 4.5 / 5 / 8.5 bits a weight)
+    and run as gguf; the LM head and the embedding in Q8_0 blocks."""
     speculative_method: str = "none"
     """none | ngram | draft: propose tokens cheaply and verify them in one pass (speculative
     decoding). ngram looks the sequence's last tokens up earlier in its own text; draft runs
@@ -171,7 +178,7 @@ class EngineConfig:
         _check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
-        if self.quantization.startswith("gguf"):
+        if self.quantization in BLOCK_QUANTIZATIONS:
             # The packed blocks are whole rows of the file's tensors (not sharded) multiplying
             # float32 activations.
             if self.tensor_parallel_size > 1:

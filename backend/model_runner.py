@@ -8,7 +8,7 @@ import logging
 import torch
 
 from splitfuse.block_manager import longest_sequence, pool_blocks_for
-from splitfuse.config import EngineConfig
+from splitfuse.config import BLOCK_QUANTIZATIONS, EngineConfig
 from splitfuse.cpu_budget import available_cpus
 from splitfuse.host_allocator import keep_freed_memory
 from splitfuse.kernels.cpu.paged_attention import huge_page_empty
@@ -39,14 +39,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dtype:
-    """`dtype=auto`: the checkpoint's dtype on GPUs; on CPUs a bfloat16 checkpoint stays bfloat16
+def resolve_dtype(name: str, args: ModelArgs, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """`dtype=auto`: float32 under a GGUF block quantization (its kernel takes float32
+    activations); else the checkpoint's dtype on GPUs; on CPUs a bfloat16 checkpoint stays bfloat16
     where bf16 runs at least as fast as float32 (layers.linear.native_bf16_cpu: AVX-512 BF16 or AMX,
     or the C++ kernels' AVX2 build, which widens bf16 weights in registers), everything else runs
     float32 (bf16 widened by torch's generic paths is slower than fp32 itself).
     The choice and its reason are logged."""
     if name != "auto":
         return _DTYPES[name]
+    if quantization in BLOCK_QUANTIZATIONS:
+        log.info("splitfuse: dtype=auto -> float32: quantization=%s multiplies float32 activations", quantization)
+        return torch.float32
     checkpoint = str(args.checkpoint_dtype).removeprefix("torch.")
     if device.type != "cpu":
         return _DTYPES.get(checkpoint, torch.bfloat16)
@@ -91,7 +95,7 @@ class ModelRunner:
             # the engine steps on the thread that built it.
             torch.set_flush_denormal(True)
             keep_freed_memory()
-        self.dtype = resolve_dtype(config.dtype, self.args, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.args, self.device, config.quantization)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype,
                                                      config.quantization)

@@ -49,6 +49,8 @@ MODES: dict[str, dict] = {
     # A checkpoint converted from a GGUF file: the file's own Q4_0/Q4_1/Q8_0 blocks.
     "gguf": {"dtype": "float32", "quantization": "gguf"},
     "gguf-exact": {"dtype": "float32", "quantization": "gguf-exact"},
+    # Any float checkpoint: the projections quantized at load into GGUF blocks of that kind.
+    **{q: {"dtype": "float32", "quantization": q} for q in ("q4_0", "q4_1", "q8_0")},
 }
 QUESTIONS = [
     "What is the capital of France?", "Say good morning in Spanish.", "Write a haiku about the sea.",

@@ -1,5 +1,6 @@
-"""GGUF blocks kept packed (quantization=gguf / gguf-exact) against the same model dequantized to
-float32 (and bf16), decode-heavy, offline: issue 42 item 5's figures.
+"""GGUF blocks kept packed (quantization=gguf / gguf-exact: the file's; q4_0 / q4_1 / q8_0: the
+float checkpoint quantized at load) against the same model dequantized to float32 (and bf16),
+decode-heavy, offline: issue 42 item 5's figures.
 
 Each round runs every mode once, in a fresh process each (`LLM(...).generate` over 16 short
 prompts, greedy, ignore_eos, 128 new tokens each), the modes alternating so a noisy neighbour on
@@ -31,7 +32,8 @@ from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
 
 MODES = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
          "gguf": {"dtype": "float32", "quantization": "gguf"},
-         "gguf-exact": {"dtype": "float32", "quantization": "gguf-exact"}}
+         "gguf-exact": {"dtype": "float32", "quantization": "gguf-exact"},
+         **{q: {"dtype": "float32", "quantization": q} for q in ("q4_0", "q4_1", "q8_0")}}
 CHILD = """
 import json, sys, time, resource
 from splitfuse import LLM, SamplingParams

@@ -1,5 +1,5 @@
 """Token embeddings: nn.Embedding's parameter, and under quantization gguf / gguf-exact the GGUF
-file's own blocks instead of the float32 table.
+file's own blocks instead of the float32 table (under q8_0, the table quantized into Q8_0 blocks).
 
 A checkpoint converted from a GGUF file holds the embedding dequantized to float32 (SmolLM2's
 Q8_0 table: 113 MB against the file's 30 MB). With the file at hand, `prepare` keeps its blocks
@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from splitfuse.kernels.cpu import quant4
-from splitfuse.layers.q4_linear import GGUF_QUANTIZATIONS
+from splitfuse.layers.q4_linear import BLOCK_QUANTIZATIONS, block_source
 
 BlockSource = Callable[[], "tuple[str, torch.Tensor] | None"]
 
@@ -32,10 +32,11 @@ class Embedding(nn.Module):
     def prepare(self, quantization: str) -> bool:
         """Under a GGUF quantization (float32 model, the C++ kernels built, as for the
         projections), keep the file's blocks of the table (when it stores them in a kind `quant4`
-        reads) in place of the float table's rows; returns whether it did. The caller frees the
-        float weight (a tied LM head may still need it)."""
-        source, self.gguf_blocks = self.gguf_blocks, None  # holds the GGUF file open
-        if (quantization not in GGUF_QUANTIZATIONS or source is None or self.weight.dtype is not torch.float32
+        reads), or under q8_0 the table quantized, in place of the float table's rows; returns
+        whether it did. The caller frees the float weight (a tied LM head may still need it)."""
+        file_blocks, self.gguf_blocks = self.gguf_blocks, None  # holds the GGUF file open
+        source = block_source(quantization, self.weight, file_blocks)
+        if (quantization not in BLOCK_QUANTIZATIONS or source is None or self.weight.dtype is not torch.float32
                 or not quant4.available()):  # without the C++ kernels every weight stays float
             return False
         found = source()

@@ -31,8 +31,9 @@ and experts).
 
 With `quantization="gguf"` or `"gguf-exact"` (a checkpoint converted from a GGUF file) the
 projections whose blocks the file stores as Q4_0 / Q4_1 / Q8_0 run `CpuQ4Linear` (q4_linear.py)
-over those blocks, packed; the others, and every projection where that kernel cannot run, keep
-the float kernel.
+over those blocks, packed; with `"q4_0"`, `"q4_1"` or `"q8_0"` every projection's float weight is
+quantized into such blocks at load and runs the same kernel. The others, and every projection
+where that kernel cannot run, keep the float kernel.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from torch import nn
 from splitfuse.kernels.cpu import linear as cpu_linear
 from splitfuse.kernels.cpu.build import cpu_flags, library_isa
 from splitfuse.layers.int8_linear import CpuInt8Linear, Int8Linear, cpu_int8_supported, int8_supported
-from splitfuse.layers.q4_linear import GGUF_QUANTIZATIONS, BlockSource, CpuQ4Linear, q4_supported
+from splitfuse.layers.q4_linear import (BLOCK_QUANTIZATIONS, LOAD_QUANTIZATIONS, BlockSource, CpuQ4Linear,
+                                        block_source, q4_supported)
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +222,7 @@ def check_quantization(quantization: str, device: torch.device) -> None:
         ok, why = int8_supported(device)
         if not ok:
             raise ValueError(f"quantization='int8' cannot run here: {why}")
-    if quantization in GGUF_QUANTIZATIONS and device.type != "cpu":
+    if quantization in BLOCK_QUANTIZATIONS and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} cannot run here: the GGUF block kernel is for CPUs "
                          f"(device {device.type})")
 
@@ -230,12 +232,16 @@ _logged_q4_fallback: set[str] = set()
 
 def _q4_kernel(weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockSource | None,
                swiglu: bool, quantization: str) -> CpuQ4Linear | None:
-    """The packed GGUF kernel for this projection, or None (with the reason logged once)."""
+    """The packed GGUF block kernel for this projection, or None (with the reason logged once)."""
     ok, why = q4_supported(weight.device, weight.dtype)
-    found = blocks() if ok and blocks is not None else None
+    source = block_source(quantization, weight, blocks) if ok else None
+    found = source() if source is not None else None
     if found is None:
-        why = why or ("no GGUF source file for this checkpoint" if blocks is None
-                      else "its blocks are not all Q4_0, Q4_1 or Q8_0 of one type")
+        if not why and quantization in LOAD_QUANTIZATIONS:
+            why = f"its input size {weight.shape[-1]} is not a multiple of 32"
+        elif not why:
+            why = ("no GGUF source file for this checkpoint" if source is None
+                   else "its blocks are not all Q4_0, Q4_1 or Q8_0 of one type")
         if why not in _logged_q4_fallback:
             _logged_q4_fallback.add(why)
             log.warning("splitfuse: quantization=%s: a projection keeps the float kernel (%s)", quantization, why)
@@ -253,9 +259,10 @@ def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend:
     a kernel that can (`fuses_swiglu`) then returns silu(gate) * up itself, others the product.
     `addend`: the caller adds to the product before the activation (LoRA deltas), so only a kernel
     that takes an addend into its sums (`CpuLinear.with_addend`) fuses the activation.
-    `gguf_blocks`: reads the weight's GGUF blocks (quantization="gguf" / "gguf-exact")."""
+    `gguf_blocks`: reads the weight's blocks from its GGUF file (quantization="gguf" / "gguf-exact";
+    "q4_0" / "q4_1" / "q8_0" quantize the weight instead)."""
     fuse_without_addend = swiglu and not addend
-    if quantization in GGUF_QUANTIZATIONS:
+    if quantization in BLOCK_QUANTIZATIONS:
         kernel = _q4_kernel(weight, bias, gguf_blocks, fuse_without_addend, quantization)
         if kernel is not None:
             return kernel

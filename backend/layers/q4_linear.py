@@ -1,26 +1,31 @@
-"""Projections over a GGUF file's own quantized blocks (`EngineConfig.quantization="gguf"` or
-`"gguf-exact"`).
+"""Projections over GGUF's quantized blocks: a GGUF file's own (`EngineConfig.quantization="gguf"`
+or `"gguf-exact"`), or any float checkpoint's weights quantized into them at load (`"q4_0"`,
+`"q4_1"`, `"q8_0"`).
 
 The loader gives each projection of a checkpoint converted from a GGUF file the means to read
 its blocks from that file (`Linear.gguf_blocks`, models/gguf_checkpoint.py: a fused qkv or
-gate_up projection stacks its parts' rows). Where every part is Q4_0, Q4_1 or Q8_0 in one type,
-`CpuQ4Linear` packs them for the C++ kernel (`splitfuse.kernels.cpu.quant4`) and the float
-weight is released: the weights stay at about the file's size in memory (Q4_1 5 bits a weight
-against 32) and are widened in registers as each call reads them. Two forms of the kernel:
+gate_up projection stacks its parts' rows). Under a load quantization `block_source` makes the
+blocks from the loaded weight instead (round to nearest, one fp16 scale, and for Q4_1 a minimum,
+per 32 weights along k: llama.cpp's reference quantizer); the LM head and the embedding then take
+Q8_0 blocks (they pick the tokens; llama.cpp's 4-bit files keep their output tensor at 6 bits or
+more too). Where every part is Q4_0, Q4_1 or Q8_0 in one type, `CpuQ4Linear` packs them for the
+C++ kernel (`splitfuse.kernels.cpu.quant4`) and the float weight is released: the weights stay at
+about the blocks' size in memory (Q4_0 4.5 bits a weight, Q4_1 5, Q8_0 8.5, against 32) and are
+widened in registers as each call reads them. Two forms of the kernel:
 
-* `gguf`: llama.cpp's arithmetic where the build has integer dot products (AVX-512 VNNI, or
-  AVX2's vpmaddubsw): the activations quantized per row and 32-k group to int8 in each call,
-  multiplied exactly against the blocks' integers, each group's sum scaled (a quarter of the
-  float form's multiply instructions). Outputs differ from the dequantized float32 model's by
-  the activations' rounding: greedy agreement is reported (perf/results/q4/), not equality.
-  Builds with neither run the float form.
+* `gguf` and the load quantizations: llama.cpp's arithmetic where the build has integer dot
+  products (AVX-512 VNNI, or AVX2's vpmaddubsw): the activations quantized per row and 32-k
+  group to int8 in each call, multiplied exactly against the blocks' integers, each group's sum
+  scaled (a quarter of the float form's multiply instructions). Outputs differ from the
+  dequantized float32 model's by the activations' rounding: greedy agreement is reported
+  (perf/results/q4/), not equality. Builds with neither run the float form.
 * `gguf-exact`: the blocks widened to float32 in registers exactly as the `gguf` package
   dequantizes them and summed in the float32 kernel's order: a projection's output equals the
   float32 model's (the same file dequantized) bit for bit. Faster than float32 where the weight's
   bytes bound the product (decodes of a few rows); about float32's speed at 16 rows and more.
 
-Other projections (other block types, or no source file) keep the float kernel, with a log
-line. Float32 activations only (the converted checkpoint is float32).
+Other projections (other block types, no source file, an input size not a multiple of 32) keep
+the float kernel, with a log line. Float32 activations only.
 """
 
 from __future__ import annotations
@@ -29,11 +34,27 @@ from typing import Callable
 
 import torch
 
+from splitfuse.config import BLOCK_QUANTIZATIONS, GGUF_QUANTIZATIONS, LOAD_QUANTIZATIONS
 from splitfuse.kernels.cpu import quant4
 
-GGUF_QUANTIZATIONS = ("gguf", "gguf-exact")
+__all__ = ["BLOCK_QUANTIZATIONS", "GGUF_QUANTIZATIONS", "HEAD_QUANTIZATION", "LOAD_QUANTIZATIONS", "BlockSource",
+           "CpuQ4Linear", "block_source", "q4_supported"]
+
+HEAD_QUANTIZATION = "q8_0"  # the LM head's and the embedding's under a load quantization
 # Reads a projection's blocks: (block type, uint8 rows) or None (not packable).
 BlockSource = Callable[[], "tuple[str, torch.Tensor] | None"]
+
+
+def block_source(quantization: str, weight: torch.Tensor, file_blocks: BlockSource | None) -> BlockSource | None:
+    """Where `weight`'s blocks come from under `quantization`: the GGUF file's (`file_blocks`, set by
+    the loader), the weight quantized now (a load quantization; None when its input size is not a
+    multiple of 32), or nowhere (the float kernels)."""
+    if quantization in LOAD_QUANTIZATIONS:
+        if weight.dim() != 2 or weight.shape[1] % quant4.QK:
+            return None
+        kind = quantization.upper()  # q4_0 -> GGUF's Q4_0
+        return lambda: (kind, quant4.quantize(kind, weight))
+    return file_blocks if quantization in GGUF_QUANTIZATIONS else None
 
 
 def q4_supported(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:

@@ -22,7 +22,7 @@ from splitfuse.layers.int8_linear import CpuInt8Linear
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import CpuLinear, Linear, fuses_swiglu
 from splitfuse.layers.moe import Experts, SparseMoeBlock
-from splitfuse.layers.q4_linear import GGUF_QUANTIZATIONS, CpuQ4Linear
+from splitfuse.layers.q4_linear import GGUF_QUANTIZATIONS, HEAD_QUANTIZATION, LOAD_QUANTIZATIONS, CpuQ4Linear
 
 if TYPE_CHECKING:
     from splitfuse.lora.batching import LoraState
@@ -385,12 +385,14 @@ class LlamaForCausalLM(nn.Module):
         are loaded). The LM head and the MoE routers stay in float: their outputs pick tokens and
         experts, and they are a small share of the work; but a GGUF file's head is multiplied
         from the file's own blocks (as llama.cpp does): in fp32 it is a fifth of the bytes a
-        SmolLM2 decode step streams (113 of 537 MB)."""
+        SmolLM2 decode step streams (113 of 537 MB). Under a load quantization (q4_0 ...) the head
+        and the embedding take 8-bit blocks (HEAD_QUANTIZATION)."""
         routers = {id(m.gate) for m in self.modules() if isinstance(m, SparseMoeBlock)}
+        head_quantization = (HEAD_QUANTIZATION if quantization in LOAD_QUANTIZATIONS
+                             else quantization if quantization in GGUF_QUANTIZATIONS else "none")
         for module in self.modules():
             if module is self.lm_head:  # a tied head shares its weight with the embedding
-                module.prepare(backend, quantization if quantization in GGUF_QUANTIZATIONS else "none",
-                               release_weight=not self.args.tie_word_embeddings)
+                module.prepare(backend, head_quantization, release_weight=not self.args.tie_word_embeddings)
             elif id(module) in routers:
                 module.prepare(backend)
             elif isinstance(module, (Linear, Experts)):
@@ -398,7 +400,7 @@ class LlamaForCausalLM(nn.Module):
         # The embedding on the GGUF file's blocks frees its float table, unless a tied head still
         # multiplies that table (its kernel then has no blocks of its own).
         embedding = self.model.embed_tokens
-        if embedding.prepare(quantization) and (not self.args.tie_word_embeddings
+        if embedding.prepare(head_quantization) and (not self.args.tie_word_embeddings
                                                 or isinstance(self.lm_head.kernel, CpuQ4Linear)):
             embedding.weight.data = torch.empty(0, dtype=embedding.weight.dtype, device=embedding.weight.device)
 

@@ -17,7 +17,9 @@ package dequantizes them and multiplied in linear.py's order, so the output equa
 `linear.linear(x, pack_weight(dequantize(rows)))` bit for bit, and the weight stays at about the
 file's size in memory (Q4_1: 5 bits a weight; Q8_0: 8.5).
 
-`dequantize(kind, rows)` is the torch reference: float32 [N, K].
+`dequantize(kind, rows)` is the torch reference: float32 [N, K]. `quantize(kind, weight)` makes
+those rows from a float weight (round to nearest, one scale per block: the `gguf` package's
+quantizer, llama.cpp's reference rounding), for checkpoints quantized at load.
 
 `form="dot"` (`dot_products()`: builds with AVX-512 VNNI, or AVX2) packs for the kernel's integer
 form instead, llama.cpp's arithmetic: each call quantizes x per row and 32-k group to int8
@@ -42,7 +44,7 @@ from .build import Entries
 from .linear import _column_order, _per_column
 
 __all__ = ["BLOCK_BYTES", "FORMS", "KINDS", "PackedQuantWeight", "available", "dequantize", "dot_products",
-           "dot_reference", "linear", "pack_quantized"]
+           "dot_reference", "linear", "pack_quantized", "quantize"]
 
 QK = 32  # weights per GGUF block
 KINDS = ("Q4_0", "Q4_1", "Q8_0")  # csrc/quant4.cpp's Kind, in order
@@ -125,6 +127,19 @@ def dequantize(kind: str, rows: torch.Tensor) -> torch.Tensor:
     else:
         w = qf * d
     return w.reshape(n, -1)
+
+
+def quantize(kind: str, weight: torch.Tensor) -> torch.Tensor:
+    """A float weight [N, K] (K a multiple of 32) as `kind` blocks: the uint8 rows
+    [N, K / 32 * block bytes] that `pack_quantized` and `dequantize` take."""
+    from gguf import GGMLQuantizationType, quants
+
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"unsupported block type {kind!r} (supported: {', '.join(KINDS)})")
+    if weight.dim() != 2 or weight.shape[1] % QK:
+        raise ValueError(f"quantize: a [N, K] weight with K a multiple of {QK}, got {tuple(weight.shape)}")
+    w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    return torch.from_numpy(quants.quantize(w, GGMLQuantizationType[kind]))
 
 
 def dot_reference(x: torch.Tensor, kind: str, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from splitfuse.config import EngineConfig
 
 
-@pytest.mark.parametrize("mode", ["gguf", "gguf-exact"])
+@pytest.mark.parametrize("mode", ["gguf", "gguf-exact", "q4_0", "q4_1", "q8_0"])
 def test_config_checks(mode):
     assert EngineConfig(model="m", quantization=mode).quantization == mode
     with pytest.raises(ValueError, match="tensor_parallel_size"):
