@@ -28,6 +28,7 @@ class Embedding(nn.Module):
         # Set by the loader for a checkpoint converted from a GGUF file: reads the table's blocks.
         self.gguf_blocks: BlockSource | None = None
         self.blocks: tuple[str, torch.Tensor] | None = None  # (kind, uint8 rows [V, block bytes])
+        self.head_blocks: quant4.PackedQuantWeight | None = None  # a tied LM head's, looked up in place
 
     def prepare(self, quantization: str) -> bool:
         """Under a GGUF quantization (float32 model, the C++ kernels built, as for the
@@ -45,14 +46,23 @@ class Embedding(nn.Module):
         self.blocks = found
         return True
 
+    def share_head_blocks(self, packed: "quant4.PackedQuantWeight") -> None:
+        """A tied LM head packed this table's blocks for its kernel: look the rows up there (the
+        same values) and drop this copy, where `quant4.lookup_rows` reads that packing (Q8_0)."""
+        if self.blocks is not None and self.blocks[0] == packed.kind and quant4.can_lookup(packed):
+            self.blocks, self.head_blocks = None, packed
+
     @property
     def weight_bytes(self) -> dict[str, int]:
+        """Memory this module holds beyond its parameters (the head's packed blocks count there)."""
         if self.blocks is None:
             return {}
         kind, rows = self.blocks
         return {kind.lower(): rows.numel()}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head_blocks is not None:
+            return quant4.lookup_rows(self.head_blocks, ids).view(*ids.shape, -1)
         if self.blocks is None:
             return F.embedding(ids, self.weight)
         kind, rows = self.blocks

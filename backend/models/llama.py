@@ -397,12 +397,15 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare(backend)
             elif isinstance(module, (Linear, Experts)):
                 module.prepare(backend, quantization)
-        # The embedding on the GGUF file's blocks frees its float table, unless a tied head still
-        # multiplies that table (its kernel then has no blocks of its own).
-        embedding = self.model.embed_tokens
-        if embedding.prepare(head_quantization) and (not self.args.tie_word_embeddings
-                                                or isinstance(self.lm_head.kernel, CpuQ4Linear)):
+        # The embedding on blocks frees its float table, unless a tied head still multiplies that
+        # table (its kernel then has no blocks of its own). A tied head's packed blocks are the
+        # table's own: the embedding then looks its rows up there and keeps no second copy.
+        embedding, head = self.model.embed_tokens, self.lm_head.kernel
+        tied = self.args.tie_word_embeddings
+        if embedding.prepare(head_quantization) and (not tied or isinstance(head, CpuQ4Linear)):
             embedding.weight.data = torch.empty(0, dtype=embedding.weight.dtype, device=embedding.weight.device)
+            if tied:
+                embedding.share_head_blocks(head.packed)
 
     def weight_memory(self) -> dict[str, int]:
         """Bytes of weights held, by dtype: parameters still stored plus packed kernels' copies."""

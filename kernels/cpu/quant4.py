@@ -44,7 +44,7 @@ from .build import Entries
 from .linear import _column_order, _per_column
 
 __all__ = ["BLOCK_BYTES", "FORMS", "KINDS", "PackedQuantWeight", "available", "dequantize", "dot_products",
-           "dot_reference", "linear", "pack_quantized", "quantize"]
+           "dot_reference", "linear", "lookup_rows", "can_lookup", "pack_quantized", "quantize"]
 
 QK = 32  # weights per GGUF block
 KINDS = ("Q4_0", "Q4_1", "Q8_0")  # csrc/quant4.cpp's Kind, in order
@@ -140,6 +140,30 @@ def quantize(kind: str, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"quantize: a [N, K] weight with K a multiple of {QK}, got {tuple(weight.shape)}")
     w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     return torch.from_numpy(quants.quantize(w, GGMLQuantizationType[kind]))
+
+
+def lookup_rows(weight: "PackedQuantWeight", ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an ungated Q8_0 packed weight (either form), as float32 [len(ids), K] with the
+    values `dequantize` gives them: the packed copy of a tied LM head serves the embedding's
+    lookups, so the table is held once. Reads each row's bytes where the packing put them
+    (`can_lookup` says which weights this takes)."""
+    if not can_lookup(weight):
+        raise ValueError(f"lookup_rows: an ungated Q8_0 weight, got {weight.kind} (gated {weight.gated})")
+    nb = weight.data.shape[-1] // (2 + QK)  # a Q8_0 record: NB fp16 scales, then QK x NB int8
+    blocks, groups = weight.data.shape[:2]
+    ids = ids.reshape(-1).long()
+    block, lane = ids // nb, ids % nb
+    d = weight.data[..., :2 * nb].view(torch.float16)[block, :, lane].float()  # [T, G]
+    quants = weight.data[..., 2 * nb:]
+    if weight.form == "dot":  # per quad of k, NB lanes of 4 bytes (offset binary)
+        q = quants.view(blocks, groups, QK // 4, nb, 4)[block, :, :, lane].to(torch.int16) - 128
+    else:  # per k, NB int8
+        q = quants.view(torch.int8).view(blocks, groups, QK, nb)[block, :, :, lane]
+    return (q.reshape(ids.numel(), groups, QK).float() * d.unsqueeze(-1)).reshape(ids.numel(), -1)
+
+
+def can_lookup(weight: "PackedQuantWeight") -> bool:
+    return weight.kind == "Q8_0" and not weight.gated
 
 
 def dot_reference(x: torch.Tensor, kind: str, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ if not quant4.available():
                 allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
+DOT = quant4.dot_products() != "none"
 
 
 def _gen(*key) -> torch.Generator:
@@ -53,6 +54,32 @@ def _quantized(kind: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Ten
 def test_dequantize_matches_the_gguf_package(kind):
     rows, ref = _quantized(kind, 37, 96, _gen(kind))
     assert torch.equal(quant4.dequantize(kind, rows), ref)
+
+
+@pytest.mark.parametrize("kind", quant4.KINDS)
+def test_quantize_gives_the_gguf_packages_blocks(kind):
+    w = torch.randn(37, 96, generator=_gen("quantize", kind))
+    rows = quant4.quantize(kind, w)
+    qt = getattr(gguf.GGMLQuantizationType, kind)
+    assert torch.equal(rows, torch.from_numpy(gguf.quants.quantize(w.numpy(), qt)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant4.quantize(kind, w[:, :40])
+
+
+@pytest.mark.parametrize("form", [f for f in quant4.FORMS if f == "float" or DOT])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 300])
+def test_lookup_rows_reads_the_packed_blocks(form, n):
+    """A tied LM head's packed Q8_0 weight serves the embedding: any row, padding block or not,
+    comes back as `dequantize` gives it."""
+    rows, ref = _quantized("Q8_0", n, 96, _gen("lookup", form, n))
+    packed = quant4.pack_quantized("Q8_0", rows, form=form)
+    ids = torch.tensor([[n - 1, 0], [n // 2, n - 1]])
+    assert torch.equal(quant4.lookup_rows(packed, ids), ref[ids.reshape(-1)])
+    gated = quant4.pack_quantized("Q8_0", torch.cat([rows, rows]), gated=True, form=form)
+    q4 = quant4.pack_quantized("Q4_1", _quantized("Q4_1", n, 96, _gen("q4", n))[0], form=form)
+    assert not quant4.can_lookup(gated) and not quant4.can_lookup(q4)
+    with pytest.raises(ValueError, match="ungated Q8_0"):
+        quant4.lookup_rows(q4, ids)
 
 
 @pytest.mark.parametrize("kind", quant4.KINDS)
@@ -81,9 +108,6 @@ def test_gated_weight_gives_silu_gate_times_up(kind, rows, inter):
     out = quant4.linear(x, quant4.pack_quantized(kind, blocks, gated=True))
     assert torch.equal(out, cl.linear(x, cl.pack_weight(w, gated=True)))
     torch.testing.assert_close(out, silu_and_mul_reference(torch.nn.functional.linear(x, w)), rtol=1e-4, atol=1e-4)
-
-
-DOT = quant4.dot_products() != "none"
 
 
 @pytest.mark.skipif(not DOT, reason="no integer form in this build (needs AVX-512 VNNI or AVX2)")

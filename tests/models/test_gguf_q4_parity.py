@@ -39,9 +39,9 @@ def test_exact_form_gives_float32_greedy_tokens(trained_model, trained_reference
     assert tokens == fp32_tokens[0]
     # 30 layers' projections in Q4_1 blocks (5 bits a weight): 66 MB against 424 MB in float32;
     # the LM head multiplies the tied embedding's Q8_0 blocks (30 MB, packed) and the embedding
-    # looks its rows up in them (30 MB as the file stores them): no float32 table (113 MB)
+    # looks its rows up in that packed copy: the table held once, no float32 table (113 MB)
     assert 60e6 < memory["q4_1"] < 70e6, memory
-    assert 59e6 < memory["q8_0"] < 62e6, memory
+    assert 29e6 < memory["q8_0"] < 31e6, memory
     assert memory["float32"] < 1e6, memory
 
 
