@@ -22,8 +22,8 @@
 // of it (both at the bf16 multiply peak).
 //
 // Work items are (column block, row chunk), split over OpenMP: column blocks first (each thread
-// streams its own part of the weight); rows are cut into chunks only when there are fewer
-// blocks than threads to share. Every output is one sequential sum over k, so results do not
+// streams its own part of the weight); rows are cut into chunks where the blocks alone do not
+// share evenly (work_split.h). Every output is one sequential sum over k, so results do not
 // depend on the thread count or on how rows are chunked.
 //
 // The vector code is GCC vector extensions (elementwise_simd.h); vdpbf16ps is used where the
@@ -44,6 +44,7 @@
 
 #include "elementwise_simd.h"
 #include "lora_simd.h"
+#include "work_split.h"
 
 #if defined(__AVX512BF16__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
 #define SF_LIN_BF16_DOT 1
@@ -411,35 +412,18 @@ const float* block_addend(const Addend<T>& add, int64_t N, int64_t m0, int64_t r
     return d;
 }
 
-// How a call's work splits: column blocks, and row chunks (whole strips) only when the blocks
-// alone leave threads idle.
-struct Split {
-    int64_t blocks, chunk_rows, items;
-    bool par;
-};
-
-inline Split split_work(int64_t M, int64_t N, int64_t K, int64_t out_cols) {  // K: the cost per row and column
-    Split s;
-    s.blocks = (N + out_cols - 1) / out_cols;
+// How a call's work splits over the threads (work_split.h). K: the cost per row and column.
+inline sf_split::Split split_work(int64_t M, int64_t N, int64_t K, int64_t out_cols) {
+    const int64_t blocks = (N + out_cols - 1) / out_cols;
     const int threads = omp_get_max_threads();
-    s.par = threads > 1 && M * s.blocks * NB * K >= kParallelMacs;
-    int64_t chunks = 1;
-    const int64_t strips = (M + MR - 1) / MR;
-    if (s.par && s.blocks < 2 * threads && strips > 1) {
-        chunks = (2 * threads + s.blocks - 1) / s.blocks;
-        if (chunks > strips) chunks = strips;
-    }
-    s.chunk_rows = (strips + chunks - 1) / chunks * MR;
-    s.items = s.blocks * chunks;
-    s.par = s.par && s.items > 1;
-    return s;
+    return sf_split::split(M, blocks, MR, threads, threads > 1 && M * blocks * NB * K >= kParallelMacs);
 }
 
 // Runs item(b, m0, rows, n0, cols) for every (column block b, row chunk from m0) of a call over
 // the OpenMP pool: rows [m0, m0 + rows) of x, output columns [n0, n0 + cols).
 template <typename Item>
 inline void for_each_item(int64_t M, int64_t N, int64_t k_cost, int64_t out_cols, Item&& item) {
-    const Split sp = split_work(M, N, k_cost, out_cols);
+    const sf_split::Split sp = split_work(M, N, k_cost, out_cols);
 #pragma omp parallel for schedule(static) if (sp.par)
     for (int64_t it = 0; it < sp.items; ++it) {
         const int64_t b = it % sp.blocks, m0 = (it / sp.blocks) * sp.chunk_rows;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "elementwise_simd.h"
+#include "work_split.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -194,19 +195,12 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;
     const int64_t groups = K / QK, block_bytes = groups * record_bytes<KIND>();
     const int64_t blocks = (N + out_cols - 1) / out_cols;
-    // Column blocks over the threads; rows cut into chunks (whole strips) only when the blocks
-    // alone leave threads idle (each chunk widens the block again).
+    // Column blocks over the threads, rows cut into chunks where they alone do not share evenly
+    // (work_split.h; each chunk widens its block again).
     const int threads = omp_get_max_threads();
-    bool par = threads > 1 && M * blocks * NB * K >= kParallelMacs;
-    const int64_t strips = (M + MR - 1) / MR;
-    int64_t chunks = 1;
-    if (par && blocks < 2 * threads && strips > 1) {
-        chunks = (2 * threads + blocks - 1) / blocks;
-        if (chunks > strips) chunks = strips;
-    }
-    const int64_t chunk_rows = (strips + chunks - 1) / chunks * MR, items = blocks * chunks;
-    par = par && items > 1;
-#pragma omp parallel if (par)
+    const sf_split::Split sp = sf_split::split(M, blocks, MR, threads, M * blocks * NB * K >= kParallelMacs);
+    const int64_t chunk_rows = sp.chunk_rows, items = sp.items;
+#pragma omp parallel if (sp.par)
     {
         alignas(64) float buf[KC * NB];
         std::vector<float> parked;  // the strips' sums between k passes: [chunk_rows][NB]
@@ -490,15 +484,9 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
     const int64_t G = K / QK, block_bytes = G * dot_record_bytes<KIND>();
     const int64_t blocks = (N + out_cols - 1) / out_cols;
     const int threads = omp_get_max_threads();
-    bool par = threads > 1 && M * blocks * NB * K >= 4 * kParallelMacs;
-    const int64_t strips = (M + DOT_MR - 1) / DOT_MR;
-    int64_t chunks = 1;
-    if (par && blocks < 2 * threads && strips > 1) {
-        chunks = (2 * threads + blocks - 1) / blocks;
-        if (chunks > strips) chunks = strips;
-    }
-    const int64_t chunk_rows = (strips + chunks - 1) / chunks * DOT_MR, items = blocks * chunks;
-    par = par && items > 1;
+    const sf_split::Split sp = sf_split::split(M, blocks, DOT_MR, threads, M * blocks * NB * K >= 4 * kParallelMacs);
+    const int64_t chunk_rows = sp.chunk_rows, items = sp.items;
+    const bool par = sp.par;
     QuantRows xr;
     xr.q.resize(M * K);
     xr.scale.resize(M * G);
