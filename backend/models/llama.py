@@ -334,8 +334,7 @@ class LlamaForCausalLM(nn.Module):
                                                       head_dim=a.head_dim, eps=a.rms_norm_eps,
                                                       scale=layers[0].self_attn.scale, int8_levels=levels,
                                                       int8_zero_point=zero_point)
-        self._stack_takes_lora = (self.lora_state is not None and not self.decoder_stack.gguf
-                                  and self._stack_lora_weights() is not None)
+        self._stack_takes_lora = self.lora_state is not None and self._stack_lora_weights() is not None
         return None
 
     def _stack_lora_weights(self) -> list[list[cpu_decoder.LoraWeights | None]] | None:

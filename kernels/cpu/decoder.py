@@ -14,8 +14,8 @@ kernels.
 
 Float32 or bfloat16 models whose KV cache has the model's dtype, projections in that dtype or
 int8 (or GGUF blocks in float32). A gate_up projection may be ungated (its product, then
-`silu_and_mul`: an int8 one with LoRA adapters on gate/up, whose deltas go in between the two;
-a gated one takes them into its sums before SwiGLU). `set_lora` gives the stack the resident LoRA adapters'
+`silu_and_mul`: an int8 or GGUF one with LoRA adapters on gate/up, whose deltas go in between
+the two; a gated one takes them into its sums before SwiGLU). `set_lora` gives the stack the resident LoRA adapters'
 stacked weights (`splitfuse.lora.stacks`, packed for the C++ linear kernel); `run` with
 `lora_row_slot` then adds each row's own adapter's deltas to every adapted projection, the sums
 `splitfuse.lora.batching.add_stacked` computes, in steps of any size: the rows' products with A
@@ -151,8 +151,6 @@ class DecoderStack:
             return
         if len(projections) != self.num_layers or any(len(p) != 4 for p in projections):
             raise ValueError(f"DecoderStack.set_lora: 4 projections for each of {self.num_layers} layers")
-        if self.gguf:
-            raise ValueError("DecoderStack.set_lora: the GGUF blocks' kernel adds no LoRA deltas")
         table = torch.zeros(self.num_layers, _LORA_FIELDS, dtype=torch.int64)
         keep, cols, num_slots = [], 0, None
         for layer, row in enumerate(projections):

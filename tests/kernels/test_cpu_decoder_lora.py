@@ -92,17 +92,22 @@ def _run(base: str, modules: str, fused: bool, dtype: str,
 
 
 @pytest.mark.parametrize("adapters", ["served", "served_narrow", "served_misaligned"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "q4_0", "q8_0"])
 def test_one_call_adds_the_python_layers_deltas(request, adapters, dtype):
-    """int8: float32 activations over int8 projections, whose gate_up runs unfused (its kernel
-    takes no addend); the float kernels keep gate_up's fused SwiGLU with the deltas inside."""
+    """int8: float32 activations over int8 projections, q4_0 / q8_0: over GGUF blocks (the
+    misaligned model's projections cannot be blocked and keep the float kernel); their gate_up
+    runs unfused (its kernel takes no addend before SwiGLU); the float kernels keep gate_up's fused
+    SwiGLU with the deltas inside."""
+    from splitfuse.layers.linear import CpuLinear, CpuQ4Linear
+
     base, modules = request.getfixturevalue(adapters)
-    quantization = "int8" if dtype == "int8" else "none"
+    quantization = dtype if dtype in ("int8", "q4_0", "q8_0") else "none"
     if quantization == "int8":
         from splitfuse.layers.int8_linear import cpu_int8_supported
 
         if not cpu_int8_supported(torch.float32):
             pytest.skip("no C++ int8 kernel here")
+    if quantization != "none":
         dtype = "float32"
     fused, fused_logits, fused_tokens, rows = _run(base, modules, True, dtype, quantization)
     plain, plain_logits, plain_tokens, _ = _run(base, modules, False, dtype, quantization)
@@ -110,7 +115,8 @@ def test_one_call_adds_the_python_layers_deltas(request, adapters, dtype):
         pytest.skip(f"no fused decoder here: {fused.engine.runner.decoder_layers}")
     assert plain.engine.runner.model.decoder_stack is None
     gate_up = fused.engine.runner.model.model.layers[0].mlp.gate_up_proj.kernel
-    assert gate_up.packed.gated == (quantization == "none")
+    assert gate_up.packed.gated == isinstance(gate_up, CpuLinear)
+    assert isinstance(gate_up, CpuQ4Linear) == (quantization in ("q4_0", "q8_0") and adapters != "served_misaligned")
     assert rows["few"] > 0 and rows["many"] > 0, rows  # both of the C++ decoder's LoRA forms ran
     assert len(fused_logits) == len(plain_logits)
     # The same products in another grouping: float32 sums agree to rounding, bf16 to its rounding.

@@ -52,7 +52,7 @@ void sf_lin_linear_i8_bf16_packed(const int64_t* a);
 void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t* a);
 void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t* a);
 void sf_lin_linear_lora_packed(const int64_t* a, int bf16, int gated, int int8, const void* lora);
-void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated);
+void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated, const void* lora);
 void sf_ew_quantize_rows_u8_packed(const int64_t* a);
 void sf_ew_quantize_rows_u8_bf16_packed(const int64_t* a);
 void sf_ew_rms_norm_f32_packed(const int64_t* a);
@@ -166,9 +166,9 @@ void project(const int64_t* p, bool gated, int64_t x, int64_t sx, int64_t n, int
              int64_t m, const int64_t* shape, const int64_t* call, const sf_lora::Deltas* lora = nullptr) {
     using K = Kernels<T>;
     constexpr int bf16 = sizeof(T) == 2;
-    if (p[P_KIND] == KIND_GGUF) {  // float32 models, no LoRA (the Python wrapper checks both)
+    if (p[P_KIND] == KIND_GGUF) {  // float32 models (the Python wrapper checks)
         const int64_t r[] = {x, sx, p[P_DATA], n, k, p[P_BIAS], y, sy, m};
-        sf_q4_linear_any(r, static_cast<int>(p[P_Q4_KIND]), static_cast<int>(p[P_Q4_DOT]), gated);
+        sf_q4_linear_any(r, static_cast<int>(p[P_Q4_KIND]), static_cast<int>(p[P_Q4_DOT]), gated, lora);
         return;
     }
     if (p[P_KIND] == KIND_FLOAT) {

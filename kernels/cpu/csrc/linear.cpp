@@ -366,51 +366,8 @@ inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, c
 }
 #endif
 
-// What a call adds to its sums before storing them (GATED: before SwiGLU), or nothing: LoRA
-// deltas computed from XA (lora_simd.h; rows with slot -1 get none), or a dense addend in T
-// [M, the unfused output's columns] (the Python layers' deltas, every row), the unfused output of
-// a GATED call being gate [0, N) then up [N, 2N).
-template <typename T>
-struct Addend {
-    const sf_lora::Deltas* lora = nullptr;
-    const T* dense = nullptr;
-    int64_t dense_stride = 0;
-    bool any() const { return lora != nullptr || dense != nullptr; }
-};
-
-// The addend of rows [m0, m0 + rows) at the block of output columns [n0, n0 + cols) in this
-// thread's scratch (float, row stride NB, vector j at j * VW), made before the block's product so
-// that its store adds it.
-template <typename T, bool GATED>
-const float* block_addend(const Addend<T>& add, int64_t N, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
-    constexpr int OUT = GATED ? NV / 2 : NV;
-    thread_local std::vector<float> scratch;
-    if (static_cast<int64_t>(scratch.size()) < rows * NB) scratch.resize(rows * NB);
-    int64_t col[NV];
-    int valid[NV];
-    for (int j = 0; j < NV; ++j) {
-        const int64_t left = cols - (j % OUT) * VW;
-        valid[j] = left <= 0 ? 0 : left < VW ? static_cast<int>(left) : VW;
-        col[j] = n0 + (j % OUT) * VW + (GATED && j >= OUT ? N : 0);
-    }
-    float* d = scratch.data();
-    if (add.lora != nullptr) {
-        sf_lora::block_deltas<T>(*add.lora, m0, rows, col, valid, d);
-        return d;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-        const T* src = add.dense + (m0 + r) * add.dense_stride;
-        for (int j = 0; j < NV; ++j) {
-            float* out = d + r * NB + j * VW;
-            if (valid[j] == VW) {
-                storeu(out, loadu(src + col[j]));
-            } else {
-                for (int c = 0; c < VW; ++c) out[c] = c < valid[j] ? load1(src + col[j] + c) : 0.0f;
-            }
-        }
-    }
-    return d;
-}
+using sf_lora::Addend;
+using sf_lora::block_addend;
 
 // How a call's work splits over the threads (work_split.h). K: the cost per row and column.
 inline sf_split::Split split_work(int64_t M, int64_t N, int64_t K, int64_t out_cols) {

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "bf16.h"
 #include "elementwise_simd.h"
@@ -256,6 +257,54 @@ void block_deltas(const Deltas& e, int64_t m0, int64_t rows, const int64_t (&col
         }
         if (n) flush();
     }
+}
+
+// What a linear call adds to its sums before storing them (GATED: before SwiGLU), or nothing: LoRA
+// deltas computed from XA (lora_simd.h; rows with slot -1 get none), or a dense addend in T
+// [M, the unfused output's columns] (the Python layers' deltas, every row), the unfused output of
+// a GATED call being gate [0, N) then up [N, 2N).
+template <typename T>
+struct Addend {
+    const sf_lora::Deltas* lora = nullptr;
+    const T* dense = nullptr;
+    int64_t dense_stride = 0;
+    bool any() const { return lora != nullptr || dense != nullptr; }
+};
+
+// The addend of rows [m0, m0 + rows) at the block of output columns [n0, n0 + cols) (GATED: NB / 2
+// gate columns, then their up columns N on) in this thread's scratch (float, row stride NB = LNV *
+// VW, vector j at j * VW), made before the block's product so that its store adds it (linear.cpp's
+// and quant4.cpp's kernels).
+template <typename T, bool GATED>
+const float* block_addend(const Addend<T>& add, int64_t N, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+    constexpr int OUT = GATED ? LNV / 2 : LNV;
+    constexpr int64_t NB = LNV * VW;
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < rows * NB) scratch.resize(rows * NB);
+    int64_t col[LNV];
+    int valid[LNV];
+    for (int j = 0; j < LNV; ++j) {
+        const int64_t left = cols - (j % OUT) * VW;
+        valid[j] = left <= 0 ? 0 : left < VW ? static_cast<int>(left) : VW;
+        col[j] = n0 + (j % OUT) * VW + (GATED && j >= OUT ? N : 0);
+    }
+    float* d = scratch.data();
+    if (add.lora != nullptr) {
+        block_deltas<T>(*add.lora, m0, rows, col, valid, d);
+        return d;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* src = add.dense + (m0 + r) * add.dense_stride;
+        for (int j = 0; j < LNV; ++j) {
+            float* out = d + r * NB + j * VW;
+            if (valid[j] == VW) {
+                sf_ew::storeu(out, sf_ew::loadu(src + col[j]));
+            } else {
+                for (int c = 0; c < VW; ++c) out[c] = c < valid[j] ? sf_ew::load1(src + col[j] + c) : 0.0f;
+            }
+        }
+    }
+    return d;
 }
 
 }  // namespace sf_lora

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "elementwise_simd.h"
+#include "lora_simd.h"
 #include "work_split.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -167,14 +168,19 @@ inline void strip(const float* x, int64_t sx, const float* w, int64_t kn, vf (&a
     }
 }
 
-// Sums (+ bias) of rows [0..R) to y's columns [0..cols) of this block; GATED as linear.cpp's
-// store (each sum rounded as the unfused projection would store it, then silu(gate) * up).
+// Sums (+ bias, + the rows' LoRA deltas lora_d where given: sf_lora::block_addend's, added to
+// rows whose row_slot is not -1) of rows [0..R) to y's columns [0..cols) of this block; GATED as
+// linear.cpp's store (each sum rounded as the unfused projection would store it, then
+// silu(gate) * up).
 template <int R, bool GATED>
-inline void store(vf (&acc)[MR][NV], const float* bias, float* y, int64_t sy, int64_t cols) {
+inline void store(vf (&acc)[MR][NV], const float* bias, float* y, int64_t sy, int64_t cols,
+                  const float* lora_d = nullptr, const int64_t* row_slot = nullptr) {
     constexpr int OUT = GATED ? NV / 2 : NV;
     for (int r = 0; r < R; ++r) {
         if (bias != nullptr)
             for (int j = 0; j < NV; ++j) acc[r][j] += loadu(bias + j * VW);
+        if (lora_d != nullptr && (row_slot == nullptr || row_slot[r] >= 0))
+            for (int j = 0; j < NV; ++j) acc[r][j] += loadu(lora_d + r * NB + j * VW);
         vf o[OUT];
         for (int j = 0; j < OUT; ++j)
             o[j] = GATED ? silu_mul<float>(round_to<float>(acc[r][j]), round_to<float>(acc[r][j + OUT])) : acc[r][j];
@@ -190,7 +196,7 @@ inline void store(vf (&acc)[MR][NV], const float* bias, float* y, int64_t sy, in
 
 template <int KIND, bool GATED>
 void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
-            int64_t sy, int64_t M) {
+            int64_t sy, int64_t M, const sf_lora::Deltas* lora = nullptr) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;
     const int64_t groups = K / QK, block_bytes = groups * record_bytes<KIND>();
@@ -218,6 +224,9 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
                 for (int64_t g = 0; g < kn / QK; ++g)
                     widen_group<KIND>(wb + (k0 / QK + g) * record_bytes<KIND>(), buf + g * QK * NB);
                 const bool first = k0 == 0, last = k0 + kn >= K;
+                const float* d = last && lora != nullptr
+                                     ? sf_lora::block_addend<float, GATED>({lora}, N, m0, rows, n0, cols) : nullptr;
+                const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
                 for_each_strip<MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
                     vf acc[MR][NV];
@@ -226,7 +235,8 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
                         for (int j = 0; j < NV; ++j) acc[i][j] = first ? vf{} : loadu(park + i * NB + j * VW);
                     strip<R>(x + (m0 + m) * sx + k0, sx, buf, kn, acc);
                     if (last) {
-                        store<R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols);
+                        store<R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
+                                        row_slot == nullptr ? nullptr : row_slot + m);
                     } else {
                         for (int i = 0; i < R; ++i)
                             for (int j = 0; j < NV; ++j) storeu(park + i * NB + j * VW, acc[i][j]);
@@ -469,16 +479,17 @@ inline void dot_strip(const QuantRows& xr, int64_t K, int64_t m, int64_t k0, int
 }
 
 template <int R, bool GATED>
-inline void store_dot(vf (&acc)[DOT_MR][NV], const float* bias, float* y, int64_t sy, int64_t cols) {
+inline void store_dot(vf (&acc)[DOT_MR][NV], const float* bias, float* y, int64_t sy, int64_t cols,
+                      const float* lora_d, const int64_t* row_slot) {
     vf tmp[MR][NV];
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) tmp[r][j] = acc[r][j];
-    store<R, GATED>(tmp, bias, y, sy, cols);
+    store<R, GATED>(tmp, bias, y, sy, cols, lora_d, row_slot);
 }
 
 template <int KIND, bool GATED>
 void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
-                int64_t sy, int64_t M) {
+                int64_t sy, int64_t M, const sf_lora::Deltas* lora = nullptr) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;
     const int64_t G = K / QK, block_bytes = G * dot_record_bytes<KIND>();
@@ -518,6 +529,9 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
                                        ws + (KIND == Q8_0 && SF_Q4_DOT == 2 ? g * QK * NB : 0), dbuf + g * NB,
                                        mbuf + (KIND == Q4_1 ? g * NB : 0));
                 const bool first = k0 == 0, last = k0 + groups * QK >= K;
+                const float* d = last && lora != nullptr
+                                     ? sf_lora::block_addend<float, GATED>({lora}, N, m0, rows, n0, cols) : nullptr;
+                const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
                 for_each_strip<DOT_MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
                     vf acc[DOT_MR][NV];
@@ -526,7 +540,8 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
                         for (int j = 0; j < NV; ++j) acc[i][j] = first ? vf{} : loadu(park + i * NB + j * VW);
                     dot_strip<KIND, R>(xr, K, m0 + m, k0, groups, wq, ws, dbuf, mbuf, acc);
                     if (last) {
-                        store_dot<R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols);
+                        store_dot<R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols,
+                                            d == nullptr ? nullptr : d + m * NB, row_slot == nullptr ? nullptr : row_slot + m);
                     } else {
                         for (int i = 0; i < R; ++i)
                             for (int j = 0; j < NV; ++j) storeu(park + i * NB + j * VW, acc[i][j]);
@@ -538,17 +553,17 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
 }
 
 template <int KIND, bool GATED>
-void linear_dot_packed(const int64_t* a) {
+void linear_dot_packed(const int64_t* a, const sf_lora::Deltas* lora = nullptr) {
     linear_dot<KIND, GATED>(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<const uint8_t*>(a[2]),
                             a[3], a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<float*>(a[6]), a[7],
-                            a[8]);
+                            a[8], lora);
 }
 #endif  // SF_Q4_DOT
 
 template <int KIND, bool GATED>
-void linear_packed(const int64_t* a) {
+void linear_packed(const int64_t* a, const sf_lora::Deltas* lora = nullptr) {
     linear<KIND, GATED>(reinterpret_cast<const float*>(a[0]), a[1], reinterpret_cast<const uint8_t*>(a[2]), a[3],
-                        a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<float*>(a[6]), a[7], a[8]);
+                        a[4], reinterpret_cast<const float*>(a[5]), reinterpret_cast<float*>(a[6]), a[7], a[8], lora);
 }
 
 }  // namespace
@@ -591,15 +606,23 @@ void sf_q4_dot_silu_mul_q8_0(const int64_t*) {}
 #endif
 
 // Any of the above by number (kind: Kind, Q4_0 / Q4_1 / Q8_0; dot: the integer form; gated:
-// silu_mul), for decoder.cpp's projections.
-void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated) {
-    using Fn = void (*)(const int64_t*);
-    static constexpr Fn plain[2][3] = {{sf_q4_linear_q4_0, sf_q4_linear_q4_1, sf_q4_linear_q8_0},
-                                       {sf_q4_linear_silu_mul_q4_0, sf_q4_linear_silu_mul_q4_1, sf_q4_linear_silu_mul_q8_0}};
-    static constexpr Fn integer[2][3] = {{sf_q4_dot_q4_0, sf_q4_dot_q4_1, sf_q4_dot_q8_0},
-                                         {sf_q4_dot_silu_mul_q4_0, sf_q4_dot_silu_mul_q4_1, sf_q4_dot_silu_mul_q8_0}};
+// silu_mul), plus the rows' LoRA deltas where `lora` (an sf_lora::Deltas) is given, for
+// decoder.cpp's projections.
+void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated, const void* lora) {
+    const auto* e = static_cast<const sf_lora::Deltas*>(lora);
+    using Fn = void (*)(const int64_t*, const sf_lora::Deltas*);
+    static constexpr Fn plain[2][3] = {{linear_packed<Q4_0, false>, linear_packed<Q4_1, false>, linear_packed<Q8_0, false>},
+                                       {linear_packed<Q4_0, true>, linear_packed<Q4_1, true>, linear_packed<Q8_0, true>}};
+#if SF_Q4_DOT
+    static constexpr Fn integer[2][3] = {
+        {linear_dot_packed<Q4_0, false>, linear_dot_packed<Q4_1, false>, linear_dot_packed<Q8_0, false>},
+        {linear_dot_packed<Q4_0, true>, linear_dot_packed<Q4_1, true>, linear_dot_packed<Q8_0, true>}};
+#else
+    static constexpr Fn integer[2][3] = {};
+    if (dot) return;  // no integer form in this build (the Python side never packs one for it)
+#endif
     if (kind < 0 || kind > 2) return;
-    (dot ? integer : plain)[gated ? 1 : 0][kind](a);
+    (dot ? integer : plain)[gated ? 1 : 0][kind](a, e);
 }
 
 }  // extern "C"
