@@ -81,3 +81,19 @@ def test_auto_dtype_is_float32_for_a_bfloat16_checkpoint(tiny_model_factory):
     _, tokens, memory, runner = _run(base, "q4_1")
     assert runner.dtype is torch.float32 and memory.get("q4_1", 0) > 0
     assert all(len(t) == 8 for t in tokens)
+
+
+def test_mixtral_experts_are_blocked_too(tiny_model_factory):
+    """Every expert's gate_up and down are quantized like a dense MLP's (the router stays float)."""
+    from splitfuse.layers.linear import CpuQ4Linear
+    from splitfuse.layers.moe import SparseMoeBlock
+
+    base = tiny_model_factory("mixtral")
+    _, tokens, memory, runner = _run(base, "q4_0")
+    blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks
+    for block in blocks:
+        gate_up, down = block.experts.kernels()
+        assert all(isinstance(k, CpuQ4Linear) for k in gate_up + down)
+        assert not isinstance(block.gate.kernel, CpuQ4Linear)
+    assert memory["q4_0"] > 0 and all(len(t) == 8 for t in tokens)
