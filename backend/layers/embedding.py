@@ -9,16 +9,12 @@ values as the float32 table, so the same outputs), the way llama.cpp reads its e
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from splitfuse.kernels.cpu import quant4
-from splitfuse.layers.q4_linear import BLOCK_QUANTIZATIONS, block_source
-
-BlockSource = Callable[[], "tuple[str, torch.Tensor] | None"]
+from splitfuse.layers.q4_linear import BLOCK_QUANTIZATIONS, BlockSource, block_source
 
 
 class Embedding(nn.Module):
