@@ -1,6 +1,7 @@
 // LoRA products over linear.cpp's packed weights (namespace sf_lora; nothing here is exported):
 // the register strips that decoder.cpp's lora_shrink (XA = X . A, each row through its own
-// adapter's columns) and linear.cpp's LoRA deltas (XA . B) both run, and those deltas.
+// adapter's columns) and the LoRA deltas (XA . B) both run, and those deltas, which linear.cpp's
+// and quant4.cpp's kernels add in their stores (block_addend).
 //
 // The stacks (splitfuse/lora/stacks.py): a projection's output parts j (qkv: q, k, v; gate_up:
 // gate, up; o and down: one), each with R_j columns per slot. XA's part j holds every slot's
