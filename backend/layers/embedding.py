@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from splitfuse.kernels.cpu import quant4
-from splitfuse.layers.q4_linear import BLOCK_QUANTIZATIONS, BlockSource, block_source
+from splitfuse.layers.q4_linear import BlockSource, block_source
 
 
 class Embedding(nn.Module):
@@ -26,27 +26,25 @@ class Embedding(nn.Module):
         self.blocks: tuple[str, torch.Tensor] | None = None  # (kind, uint8 rows [V, block bytes])
         self.head_blocks: quant4.PackedQuantWeight | None = None  # a tied LM head's, looked up in place
 
-    def prepare(self, quantization: str) -> bool:
+    def prepare(self, quantization: str, head_blocks: "quant4.PackedQuantWeight | None" = None) -> bool:
         """Under a GGUF quantization (float32 model, the C++ kernels built, as for the
         projections), keep the file's blocks of the table (when it stores them in a kind `quant4`
         reads), or under q8_0 the table quantized, in place of the float table's rows; returns
-        whether it did. The caller frees the float weight (a tied LM head may still need it)."""
+        whether it did. `head_blocks`: a tied LM head's packed blocks of this same table, looked
+        up in place where `quant4.lookup_rows` reads that packing (Q8_0), so that no second copy is
+        read or quantized. The caller frees the float weight (a tied LM head may still need it)."""
         file_blocks, self.gguf_blocks = self.gguf_blocks, None  # holds the GGUF file open
+        if head_blocks is not None and quant4.can_lookup(head_blocks):
+            self.head_blocks = head_blocks
+            return True
         source = block_source(quantization, self.weight, file_blocks)
-        if (quantization not in BLOCK_QUANTIZATIONS or source is None or self.weight.dtype is not torch.float32
-                or not quant4.available()):  # without the C++ kernels every weight stays float
-            return False
+        if source is None or self.weight.dtype is not torch.float32 or not quant4.available():
+            return False  # without the C++ kernels every weight stays float
         found = source()
         if found is None or found[0] not in quant4.KINDS or found[1].shape[0] != self.weight.shape[0]:
             return False
         self.blocks = found
         return True
-
-    def share_head_blocks(self, packed: "quant4.PackedQuantWeight") -> None:
-        """A tied LM head packed this table's blocks for its kernel: look the rows up there (the
-        same values) and drop this copy, where `quant4.lookup_rows` reads that packing (Q8_0)."""
-        if self.blocks is not None and self.blocks[0] == packed.kind and quant4.can_lookup(packed):
-            self.blocks, self.head_blocks = None, packed
 
     @property
     def weight_bytes(self) -> dict[str, int]:

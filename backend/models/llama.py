@@ -398,13 +398,12 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare(backend, quantization)
         # The embedding on blocks frees its float table, unless a tied head still multiplies that
         # table (its kernel then has no blocks of its own). A tied head's packed blocks are the
-        # table's own: the embedding then looks its rows up there and keeps no second copy.
+        # table's own: the embedding may look its rows up there instead of making a second copy.
         embedding, head = self.model.embed_tokens, self.lm_head.kernel
-        tied = self.args.tie_word_embeddings
-        if embedding.prepare(head_quantization) and (not tied or isinstance(head, CpuQ4Linear)):
+        tied_blocks = isinstance(head, CpuQ4Linear) and self.args.tie_word_embeddings
+        if (embedding.prepare(head_quantization, head.packed if tied_blocks else None)
+                and (tied_blocks or not self.args.tie_word_embeddings)):
             embedding.weight.data = torch.empty(0, dtype=embedding.weight.dtype, device=embedding.weight.device)
-            if tied:
-                embedding.share_head_blocks(head.packed)
 
     def weight_memory(self) -> dict[str, int]:
         """Bytes of weights held, by dtype: parameters still stored plus packed kernels' copies."""

@@ -17,7 +17,8 @@
 // may be int8 (quantization=int8): its input rows are quantized first, as CpuInt8Linear does;
 // or GGUF blocks (quantization=gguf / gguf-exact, float32 models): quant4.cpp's kernel.
 // A gate_up weight that is not gated (LoRA on gate/up where the Python layers' kernel cannot take
-// their deltas before SwiGLU: int8) is projected into GU [T, 2I] and then ACT = silu_and_mul(GU).
+// their deltas before SwiGLU: int8, GGUF blocks) is projected into GU [T, 2I] and then
+// ACT = silu_and_mul(GU).
 //
 // LoRA (optional; the deltas splitfuse/lora/batching.py's add_stacked computes): before each
 // adapted projection P = IN . W^T, XA = IN . A: for steps of at most kLoraStackedMaxRows rows
