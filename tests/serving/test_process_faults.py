@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from triton_helpers import GrpcStream, child_pids, grpc_generate, metric_sum
+from triton_helpers import GrpcStream, child_pids, grpc_generate, metric_by_instance, metric_sum
 
 from splitfuse.launcher import find_tritonserver, free_port, port_is_free
 from splitfuse.launcher.supervisor import alive
@@ -130,7 +130,8 @@ class Launcher:
         return tree
 
     def log(self) -> str:
-        return "".join(self.lines[-80:])
+        # Triton's start-up tables (lines of | and +) would push the lines that matter out.
+        return "".join([line for line in self.lines if line[:1] not in "|+"][-80:])
 
     def serves(self) -> bool:
         try:
@@ -206,9 +207,16 @@ class Load:
         self.futures = [self.pool.submit(_grpc_client, lau.grpc_url, i) for i in range(grpc_clients)]
         self.futures += [self.pool.submit(_openai_client, lau.openai_url, lau.model_name, i)
                          for i in range(openai_clients)]
-        # Every client generating before the fault.
-        assert _wait(lambda: metric_sum(lau.metrics_url, "splitfuse_requests", state="running")
-                     >= grpc_clients + openai_clients, 60), lau.log()
+        # Every client generating before the fault (a slow shared CI machine may take a while).
+        running = lambda: metric_sum(lau.metrics_url, "splitfuse_requests", state="running")  # noqa: E731
+        assert _wait(lambda: running() >= grpc_clients + openai_clients, 120), self.why_not(lau)
+
+    def why_not(self, lau: Launcher) -> str:
+        """What the clients and the replicas were doing when they were not all generating."""
+        ended = {i: (f.exception() or f.result()) for i, f in enumerate(self.futures) if f.done()}
+        by_state = {state: metric_by_instance(lau.metrics_url, "splitfuse_requests", state=state)
+                    for state in ("running", "waiting")}
+        return f"clients ended early: {ended}; requests by state and replica: {by_state}\n{lau.log()}"
 
     def ends(self, fault_at: float) -> list[tuple[str, float]]:
         out = [f.result(timeout=CLIENT_BOUND_S + 60) for f in self.futures]
