@@ -456,6 +456,15 @@ void linear_i8_packed(const int64_t* a, const Addend<T>& add = {}) {
 }
 #endif
 
+// run(T{}) with the output dtype an entry point's `bf16` flag names (bf16: uint16_t, else float).
+template <typename Run>
+inline void with_dtype(int bf16, Run&& run) {
+    if (bf16)
+        run(uint16_t{});
+    else
+        run(float{});
+}
+
 }  // namespace
 
 extern "C" {
@@ -510,10 +519,7 @@ void sf_lin_linear_lora_packed(const int64_t* a, int bf16, int gated, int int8, 
             (gated ? linear_packed<T, true> : linear_packed<T, false>)(a, add);
         }
     };
-    if (bf16)
-        run(uint16_t{});
-    else
-        run(float{});
+    with_dtype(bf16, run);
 }
 
 // The float forms above (bf16: the bf16 form; gated: silu_mul) with a dense addend [M, the
@@ -527,10 +533,7 @@ void sf_lin_linear_addend_packed(const int64_t* a, int bf16, int gated, const vo
         add.dense_stride = stride;
         (gated ? linear_packed<T, true> : linear_packed<T, false>)(a, add);
     };
-    if (bf16)
-        run(uint16_t{});
-    else
-        run(float{});
+    with_dtype(bf16, run);
 }
 
 }  // extern "C"

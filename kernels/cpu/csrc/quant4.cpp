@@ -57,28 +57,21 @@ constexpr int64_t record_bytes() {  // one group of one column block
     return (KIND == Q4_1 ? 4 : 2) * NB + (KIND == Q8_0 ? QK * NB : QK * NB / 2);
 }
 
-// VW bytes widened to int32 lanes (zero- or sign-extended): one vpmovzxbd / vpmovsxbd on AVX-512
-// and AVX2 (GCC scalarises the generic conversion), the vector extensions elsewhere.
-inline vi widen_u8(const uint8_t* p) {
+// VW bytes widened to int32 lanes (zero-extended for uint8_t, sign-extended for int8_t): one
+// vpmovzxbd / vpmovsxbd on AVX-512 and AVX2 (GCC scalarises the generic conversion), the vector
+// extensions elsewhere.
+template <typename B>
+inline vi widen(const B* p) {
+    constexpr bool is_signed = std::is_signed_v<B>;
 #if SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
-    return reinterpret_cast<vi>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<vi>(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #elif SF_EW_VW == 8 && defined(__AVX2__)
-    return reinterpret_cast<vi>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<vi>(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 #else
-    typedef uint8_t vb __attribute__((vector_size(VW)));
+    typedef B vb __attribute__((vector_size(VW)));
     vb bytes;
-    std::memcpy(&bytes, p, sizeof(bytes));
-    return __builtin_convertvector(bytes, vi);
-#endif
-}
-inline vi widen_s8(const int8_t* p) {
-#if SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
-    return reinterpret_cast<vi>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif SF_EW_VW == 8 && defined(__AVX2__)
-    return reinterpret_cast<vi>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-    typedef int8_t vsb __attribute__((vector_size(VW)));
-    vsb bytes;
     std::memcpy(&bytes, p, sizeof(bytes));
     return __builtin_convertvector(bytes, vi);
 #endif
@@ -131,11 +124,11 @@ inline void widen_group(const uint8_t* rec, float* buf) {
         if constexpr (KIND == Q8_0) {
             const int8_t* qk = reinterpret_cast<const int8_t*>(q) + k * NB;
             for (int j = 0; j < NV; ++j)
-                storeu(out + j * VW, __builtin_convertvector(widen_s8(qk + j * VW), vf) * d[j]);
+                storeu(out + j * VW, __builtin_convertvector(widen(qk + j * VW), vf) * d[j]);
         } else {
             const uint8_t* qk = q + k * (NB / 2);
             for (int c = 0; c < NV / 2; ++c) {
-                const vi v = widen_u8(qk + c * VW);
+                const vi v = widen(qk + c * VW);
                 const vi nib[2] = {v & 15, v >> 4};
                 for (int h = 0; h < 2; ++h) {
                     const int j = 2 * c + h;
