@@ -88,12 +88,41 @@ static_assert(MR == sf_lora::LMR && NV == sf_lora::LNV, "lora_simd.h's strips ar
 // Multiply-adds below which a call stays on the calling thread (a parallel region costs ~1-2 us).
 constexpr int64_t kParallelMacs = 1 << 15;
 
+// Software prefetch of the column block a thread computes next, spread over the k steps of the
+// current block's strips: each strip asks for its share of the next block's bytes, a little at
+// every step. The hardware prefetcher follows a block only once its first strip reads it, and
+// that strip then waits on memory (the weights of a deep model do not stay in the caches between
+// steps); with this, SmolLM2's 30 layers at 64 rows went from ~70% to ~77% of the GEMM peak.
+struct Ahead {
+    const char* p = nullptr;  // this strip's share of the next block (nullptr: nothing to fetch)
+    int64_t step64 = 0;       // bytes per k step, in 1/64 byte
+    int lines = 0;            // cache lines asked for per k step
+
+    // The share of strip s (of `strips`) of the `bytes` at `next`, over `steps` k steps.
+    static Ahead share(const void* next, int64_t bytes, int64_t s, int64_t strips, int64_t steps) {
+        Ahead a;
+        if (next == nullptr || steps <= 0 || strips < 2) return a;  // one strip streams: the hardware keeps up
+        const int64_t lo = bytes * s / strips, hi = bytes * (s + 1) / strips;
+        a.p = static_cast<const char*>(next) + lo;
+        a.step64 = (hi - lo) * 64 / steps;
+        const int64_t lines = (hi - lo + 64 * steps - 1) / (64 * steps);
+        a.lines = lines < 1 ? 1 : lines > 4 ? 4 : static_cast<int>(lines);
+        return a;
+    }
+    inline void at(int64_t k) const {
+        if (p == nullptr) return;
+        const char* q = p + ((k * step64) >> 6);
+        for (int i = 0; i < lines; ++i) __builtin_prefetch(q + 64 * i, 0, 2);
+    }
+};
+
 // float32 strip: rows x[0..R) (row stride sx) against the block w [K][NB].
 template <int R>
-inline void strip(const float* x, int64_t sx, const float* w, int64_t K, vf (&acc)[MR][NV]) {
+inline void strip(const float* x, int64_t sx, const float* w, int64_t K, vf (&acc)[MR][NV], const Ahead& ahead) {
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
     for (int64_t k = 0; k < K; ++k) {
+        ahead.at(k);
         const float* wk = w + k * NB;
         const vf w0 = loadu(wk), w1 = loadu(wk + VW), w2 = loadu(wk + 2 * VW), w3 = loadu(wk + 3 * VW);
         for (int r = 0; r < R; ++r) {
@@ -186,7 +215,8 @@ inline void pair_step_avx2(const uint16_t* wk, const uint32_t* xp, __m256 (&a)[M
 
 // bf16 strip: rows x[0..R) against the block w [ceil(K / 2)][NB][2].
 template <int R>
-inline void strip(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t K, vf (&acc)[MR][NV]) {
+inline void strip(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t K, vf (&acc)[MR][NV],
+                  const Ahead& ahead) {
 #if SF_LIN_AVX2
     // Written out (GCC kept the generic form's accumulators on the stack: AVX2 has 16 vector
     // registers for MR = 2 rows x NV = 4 accumulators, the weights and the broadcasts).
@@ -198,6 +228,7 @@ inline void strip(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t K, v
     const int64_t full = K / 2;
     uint32_t xp[MR];
     for (int64_t kp = 0; kp < full; ++kp) {
+        ahead.at(kp);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) std::memcpy(&xp[r], x + r * sx + 2 * kp, sizeof(uint32_t));
         pair_step_avx2<R>(w + kp * 2 * NB, xp, a);
@@ -211,7 +242,10 @@ inline void strip(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t K, v
 #else
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
-    for_each_group<R>(x, sx, K, [&](int64_t kp, const uint32_t (&xp)[MR]) { pair_step<R>(w + kp * 2 * NB, xp, acc); });
+    for_each_group<R>(x, sx, K, [&](int64_t kp, const uint32_t (&xp)[MR]) {
+        ahead.at(kp);
+        pair_step<R>(w + kp * 2 * NB, xp, acc);
+    });
 #endif
 }
 
@@ -267,11 +301,14 @@ inline void quad_step(const int8_t* wk, const uint32_t (&xq)[MR], vi (&s)[MR][NV
 // followed by the dequantize pass computes it.
 template <int R>
 inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
-                     const float* wscale, const float* xscale, vf (&acc)[MR][NV]) {
+                     const float* wscale, const float* xscale, vf (&acc)[MR][NV], const Ahead& ahead) {
     vi s[MR][NV];
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) s[r][j] = vi{};
-    for_each_group<R>(x, sx, K, [&](int64_t kq, const uint32_t (&xq)[MR]) { quad_step<R>(w + kq * 4 * NB, xq, s); });
+    for_each_group<R>(x, sx, K, [&](int64_t kq, const uint32_t (&xq)[MR]) {
+        ahead.at(kq);
+        quad_step<R>(w + kq * 4 * NB, xq, s);
+    });
     for (int r = 0; r < R; ++r) {
         const vf xs = splat(xscale[r]);
         for (int j = 0; j < NV; ++j) {
@@ -333,7 +370,7 @@ inline void quad_step_avx2(const int8_t* wk, const uint32_t* xq, __m256i (&s)[MR
 
 template <int R>
 inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
-                     const float* wscale, const float* xscale, vf (&acc)[MR][NV]) {
+                     const float* wscale, const float* xscale, vf (&acc)[MR][NV], const Ahead& ahead) {
     __m256i s[MR][NV];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -342,6 +379,7 @@ inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, c
     const int64_t full = K / 4;
     uint32_t xq[MR];
     for (int64_t kq = 0; kq < full; ++kq) {
+        ahead.at(kq);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) std::memcpy(&xq[r], x + r * sx + 4 * kq, sizeof(uint32_t));
         quad_step_avx2<R>(w + kq * 4 * NB, xq, s);
@@ -376,8 +414,9 @@ inline sf_split::Split split_work(int64_t M, int64_t N, int64_t K, int64_t out_c
     return sf_split::split(M, blocks, MR, threads, threads > 1 && M * blocks * NB * K >= kParallelMacs);
 }
 
-// Runs item(b, m0, rows, n0, cols) for every (column block b, row chunk from m0) of a call over
-// the OpenMP pool: rows [m0, m0 + rows) of x, output columns [n0, n0 + cols).
+// Runs item(b, m0, rows, n0, cols, next) for every (column block b, row chunk from m0) of a call
+// over the OpenMP pool: rows [m0, m0 + rows) of x, output columns [n0, n0 + cols); `next` is the
+// column block of the item after it (the one its thread most likely runs next), or -1.
 template <typename Item>
 inline void for_each_item(int64_t M, int64_t N, int64_t k_cost, int64_t out_cols, Item&& item) {
     const sf_split::Split sp = split_work(M, N, k_cost, out_cols);
@@ -386,7 +425,8 @@ inline void for_each_item(int64_t M, int64_t N, int64_t k_cost, int64_t out_cols
         const int64_t b = it % sp.blocks, m0 = (it / sp.blocks) * sp.chunk_rows;
         if (m0 >= M) continue;
         const int64_t n0 = b * out_cols;
-        item(b, m0, M - m0 < sp.chunk_rows ? M - m0 : sp.chunk_rows, n0, N - n0 < out_cols ? N - n0 : out_cols);
+        const int64_t next = it + 1 < sp.items && ((it + 1) / sp.blocks) * sp.chunk_rows < M ? (it + 1) % sp.blocks : -1;
+        item(b, m0, M - m0 < sp.chunk_rows ? M - m0 : sp.chunk_rows, n0, N - n0 < out_cols ? N - n0 : out_cols, next);
     }
 }
 
@@ -399,15 +439,19 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
     if (M <= 0 || N <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;  // output columns per block
     const int64_t block_elems = (sizeof(T) == 2 ? (K + 1) / 2 * 2 : K) * NB;
-    for_each_item(M, N, K, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+    const int64_t steps = sizeof(T) == 2 ? (K + 1) / 2 : K;
+    for_each_item(M, N, K, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols, int64_t next) {
         const T* wb = w + b * block_elems;
+        const T* wn = next < 0 ? nullptr : w + next * block_elems;
+        const int64_t strips = (rows + MR - 1) / MR;
         const float* bb = bias == nullptr ? nullptr : bias + b * NB;
         const float* d = add.any() ? block_addend<T, GATED>(add, N, m0, rows, n0, cols) : nullptr;
         const int64_t* row_slot = add.lora == nullptr ? nullptr : add.lora->row_slot + m0;
         for_each_strip<MR>(rows, [=](auto r, int64_t m) {
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
-            strip<R>(x + (m0 + m) * sx, sx, wb, K, acc);
+            strip<R>(x + (m0 + m) * sx, sx, wb, K, acc,
+                     Ahead::share(wn, block_elems * int64_t(sizeof(T)), m / MR, strips, steps));
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
                                row_slot == nullptr ? nullptr : row_slot + m);
         });
@@ -431,15 +475,18 @@ void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, co
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;
     const int64_t block_elems = (K + 3) / 4 * 4 * NB;
     // A quad of int8 costs about a bf16 pair: K / 2 for the parallel threshold.
-    for_each_item(M, N, K / 2, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+    for_each_item(M, N, K / 2, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols, int64_t next) {
         const int8_t* wb = w + b * block_elems;
+        const int8_t* wn = next < 0 ? nullptr : w + next * block_elems;
+        const int64_t strips = (rows + MR - 1) / MR;
         const float* bb = bias == nullptr ? nullptr : bias + b * NB;
         const float* d = add.any() ? block_addend<T, GATED>(add, N, m0, rows, n0, cols) : nullptr;
         const int64_t* row_slot = add.lora == nullptr ? nullptr : add.lora->row_slot + m0;
         for_each_strip<MR>(rows, [=](auto r, int64_t m) {
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
-            strip_i8<R>(x + (m0 + m) * sx, sx, wb, K, colsum + b * NB, zp, wscale + b * NB, xscale + m0 + m, acc);
+            strip_i8<R>(x + (m0 + m) * sx, sx, wb, K, colsum + b * NB, zp, wscale + b * NB, xscale + m0 + m, acc,
+                        Ahead::share(wn, block_elems, m / MR, strips, (K + 3) / 4));
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
                                row_slot == nullptr ? nullptr : row_slot + m);
         });
