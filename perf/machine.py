@@ -81,7 +81,10 @@ def machine_info() -> dict:
     # The serving code may not be committed yet: a digest of what was measured identifies it.
     digest = hashlib.sha256()
     files = 0
-    for pattern in ("backend/**/*.py", "kernels/**/*.py", "model_repository/**/*"):
+    # The C++ kernels' sources too: they are built at run time, and a change there alone is a
+    # different engine.
+    for pattern in ("backend/**/*.py", "kernels/**/*.py", "kernels/**/*.cpp", "kernels/**/*.h",
+                    "model_repository/**/*"):
         for f in sorted(ROOT.glob(pattern)):
             if f.is_file() and "__pycache__" not in f.parts:
                 digest.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
