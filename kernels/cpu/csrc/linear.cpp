@@ -44,6 +44,7 @@
 
 #include "elementwise_simd.h"
 #include "lora_simd.h"
+#include "prefetch_ahead.h"
 #include "work_split.h"
 
 #if defined(__AVX512BF16__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
@@ -88,34 +89,7 @@ static_assert(MR == sf_lora::LMR && NV == sf_lora::LNV, "lora_simd.h's strips ar
 // Multiply-adds below which a call stays on the calling thread (a parallel region costs ~1-2 us).
 constexpr int64_t kParallelMacs = 1 << 15;
 
-// Software prefetch of the column block a thread computes next, spread over the k steps of the
-// current block's strips: each strip asks for its share of the next block's bytes, a little at
-// every step. The hardware prefetcher follows a block only once its first strip reads it, and
-// that strip then waits on memory (the weights of a deep model do not stay in the caches between
-// steps); SmolLM2's 30 fp32 layers at 64 rows went from 68-70% to 79-82% of the GEMM peak with it
-// (perf/bench_cpu_linear.py).
-struct Ahead {
-    const char* p = nullptr;  // this strip's share of the next block (nullptr: nothing to fetch)
-    int64_t step64 = 0;       // bytes per k step, in 1/64 byte
-    int lines = 0;            // cache lines asked for per k step
-
-    // The share of strip s (of `strips`) of the `bytes` at `next`, over `steps` k steps.
-    static Ahead share(const void* next, int64_t bytes, int64_t s, int64_t strips, int64_t steps) {
-        Ahead a;
-        if (next == nullptr || steps <= 0 || strips < 2) return a;  // one strip streams: the hardware keeps up
-        const int64_t lo = bytes * s / strips, hi = bytes * (s + 1) / strips;
-        a.p = static_cast<const char*>(next) + lo;
-        a.step64 = (hi - lo) * 64 / steps;
-        const int64_t lines = (hi - lo + 64 * steps - 1) / (64 * steps);
-        a.lines = lines < 1 ? 1 : lines > 4 ? 4 : static_cast<int>(lines);
-        return a;
-    }
-    inline void at(int64_t k) const {
-        if (p == nullptr) return;
-        const char* q = p + ((k * step64) >> 6);
-        for (int i = 0; i < lines; ++i) __builtin_prefetch(q + 64 * i, 0, 2);
-    }
-};
+using Ahead = sf_ahead::Spread;
 
 // float32 strip: rows x[0..R) (row stride sx) against the block w [K][NB].
 template <int R>
@@ -452,7 +426,7 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip<R>(x + (m0 + m) * sx, sx, wb, K, acc,
-                     Ahead::share(wn, block_elems * int64_t(sizeof(T)), m / MR, strips, steps));
+                     Ahead(sf_ahead::share(wn, block_elems * int64_t(sizeof(T)), m / MR, strips), steps));
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
                                row_slot == nullptr ? nullptr : row_slot + m);
         });
@@ -487,7 +461,7 @@ void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, co
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip_i8<R>(x + (m0 + m) * sx, sx, wb, K, colsum + b * NB, zp, wscale + b * NB, xscale + m0 + m, acc,
-                        Ahead::share(wn, block_elems, m / MR, strips, (K + 3) / 4));
+                        Ahead(sf_ahead::share(wn, block_elems, m / MR, strips), (K + 3) / 4));
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
                                row_slot == nullptr ? nullptr : row_slot + m);
         });

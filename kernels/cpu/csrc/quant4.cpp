@@ -34,6 +34,7 @@
 
 #include "elementwise_simd.h"
 #include "lora_simd.h"
+#include "prefetch_ahead.h"
 #include "work_split.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -187,6 +188,19 @@ inline void store(vf (&acc)[MR][NV], const float* bias, float* y, int64_t sy, in
     }
 }
 
+// The packed bytes a thread widens after the k chunk it is on: its block's next chunk (from
+// next_k0, at most kc), else the first chunk of the next item's block, or none after the last item.
+struct Next {
+    const uint8_t* p = nullptr;
+    int64_t bytes = 0;
+};
+inline Next next_chunk(const uint8_t* w, const uint8_t* wb, int64_t block_bytes, int64_t record, int64_t K,
+                       int64_t next_k0, int64_t kc, int64_t it, int64_t items, int64_t blocks) {
+    if (next_k0 < K) return {wb + next_k0 / QK * record, (K - next_k0 < kc ? K - next_k0 : kc) / QK * record};
+    if (it + 1 < items) return {w + (it + 1) % blocks * block_bytes, (K < kc ? K : kc) / QK * record};
+    return {};
+}
+
 template <int KIND, bool GATED>
 void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
             int64_t sy, int64_t M, const sf_lora::Deltas* lora = nullptr) {
@@ -220,8 +234,11 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
                 const float* d = last && lora != nullptr
                                      ? sf_lora::block_addend<float, GATED>({lora}, N, m0, rows, n0, cols) : nullptr;
                 const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
+                const Next next = next_chunk(w, wb, block_bytes, record_bytes<KIND>(), K, k0 + KC, KC, it, items, blocks);
+                const int64_t strips = (rows + MR - 1) / MR;
                 for_each_strip<MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
+                    sf_ahead::fetch(sf_ahead::share(next.p, next.bytes, m / MR, strips));
                     vf acc[MR][NV];
                     float* park = parked.data() + m * NB;
                     for (int i = 0; i < R; ++i)
@@ -525,8 +542,11 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
                 const float* d = last && lora != nullptr
                                      ? sf_lora::block_addend<float, GATED>({lora}, N, m0, rows, n0, cols) : nullptr;
                 const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
+                const Next next = next_chunk(w, wb, block_bytes, dot_record_bytes<KIND>(), K, k0 + DOT_KC, DOT_KC, it, items, blocks);
+                const int64_t strips = (rows + DOT_MR - 1) / DOT_MR;
                 for_each_strip<DOT_MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
+                    sf_ahead::fetch(sf_ahead::share(next.p, next.bytes, m / DOT_MR, strips));
                     vf acc[DOT_MR][NV];
                     float* park = parked.data() + m * NB;
                     for (int i = 0; i < R; ++i)
