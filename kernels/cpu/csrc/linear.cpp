@@ -89,11 +89,11 @@ static_assert(MR == sf_lora::LMR && NV == sf_lora::LNV, "lora_simd.h's strips ar
 // Multiply-adds below which a call stays on the calling thread (a parallel region costs ~1-2 us).
 constexpr int64_t kParallelMacs = 1 << 15;
 
-using Ahead = sf_ahead::Spread;
+using sf_ahead::Spread;
 
 // float32 strip: rows x[0..R) (row stride sx) against the block w [K][NB].
 template <int R>
-inline void strip(const float* x, int64_t sx, const float* w, int64_t K, vf (&acc)[MR][NV], const Ahead& ahead) {
+inline void strip(const float* x, int64_t sx, const float* w, int64_t K, vf (&acc)[MR][NV], const Spread& ahead) {
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
     for (int64_t k = 0; k < K; ++k) {
@@ -191,7 +191,7 @@ inline void pair_step_avx2(const uint16_t* wk, const uint32_t* xp, __m256 (&a)[M
 // bf16 strip: rows x[0..R) against the block w [ceil(K / 2)][NB][2].
 template <int R>
 inline void strip(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t K, vf (&acc)[MR][NV],
-                  const Ahead& ahead) {
+                  const Spread& ahead) {
 #if SF_LIN_AVX2
     // Written out (GCC kept the generic form's accumulators on the stack: AVX2 has 16 vector
     // registers for MR = 2 rows x NV = 4 accumulators, the weights and the broadcasts).
@@ -276,7 +276,7 @@ inline void quad_step(const int8_t* wk, const uint32_t (&xq)[MR], vi (&s)[MR][NV
 // followed by the dequantize pass computes it.
 template <int R>
 inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
-                     const float* wscale, const float* xscale, vf (&acc)[MR][NV], const Ahead& ahead) {
+                     const float* wscale, const float* xscale, vf (&acc)[MR][NV], const Spread& ahead) {
     vi s[MR][NV];
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) s[r][j] = vi{};
@@ -345,7 +345,7 @@ inline void quad_step_avx2(const int8_t* wk, const uint32_t* xq, __m256i (&s)[MR
 
 template <int R>
 inline void strip_i8(const uint8_t* x, int64_t sx, const int8_t* w, int64_t K, const int32_t* colsum, int32_t zp,
-                     const float* wscale, const float* xscale, vf (&acc)[MR][NV], const Ahead& ahead) {
+                     const float* wscale, const float* xscale, vf (&acc)[MR][NV], const Spread& ahead) {
     __m256i s[MR][NV];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -400,8 +400,8 @@ inline void for_each_item(int64_t M, int64_t N, int64_t k_cost, int64_t out_cols
         const int64_t b = it % sp.blocks, m0 = (it / sp.blocks) * sp.chunk_rows;
         if (m0 >= M) continue;
         const int64_t n0 = b * out_cols;
-        const int64_t next = it + 1 < sp.items && ((it + 1) / sp.blocks) * sp.chunk_rows < M ? (it + 1) % sp.blocks : -1;
-        item(b, m0, M - m0 < sp.chunk_rows ? M - m0 : sp.chunk_rows, n0, N - n0 < out_cols ? N - n0 : out_cols, next);
+        item(b, m0, M - m0 < sp.chunk_rows ? M - m0 : sp.chunk_rows, n0, N - n0 < out_cols ? N - n0 : out_cols,
+             sp.next_block(it, M));
     }
 }
 
@@ -426,7 +426,7 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip<R>(x + (m0 + m) * sx, sx, wb, K, acc,
-                     Ahead(sf_ahead::share(wn, block_elems * int64_t(sizeof(T)), m / MR, strips), steps));
+                     Spread(sf_ahead::share(wn, block_elems * int64_t(sizeof(T)), m / MR, strips), steps));
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
                                row_slot == nullptr ? nullptr : row_slot + m);
         });
@@ -461,7 +461,7 @@ void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, co
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip_i8<R>(x + (m0 + m) * sx, sx, wb, K, colsum + b * NB, zp, wscale + b * NB, xscale + m0 + m, acc,
-                        Ahead(sf_ahead::share(wn, block_elems, m / MR, strips), (K + 3) / 4));
+                        Spread(sf_ahead::share(wn, block_elems, m / MR, strips), (K + 3) / 4));
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
                                row_slot == nullptr ? nullptr : row_slot + m);
         });

@@ -17,6 +17,14 @@ namespace sf_split {
 struct Split {
     int64_t blocks, chunk_rows, items;
     bool par;
+
+    // Item `it` is column block it % blocks over the chunk of rows from (it / blocks) * chunk_rows
+    // (none when that is past M). The column block of the item after it, the one its thread most
+    // likely runs next (for prefetch_ahead.h), or -1.
+    int64_t next_block(int64_t it, int64_t M) const {
+        const int64_t n = it + 1;
+        return n < items && (n / blocks) * chunk_rows < M ? n % blocks : -1;
+    }
 };
 
 // Strips of work the busiest thread gets, times the threads, over all strips: 1 = even shares.
