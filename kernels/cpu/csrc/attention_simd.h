@@ -46,7 +46,7 @@ static inline vf loadu(const float* p) { return *reinterpret_cast<const vfu*>(p)
 static inline void storeu(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 static inline v8 loadu8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 static inline void storeu8(float* p, const v8& v) { *reinterpret_cast<v8u*>(p) = v; }
-static inline vf splat(float x) { return vf{} + x; }
+static inline vf splat(float x) { return x - vf{}; }  // (x - 0 is x for every x; x + 0 is not for -0, so GCC would emit the add)
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 static inline vi iota_vi() {

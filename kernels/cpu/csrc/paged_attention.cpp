@@ -123,13 +123,16 @@ struct Group {  // the partitions of one split (sequence, kv head, token tile): 
 
 // Keep a loaded vector in a register: without this GCC folds the load into every FMA that uses
 // it (one load per use), and the decode kernels (few rows per load) become load-port bound.
-static inline void in_reg(vf& v) {
-#if (defined(__x86_64__) || defined(__i386__)) && \
-    (SF_ATTN_WIDTH == 4 || (SF_ATTN_WIDTH == 8 && defined(__AVX__)) || (SF_ATTN_WIDTH == 16 && defined(__AVX512F__)))
+// By value: an array element as the asm's operand would keep the whole array in memory (GCC
+// does not split an aggregate an asm statement uses into registers), and every use would read it
+// back from the stack.
+static inline vf in_reg(vf v) {
+#if (defined(__x86_64__) || defined(__i386__)) && SF_ATTN_WIDTH == 16 && defined(__AVX512F__)
+    __asm__("" : "+v"(v));  // any of the 32 zmm registers ("x" would confine it to the first 16)
+#elif (defined(__x86_64__) || defined(__i386__)) && (SF_ATTN_WIDTH == 4 || (SF_ATTN_WIDTH == 8 && defined(__AVX__)))
     __asm__("" : "+x"(v));  // (only when vf is one register of this ISA)
-#else
-    (void)v;
 #endif
+    return v;
 }
 
 // Independent accumulator sets for strips of few rows (decode): R rows x NV vectors per set plus
@@ -200,7 +203,7 @@ static inline void qk_strip(const float* __restrict Q, int D, const T* __restric
         for (int u = 0; u < U; ++u) {
             if (PF) prefetch(pf + (d + u) * ldk);  // the same row of a later tile (64 bytes)
             vf b[NV];
-            for (int c = 0; c < NV; ++c) { b[c] = load_kv(kt + (d + u) * ldk + c * VL); in_reg(b[c]); }
+            for (int c = 0; c < NV; ++c) b[c] = in_reg(load_kv(kt + (d + u) * ldk + c * VL));
             for (int i = 0; i < R; ++i) {
                 const float a = Q[(d + u) * R + i];
                 for (int c = 0; c < NV; ++c) acc[u][i][c] += a * b[c];
@@ -210,7 +213,7 @@ static inline void qk_strip(const float* __restrict Q, int D, const T* __restric
     for (; d < D; ++d) {
         if (PF) prefetch(pf + d * ldk);
         vf b[NV];
-        for (int c = 0; c < NV; ++c) { b[c] = load_kv(kt + d * ldk + c * VL); in_reg(b[c]); }
+        for (int c = 0; c < NV; ++c) b[c] = in_reg(load_kv(kt + d * ldk + c * VL));
         for (int i = 0; i < R; ++i) {
             const float a = Q[d * R + i];
             for (int c = 0; c < NV; ++c) acc[0][i][c] += a * b[c];
@@ -236,10 +239,19 @@ struct PvTiles {
     int n;
 };
 
+// Not inlined into the AVX-512 strips: there GCC 12 kept the loaded V vectors on the stack
+// (every FMA read its operand back through a store) under the register pressure of the whole
+// strip; on its own the loop keeps them in registers (1 x 600 keys of a 9 / 3-head decode in L2:
+// 157 -> 128 ns per 16-key tile). The AVX2 build is faster inlined (173 -> 185 ns when not).
+#if SF_ATTN_WIDTH == 16
+#define PV_CHUNKS_INLINE __attribute__((noinline)) static
+#else
+#define PV_CHUNKS_INLINE static inline
+#endif
 // CH consecutive 16-column chunks of O[R][..] = alpha * O + sum over the tiles of P . V: O is
 // loaded, rescaled and stored once per block, the accumulators stay in registers across its tiles.
 template <int R, int CH, bool PF, typename T>
-static inline void pv_chunks(const float* __restrict P, int ldp, const PvTiles<T>& tl, int64_t ldv,
+PV_CHUNKS_INLINE void pv_chunks(const float* __restrict P, int ldp, const PvTiles<T>& tl, int64_t ldv,
                              const float* alpha, float* __restrict O, int D, int d0) {
     vf acc[R][CH * NV];
     for (int i = 0; i < R; ++i) {
@@ -254,7 +266,7 @@ static inline void pv_chunks(const float* __restrict P, int ldp, const PvTiles<T
         const float* Pt = P + t * TN;
         for (int j = tl.jlo[t]; j < tl.jhi[t]; ++j) {
             vf b[CH * NV];
-            for (int c = 0; c < CH * NV; ++c) { b[c] = load_kv(v + j * ldv + d0 + c * VL); in_reg(b[c]); }
+            for (int c = 0; c < CH * NV; ++c) b[c] = in_reg(load_kv(v + j * ldv + d0 + c * VL));
             for (int i = 0; i < R; ++i) {
                 const float p = Pt[i * ldp + j];
                 for (int c = 0; c < CH * NV; ++c) acc[i][c] += p * b[c];
