@@ -14,7 +14,8 @@ clients ramp up and drain) it reports the cores used by:
   publish metrics);
 - the rest of the `llm` stubs, the `preprocessing` stub, tritonserver itself (HTTP, the ensemble,
   the Python backend's side of each response), and the client;
-and the serving path's CPU per request and per streamed token (the rates are the point's).
+and the serving path's CPU per request, per streamed token and per streamed response (the rates
+are the point's; responses count those that carried tokens).
 Written to perf/results/cpu-split/<name>.json with the machine, commit and command.
 """
 
@@ -143,6 +144,10 @@ def main() -> None:
     rps = m["throughput_rps"]
     tokens_per_s = m["output_tokens_per_s"]
     serving = sum(cores.get(r, 0.0) for r in SERVING_ROLES)
+    # Streamed responses that carried tokens, per completed request: what the serving path
+    # handles one at a time (stream_interval and its time bound set how many a request gets).
+    done = [r for r in point["records"] if r.get("error") is None]
+    responses = sum(len(r["chunks"]) for r in done) / max(1, len(done))
     out = {
         "name": args.name, "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine_info(),
         "model_dir": args.model_dir, "params": params, "instances": args.instances, "clients": args.clients,
@@ -150,6 +155,8 @@ def main() -> None:
         "cores": cores, "serving_path_cores": serving,
         "serving_path_cpu_ms_per_request": 1000 * serving / rps,
         "serving_path_cpu_us_per_token": 1e6 * serving / tokens_per_s,
+        "responses_per_request": responses,
+        "serving_path_cpu_us_per_response": 1e6 * serving / (rps * responses),
         "engine_cpu_ms_per_request": 1000 * cores.get("engine threads", 0.0) / rps,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -159,7 +166,8 @@ def main() -> None:
     for role, c in sorted(cores.items(), key=lambda kv: -kv[1]):
         print(f"  {role:28s} {c:5.2f}")
     print(f"  serving path: {serving:.2f} cores, {out['serving_path_cpu_ms_per_request']:.1f} ms of CPU per request"
-          f", {out['serving_path_cpu_us_per_token']:.0f} us per streamed token")
+          f", {out['serving_path_cpu_us_per_token']:.0f} us per streamed token; {responses:.1f} responses per request"
+          f", {out['serving_path_cpu_us_per_response']:.0f} us each")
     print(f"wrote {path}")
 
 

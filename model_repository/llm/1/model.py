@@ -41,14 +41,16 @@ HOUSEKEEPING_INTERVAL_S = 0.01
 # publishing at every tick cost ~10% of the throughput with 64 streams on 2 cores; a
 # Prometheus scrape every few seconds sees no difference at half a second).
 METRICS_INTERVAL_S = 0.5
-# Cancellation is polled per request (one round trip to the server process each, holding the
-# GIL the engine thread needs), at least this often, but slowed so that polling stays under
-# ~3% of the time: with many requests in flight a sweep at every tick cost 20% of the
-# throughput on a 2-core machine; with a 10% share, 16 clients served 1.95-2.00 req/s against
-# 2.13-2.17 with polling off (single noisy runs). A cancellation is noticed within ~30 sweep
-# times (about 0.1 s with 16 requests live).
+# Cancellation is polled per request (one round trip to the server process each, holding the GIL
+# the engine thread needs), at least this often, but slowed so that polling stays under ~1% of the
+# time: with many requests in flight a sweep at every tick cost 20% of the throughput on a 2-core
+# machine, and at a 3% share the polling thread was nearly a quarter of the serving path's CPU
+# with 64 streams (perf/results, s34). A cancellation is noticed within ~100 sweep times: with 32
+# requests live on a busy 2-core machine a sweep took 2.6 ms (p90 7.6 ms), so 0.3-0.8 s, a few
+# steps' tokens. Requests that came through the ensemble are never seen cancelled (Triton 2.51
+# does not forward it; tests/serving/test_cancel.py).
 CANCEL_POLL_MIN_INTERVAL_S = 0.02
-CANCEL_POLL_MAX_SHARE = 0.03
+CANCEL_POLL_MAX_SHARE = 0.01
 
 
 # --------------------------------------------------------------------------- live requests
