@@ -190,14 +190,11 @@ inline void store(vf (&acc)[MR][NV], const float* bias, float* y, int64_t sy, in
 
 // The packed bytes a thread widens after the k chunk it is on: its block's next chunk (from
 // next_k0, at most kc), else the first chunk of the next item's block (next_b, or -1: none).
-struct Next {
-    const uint8_t* p = nullptr;
-    int64_t bytes = 0;
-};
-inline Next next_chunk(const uint8_t* w, const uint8_t* wb, int64_t block_bytes, int64_t record, int64_t K,
-                       int64_t next_k0, int64_t kc, int64_t next_b) {
-    if (next_k0 < K) return {wb + next_k0 / QK * record, (K - next_k0 < kc ? K - next_k0 : kc) / QK * record};
-    if (next_b >= 0) return {w + next_b * block_bytes, (K < kc ? K : kc) / QK * record};
+inline sf_ahead::Share next_chunk(const uint8_t* w, const uint8_t* wb, int64_t block_bytes, int64_t record,
+                                  int64_t K, int64_t next_k0, int64_t kc, int64_t next_b) {
+    const auto bytes = [](const uint8_t* p) { return reinterpret_cast<const char*>(p); };
+    if (next_k0 < K) return {bytes(wb + next_k0 / QK * record), (K - next_k0 < kc ? K - next_k0 : kc) / QK * record};
+    if (next_b >= 0) return {bytes(w + next_b * block_bytes), (K < kc ? K : kc) / QK * record};
     return {};
 }
 
@@ -234,7 +231,7 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
                 const float* d = last && lora != nullptr
                                      ? sf_lora::block_addend<float, GATED>({lora}, N, m0, rows, n0, cols) : nullptr;
                 const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
-                const Next next =
+                const sf_ahead::Share next =
                     next_chunk(w, wb, block_bytes, record_bytes<KIND>(), K, k0 + KC, KC, sp.next_block(it, M));
                 const int64_t strips = (rows + MR - 1) / MR;
                 for_each_strip<MR>(rows, [&](auto r, int64_t m) {
@@ -543,7 +540,7 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
                 const float* d = last && lora != nullptr
                                      ? sf_lora::block_addend<float, GATED>({lora}, N, m0, rows, n0, cols) : nullptr;
                 const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
-                const Next next =
+                const sf_ahead::Share next =
                     next_chunk(w, wb, block_bytes, dot_record_bytes<KIND>(), K, k0 + DOT_KC, DOT_KC, sp.next_block(it, M));
                 const int64_t strips = (rows + DOT_MR - 1) / DOT_MR;
                 for_each_strip<DOT_MR>(rows, [&](auto r, int64_t m) {
