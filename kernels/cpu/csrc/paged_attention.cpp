@@ -241,8 +241,8 @@ struct PvTiles {
 
 // Not inlined into the AVX-512 strips: there GCC 12 kept the loaded V vectors on the stack
 // (every FMA read its operand back through a store) under the register pressure of the whole
-// strip; on its own the loop keeps them in registers (1 x 600 keys of a 9 / 3-head decode in L2:
-// 157 -> 128 ns per 16-key tile). The AVX2 build is faster inlined (173 -> 185 ns when not).
+// strip; on its own the loop keeps them in registers. The AVX2 build is faster inlined
+// (measurements: perf/results/README.md, s34).
 #if SF_ATTN_WIDTH == 16
 #define PV_CHUNKS_INLINE __attribute__((noinline)) static
 #else

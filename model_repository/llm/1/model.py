@@ -44,11 +44,10 @@ METRICS_INTERVAL_S = 0.5
 # Cancellation is polled per request (one round trip to the server process each, holding the GIL
 # the engine thread needs), at least this often, but slowed so that polling stays under ~1% of the
 # time: with many requests in flight a sweep at every tick cost 20% of the throughput on a 2-core
-# machine, and at a 3% share the polling thread was nearly a quarter of the serving path's CPU
-# with 64 streams (perf/results, s34). A cancellation is noticed within ~100 sweep times: with 32
-# requests live on a busy 2-core machine a sweep took 2.6 ms (p90 7.6 ms), so 0.3-0.8 s, a few
-# steps' tokens. Requests that came through the ensemble are never seen cancelled (Triton 2.51
-# does not forward it; tests/serving/test_cancel.py).
+# machine, and a 3% share was nearly a quarter of the serving path's CPU with 64 streams. A
+# cancellation is then noticed within ~100 sweep times: 0.3-0.8 s with 32 requests live on a busy
+# 2-core machine (perf/results/README.md, s34). Requests that came through the ensemble are never
+# seen cancelled (Triton 2.51 does not forward it; tests/serving/test_cancel.py).
 CANCEL_POLL_MIN_INTERVAL_S = 0.02
 CANCEL_POLL_MAX_SHARE = 0.01
 
