@@ -12,10 +12,9 @@ Tests and benchmarks reuse the pieces:
         server.grpc_url, server.http_url, server.metrics_url
 """
 
-from splitfuse.launcher.cli import main
 from splitfuse.launcher.process import TritonServer, free_port, port_is_free, serve
 from splitfuse.launcher.repository import default_template_dir, parse_params, render_model_repository
 from splitfuse.launcher.triton_install import TritonInstall, build_backend_dir, find_tritonserver, server_env
 
 __all__ = ["TritonInstall", "TritonServer", "build_backend_dir", "default_template_dir", "find_tritonserver",
-           "free_port", "main", "parse_params", "port_is_free", "render_model_repository", "serve", "server_env"]
+           "free_port", "parse_params", "port_is_free", "render_model_repository", "serve", "server_env"]
