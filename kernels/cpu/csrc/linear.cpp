@@ -418,7 +418,6 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
     for_each_item(M, N, K, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols, int64_t next) {
         const T* wb = w + b * block_elems;
         const T* wn = next < 0 ? nullptr : w + next * block_elems;
-        const int64_t strips = (rows + MR - 1) / MR;
         const float* bb = bias == nullptr ? nullptr : bias + b * NB;
         const float* d = add.any() ? block_addend<T, GATED>(add, N, m0, rows, n0, cols) : nullptr;
         const int64_t* row_slot = add.lora == nullptr ? nullptr : add.lora->row_slot + m0;
@@ -426,7 +425,7 @@ void linear(const T* x, int64_t sx, const T* w, int64_t N, int64_t K, const floa
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip<R>(x + (m0 + m) * sx, sx, wb, K, acc,
-                     Spread(sf_ahead::share(wn, block_elems * int64_t(sizeof(T)), m / MR, strips), steps));
+                     Spread(sf_ahead::strip_share<MR>(wn, block_elems * int64_t(sizeof(T)), m, rows), steps));
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
                                row_slot == nullptr ? nullptr : row_slot + m);
         });
@@ -453,7 +452,6 @@ void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, co
     for_each_item(M, N, K / 2, out_cols, [&](int64_t b, int64_t m0, int64_t rows, int64_t n0, int64_t cols, int64_t next) {
         const int8_t* wb = w + b * block_elems;
         const int8_t* wn = next < 0 ? nullptr : w + next * block_elems;
-        const int64_t strips = (rows + MR - 1) / MR;
         const float* bb = bias == nullptr ? nullptr : bias + b * NB;
         const float* d = add.any() ? block_addend<T, GATED>(add, N, m0, rows, n0, cols) : nullptr;
         const int64_t* row_slot = add.lora == nullptr ? nullptr : add.lora->row_slot + m0;
@@ -461,7 +459,7 @@ void linear_i8(const uint8_t* x, int64_t sx, const float* xscale, int32_t zp, co
             constexpr int R = decltype(r)::value;
             vf acc[MR][NV];
             strip_i8<R>(x + (m0 + m) * sx, sx, wb, K, colsum + b * NB, zp, wscale + b * NB, xscale + m0 + m, acc,
-                        Spread(sf_ahead::share(wn, block_elems, m / MR, strips), (K + 3) / 4));
+                        Spread(sf_ahead::strip_share<MR>(wn, block_elems, m, rows), (K + 3) / 4));
             store<T, R, GATED>(acc, bb, y + (m0 + m) * sy + n0, sy, cols, d == nullptr ? nullptr : d + m * NB,
                                row_slot == nullptr ? nullptr : row_slot + m);
         });

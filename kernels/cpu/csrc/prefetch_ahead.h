@@ -24,6 +24,12 @@ inline Share share(const void* next, int64_t bytes, int64_t s, int64_t strips) {
     return {static_cast<const char*>(next) + lo, hi - lo};
 }
 
+// The share of the strip of MR rows that starts at row m of a chunk of `rows` rows.
+template <int MR>
+inline Share strip_share(const void* next, int64_t bytes, int64_t m, int64_t rows) {
+    return share(next, bytes, m / MR, (rows + MR - 1) / MR);
+}
+
 // The whole share at once (the GGUF kernels' shares are a k chunk's few KB, split over the strips).
 inline void fetch(const Share& sh) {
     for (int64_t o = 0; o < sh.bytes; o += 64) __builtin_prefetch(sh.p + o, 0, 2);

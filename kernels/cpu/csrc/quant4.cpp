@@ -233,10 +233,9 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
                 const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
                 const sf_ahead::Share next =
                     next_chunk(w, wb, block_bytes, record_bytes<KIND>(), K, k0 + KC, KC, sp.next_block(it, M));
-                const int64_t strips = (rows + MR - 1) / MR;
                 for_each_strip<MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
-                    sf_ahead::fetch(sf_ahead::share(next.p, next.bytes, m / MR, strips));
+                    sf_ahead::fetch(sf_ahead::strip_share<MR>(next.p, next.bytes, m, rows));
                     vf acc[MR][NV];
                     float* park = parked.data() + m * NB;
                     for (int i = 0; i < R; ++i)
@@ -542,10 +541,9 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
                 const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
                 const sf_ahead::Share next =
                     next_chunk(w, wb, block_bytes, dot_record_bytes<KIND>(), K, k0 + DOT_KC, DOT_KC, sp.next_block(it, M));
-                const int64_t strips = (rows + DOT_MR - 1) / DOT_MR;
                 for_each_strip<DOT_MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
-                    sf_ahead::fetch(sf_ahead::share(next.p, next.bytes, m / DOT_MR, strips));
+                    sf_ahead::fetch(sf_ahead::strip_share<DOT_MR>(next.p, next.bytes, m, rows));
                     vf acc[DOT_MR][NV];
                     float* park = parked.data() + m * NB;
                     for (int i = 0; i < R; ++i)
