@@ -145,6 +145,12 @@ class EngineConfig:
     that ends this many milliseconds after it was made, however few tokens are held then (under
     light load groups fill quickly; under heavy load, where steps are slow, this caps the added
     latency). 0 = no bound."""
+    replica_balance_max_wait_ms: float = 200.0
+    """With several replicas (instance_group count > 1), one holding more requests than the least
+    loaded of the others waits up to this long before it takes another, so Triton gives new
+    requests to the others (it would otherwise hand them to whichever replica takes them first:
+    one held 30+ while the other ran dry, perf/results s35). The least loaded never waits.
+    0 = off."""
     lora_modules: str = ""
     """LoRA adapters served over the base model: "name=path[,name=path...]", each path a PEFT
     folder (adapter_config.json + adapter_model.safetensors), all read and checked at start. A
@@ -196,6 +202,10 @@ class EngineConfig:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         _check_positive("stream_interval", self.stream_interval)
+        if not (isinstance(self.replica_balance_max_wait_ms, (int, float))
+                and 0.0 <= self.replica_balance_max_wait_ms < float("inf")):
+            raise ValueError("replica_balance_max_wait_ms must be a finite number >= 0, "
+                             f"got {self.replica_balance_max_wait_ms!r}")
         if not (isinstance(self.stream_interval_max_ms, (int, float)) and 0.0 <= self.stream_interval_max_ms < float("inf")):
             raise ValueError(f"stream_interval_max_ms must be a finite number >= 0, got {self.stream_interval_max_ms!r}")
         if not (isinstance(self.max_waiting_requests, int) and self.max_waiting_requests >= 0):

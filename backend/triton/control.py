@@ -129,6 +129,8 @@ class Control:
         <dir>/drain               launcher: refuse new requests, the server is shutting down
         <dir>/abort               launcher: abort every generation in flight
         <dir>/idle/<instance>     this instance: draining, and nothing is in flight
+        <dir>/<model>/load/<instance>  this instance: requests it holds, for the others to
+                                  share new ones evenly (replica_balance.py)
         <dir>/<model>/limits.json the engine's limits, for the launcher to pass on (the
                                   instances share one config, so they write the same)
         <dir>/heartbeat/<instance>.json  this instance: its pid, engine steps and requests in
@@ -146,7 +148,9 @@ class Control:
         # first could otherwise read and post stops for our requests.
         self.base = Path(env) if env else private_dir(Path(tempfile.gettempdir()) / f"splitfuse-{os.getppid()}")
         self.owned = not env
-        self.stop_dir = self.base / model_name / "stop"
+        self.model_dir = self.base / model_name
+        """This model's part of the board (its instances' other shared files live under it)."""
+        self.stop_dir = self.model_dir / "stop"
         self.tag = self.key(instance)[:12]
         """Leads this instance's stop handles, so a stop landing elsewhere finds its owner."""
         self.own_stops = self.stop_dir / self.tag
@@ -177,7 +181,7 @@ class Control:
         return hashlib.sha256(client_id.encode("utf-8")).hexdigest()[:32]
 
     def publish_limits(self, **limits: int) -> None:
-        _write_json(self.stop_dir.parent / LIMITS, limits)
+        _write_json(self.model_dir / LIMITS, limits)
 
     def beat(self, steps: int, pending: int) -> None:
         """This instance is alive: its engine has taken `steps` steps and holds `pending` requests."""

@@ -114,6 +114,17 @@ def fault_server(model_dir: str, params: dict[str, str], workdir, instances: int
 
 
 @pytest.fixture(scope="session")
+def slow_replicas(tiny_llama, tmp_path_factory):
+    """Two replicas whose generations can be slowed by request id (fault_model.py's fault-slow:
+    20 ms a step): the tiny model alone makes thousands of tokens a second, so a stop could
+    otherwise arrive after the generation it was meant for had ended, and a burst of requests
+    would end before the last of them arrived."""
+    with fault_server(tiny_llama, ENGINE_PARAMS, tmp_path_factory.mktemp("slow"), instances=INSTANCES) as server:
+        yield server
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def served(tiny_llama, tmp_path_factory):
     _need_tritonserver()
     from splitfuse.launcher import serve

@@ -7,7 +7,6 @@ import socket
 import time
 
 import pytest
-from conftest import ENGINE_PARAMS, INSTANCES, fault_server
 from triton_helpers import GrpcStream, finished_requests, grpc_generate, metric_sum, wait_for
 
 pytestmark = pytest.mark.serving
@@ -64,15 +63,6 @@ def test_http_disconnect_frees_kv_blocks(served):
     sock.close()
     _assert_aborted_early(served, before)
 
-
-@pytest.fixture(scope="module")
-def slow_replicas(tiny_llama, tmp_path_factory):
-    """Two replicas whose generations can be slowed by request id (fault_model.py's fault-slow:
-    20 ms a step): the tiny model alone makes thousands of tokens a second, so a stop could
-    otherwise arrive after the generation it was meant for had ended."""
-    with fault_server(tiny_llama, ENGINE_PARAMS, tmp_path_factory.mktemp("slow"), instances=INSTANCES) as server:
-        yield server
-        server.stop()
 
 
 def test_stop_request_reaches_the_replica_that_holds_the_request(slow_replicas):

@@ -29,6 +29,7 @@ from splitfuse.errors import SERVER_BUSY, ServerBusyError
 from splitfuse.sequence import RequestOutput
 from splitfuse.triton.metrics import MetricsRecorder, TritonMetrics
 from splitfuse.triton.orphan_guard import exit_with_parent
+from splitfuse.triton.replica_balance import NOT_TAKING, ReplicaBalance
 from splitfuse.triton.request import InputError, Parsed, parse_request
 from splitfuse.triton.response import response_arrays, stop_ack_arrays
 
@@ -106,6 +107,8 @@ class TritonPythonModel:
         self.control = Control(self.model_name, self.instance)
         # The launcher tells the OpenAI front (default max_tokens) what the KV cache allows.
         self.control.publish_limits(max_model_len=self.engine.max_model_len)
+        self.balance = ReplicaBalance(self.control.model_dir / "load", self.instance,
+                                      config.replica_balance_max_wait_ms / 1e3)
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
@@ -133,13 +136,25 @@ class TritonPythonModel:
                 log.exception("unexpected error handling a request")
                 self._send_error(sender, f"internal error: {type(e).__name__}: {e}",
                                  pb_utils.TritonError.INTERNAL)
+        # Holding more than another replica: take no more for now, so Triton gives the next
+        # requests to the others (replica_balance.py). Not while draining: all are refused.
+        if not self.control.draining():
+            self.balance.wait_turn(self._held)
         return None
+
+    def _held(self) -> int:
+        return len(self.live)
+
+    def _post_load(self) -> None:
+        """What this replica holds, for the others (a failed engine takes no more)."""
+        self.balance.post(NOT_TAKING if self.loop.failure is not None else len(self.live))
 
     def finalize(self) -> None:
         # Aborts what is in flight; each aborted request still gets its final response.
         self.loop.shutdown(timeout=30.0)
         self.stopping.set()
         self.housekeeper.join(timeout=5.0)
+        self.balance.close()
         self.control.close()
         self.metrics.close()
 
@@ -174,6 +189,7 @@ class TritonPythonModel:
                     echo_pending=not parsed.exclude_input, handle_pending=parsed.return_stop_handle)
         with self.live_lock:
             self.live[engine_id] = live
+            self._post_load()
         try:
             self.loop.submit(engine_id, parsed.prompt, parsed.params, lambda out: self._on_output(live, out))
         except BaseException:
@@ -181,6 +197,7 @@ class TritonPythonModel:
                 live.done = True
             with self.live_lock:
                 self.live.pop(engine_id, None)
+                self._post_load()
             raise
 
     def _stop(self, handle: str, sender) -> None:
@@ -240,6 +257,7 @@ class TritonPythonModel:
             if out.finished:  # only now: the shutdown handshake waits for `live` to empty
                 with self.live_lock:
                     self.live.pop(live.engine_id, None)
+                    self._post_load()
 
     def _error_code(self, error: str) -> int:
         # Busy (max_queue_time_s), or the engine broke for good: like a server that is away, retry
@@ -289,6 +307,7 @@ class TritonPythonModel:
                     self._check_cancelled()
                     took = time.perf_counter() - now
                     next_sweep = now + max(CANCEL_POLL_MIN_INTERVAL_S, took / CANCEL_POLL_MAX_SHARE)
+                self.balance.touch()
                 for stop_key in self.control.take_stops():
                     self._abort_handle(stop_key)
                 self._shutdown_handshake()
@@ -335,6 +354,8 @@ class TritonPythonModel:
         failure = self.loop.failure
         if failure is not None and not self.failure_reported:
             self.failure_reported = True
+            with self.live_lock:
+                self._post_load()
             self._report_not_ready(failure)
         self.metrics.publish(self.recorder.drain(), self.loop.stats(), healthy=failure is None)
         if self.lora_names:
