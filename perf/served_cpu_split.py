@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--prompt-mean", type=float, default=512)
     ap.add_argument("--gen-mean", type=float, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--triton-model", default="ensemble", choices=("ensemble", "llm"),
+                    help="the model the clients call: the ensemble (tokenized by the preprocessing model) "
+                         "or llm with the prompt's text (tokenized in the llm stub)")
     ap.add_argument("--settle", type=float, default=8.0, help="seconds cut from each end of the point")
     ap.add_argument("--name", required=True)
     args = ap.parse_args()
@@ -118,7 +121,7 @@ def main() -> None:
     n = args.clients * args.per_client
     specs = make_workload(args.model_dir, n, args.prompt_mean, args.gen_mean, VARIANCE, args.seed, 2048)
     with serve(args.model_dir, params, instances=args.instances, ready_timeout_s=600) as srv:
-        driver = TritonHttpDriver(srv.http_url, "ensemble")
+        driver = TritonHttpDriver(srv.http_url, args.triton_model)
         samples: list[tuple[float, dict]] = []
         stop = threading.Event()
 
@@ -150,7 +153,7 @@ def main() -> None:
     responses = sum(len(r["chunks"]) for r in done) / max(1, len(done))
     out = {
         "name": args.name, "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine_info(),
-        "model_dir": args.model_dir, "params": params, "instances": args.instances, "clients": args.clients,
+        "model_dir": args.model_dir, "triton_model": args.triton_model, "params": params, "instances": args.instances, "clients": args.clients,
         "requests": n, "throughput_rps": rps, "output_tokens_per_s": tokens_per_s, "window_s": seconds,
         "cores": cores, "serving_path_cores": serving,
         "serving_path_cpu_ms_per_request": 1000 * serving / rps,
