@@ -47,6 +47,8 @@ class MetricsBatch:
     """A REFUSAL_REASONS entry per request turned away busy."""
     grammar_compiles: list[float] = field(default_factory=list)
     """Seconds each constrained request's guide took to compile (about 0 when cached)."""
+    balance_waits: list[float] = field(default_factory=list)
+    """Seconds of each wait this replica made before taking more requests (replica_balance.py)."""
 
     def total(self, field: str) -> float:
         """A StepStats count (or duration) summed over the steps."""
@@ -101,6 +103,11 @@ class MetricsRecorder:
         """A constrained request arrived; its guide compiled in `compile_s` seconds."""
         with self._lock:
             self._batch.grammar_compiles.append(compile_s)
+
+    def balance_wait(self, seconds: float) -> None:
+        """This replica held more requests than another and waited `seconds` before taking more."""
+        with self._lock:
+            self._batch.balance_waits.append(seconds)
 
     def refused(self, reason: str) -> None:
         with self._lock:
@@ -202,6 +209,12 @@ class TritonMetrics:
                          "max_waiting_requests reached; queue_time: not started within max_queue_time_s)",
                          MF.COUNTER)
         self.refused = {reason: refused.Metric(labels={**labels, "reason": reason}) for reason in REFUSAL_REASONS}
+        self.balance_waits = family("splitfuse_replica_balance_waits_total",
+                                    "Times this replica held more requests than another and waited before taking "
+                                    "more, so Triton gave new ones to the others (replica_balance_max_wait_ms)",
+                                    MF.COUNTER).Metric(labels=labels)
+        self.balance_wait_s = family("splitfuse_replica_balance_wait_seconds_total",
+                                     "Seconds this replica spent in those waits", MF.COUNTER).Metric(labels=labels)
         self._lora_families = {
             "requests": family("splitfuse_lora_requests_total", "Requests accepted per LoRA adapter (lora_name)",
                                MF.COUNTER),
@@ -247,6 +260,9 @@ class TritonMetrics:
                 self.request_generation_tokens.observe(r.generation_tokens)
         for reason in batch.refused:
             self.refused[reason].increment(1)
+        if batch.balance_waits:
+            self.balance_waits.increment(len(batch.balance_waits))
+            self.balance_wait_s.increment(sum(batch.balance_waits))
         if batch.grammar_compiles:
             self.constrained.increment(len(batch.grammar_compiles))
             for v in batch.grammar_compiles:

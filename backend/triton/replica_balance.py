@@ -86,20 +86,20 @@ class ReplicaBalance:
 
     def wait_turn(self, held: Callable[[], int]) -> float:
         """Wait while this replica holds more requests (`held()`) than its least loaded peer, at
-        most max_wait_s; returns the seconds waited."""
-        if self.max_wait_s <= 0:
+        most max_wait_s; returns the seconds waited (0.0 when it did not wait)."""
+        if self.max_wait_s <= 0 or not self._above_a_peer(held):
             return 0.0
         start = time.monotonic()
         deadline = start + self.max_wait_s
-        while True:
-            least = self.least_peer_load()
-            if least is None or held() <= least:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+        while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(POLL_S, left))
+            if not self._above_a_peer(held):
+                break
         return time.monotonic() - start
+
+    def _above_a_peer(self, held: Callable[[], int]) -> bool:
+        least = self.least_peer_load()
+        return least is not None and held() > least
 
     def close(self) -> None:
         self.post(NOT_TAKING)

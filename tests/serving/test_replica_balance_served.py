@@ -34,3 +34,6 @@ def test_a_burst_is_shared_evenly_by_the_replicas(slow_replicas):
         after = settled(lambda: metric_by_instance(server.metrics_url, FINISHED))
         counts = sorted(after[k] - before.get(k, 0.0) for k in after)
         assert sum(counts) == n and len(counts) == 2 and counts[1] - counts[0] <= 1, counts
+    # The waits are counted (here at least one per burst: the first request's replica held more).
+    assert metric_sum(server.metrics_url, "splitfuse_replica_balance_waits_total") >= 2
+    assert metric_sum(server.metrics_url, "splitfuse_replica_balance_wait_seconds_total") > 0

@@ -21,8 +21,8 @@ def test_no_wait_alone_or_at_most_the_least_loaded_peer(tmp_path):
     a.post(3)
     b.post(3)
     assert a.least_peer_load() == 3 and b.least_peer_load() == 3
-    assert a.wait_turn(lambda: 3) < 0.1  # a tie: both take requests
-    assert a.wait_turn(lambda: 2) < 0.1
+    assert a.wait_turn(lambda: 3) == 0.0  # a tie: both take requests
+    assert a.wait_turn(lambda: 2) == 0.0
 
 
 def test_waits_while_above_the_peer_until_the_loads_even_out(tmp_path):

@@ -27,6 +27,7 @@ def test_recorder_batches_and_drains():
     r.tokens(arrival=1.0, last_token=1.5, num_tokens=2, now=1.7)
     r.finished(final("length", [1, 2, 3], [4, 5, 6]), arrival=1.0, now=1.75)
     r.finished(final("error", [], []), arrival=1.0, now=2.0)  # failed before the engine held it
+    r.balance_wait(0.005)
     b = r.drain()
     assert (b.prompt_tokens, b.generation_tokens, b.preemptions) == (12, 3, 2)
     assert b.first_token_latencies == [pytest.approx(0.5)]
@@ -35,5 +36,7 @@ def test_recorder_batches_and_drains():
     assert (done.reason, done.prompt_tokens, done.generation_tokens) == ("length", 3, 3)
     assert done.latency_s == pytest.approx(0.75)
     assert failed.reason == "error" and failed.prompt_tokens is None and failed.latency_s == pytest.approx(1.0)
+    assert b.balance_waits == [0.005]
     empty = r.drain()
-    assert not (empty.steps or empty.finished or empty.first_token_latencies or empty.inter_token_latencies)
+    assert not (empty.steps or empty.finished or empty.first_token_latencies or empty.inter_token_latencies
+                or empty.balance_waits)

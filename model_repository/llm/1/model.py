@@ -139,7 +139,9 @@ class TritonPythonModel:
         # Holding more than another replica: take no more for now, so Triton gives the next
         # requests to the others (replica_balance.py). Not while draining: all are refused.
         if not self.control.draining():
-            self.balance.wait_turn(self._held)
+            waited = self.balance.wait_turn(self._held)
+            if waited:
+                self.recorder.balance_wait(waited)
         return None
 
     def _held(self) -> int:
