@@ -202,23 +202,17 @@ class EngineConfig:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         _check_positive("stream_interval", self.stream_interval)
-        if not (isinstance(self.replica_balance_max_wait_ms, (int, float))
-                and 0.0 <= self.replica_balance_max_wait_ms < float("inf")):
-            raise ValueError("replica_balance_max_wait_ms must be a finite number >= 0, "
-                             f"got {self.replica_balance_max_wait_ms!r}")
-        if not (isinstance(self.stream_interval_max_ms, (int, float)) and 0.0 <= self.stream_interval_max_ms < float("inf")):
-            raise ValueError(f"stream_interval_max_ms must be a finite number >= 0, got {self.stream_interval_max_ms!r}")
+        _check_non_negative("replica_balance_max_wait_ms", self.replica_balance_max_wait_ms)
+        _check_non_negative("stream_interval_max_ms", self.stream_interval_max_ms)
         if not (isinstance(self.max_waiting_requests, int) and self.max_waiting_requests >= 0):
             raise ValueError(f"max_waiting_requests must be an integer >= 0, got {self.max_waiting_requests!r}")
-        if not (isinstance(self.max_queue_time_s, (int, float)) and 0.0 <= self.max_queue_time_s < float("inf")):
-            raise ValueError(f"max_queue_time_s must be a finite number >= 0, got {self.max_queue_time_s!r}")
+        _check_non_negative("max_queue_time_s", self.max_queue_time_s)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_choice("tensor_parallel_launch", self.tensor_parallel_launch, TENSOR_PARALLEL_LAUNCHES)
         if not (isinstance(self.tensor_parallel_timeout_s, (int, float)) and 0 < self.tensor_parallel_timeout_s < 1e6):
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got "
                              f"{self.tensor_parallel_timeout_s!r}")
-        if not (isinstance(self.default_temperature, (int, float)) and 0.0 <= self.default_temperature < float("inf")):
-            raise ValueError(f"default_temperature must be a finite number >= 0, got {self.default_temperature!r}")
+        _check_non_negative("default_temperature", self.default_temperature)
         self._check_lora()
 
     def _check_lora(self) -> None:
@@ -311,6 +305,11 @@ def _convert(name: str, type_name: str, raw: str) -> Any:
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_non_negative(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
