@@ -113,12 +113,13 @@ def fault_server(model_dir: str, params: dict[str, str], workdir, instances: int
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slow_replicas(tiny_llama, tmp_path_factory):
     """Two replicas whose generations can be slowed by request id (fault_model.py's fault-slow:
     20 ms a step): the tiny model alone makes thousands of tokens a second, so a stop could
     otherwise arrive after the generation it was meant for had ended, and a burst of requests
-    would end before the last of them arrived."""
+    would end before the last of them arrived. One server per test module: their tests count
+    the server's finished requests."""
     with fault_server(tiny_llama, ENGINE_PARAMS, tmp_path_factory.mktemp("slow"), instances=INSTANCES) as server:
         yield server
         server.stop()

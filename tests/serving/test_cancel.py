@@ -64,7 +64,6 @@ def test_http_disconnect_frees_kv_blocks(served):
     _assert_aborted_early(served, before)
 
 
-
 def test_stop_request_reaches_the_replica_that_holds_the_request(slow_replicas):
     # Several streams, spread over both replicas; each stop lands on whichever replica
     # Triton picks, and each stream still ends with finish_reason "abort". Slowed, the

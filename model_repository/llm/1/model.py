@@ -149,7 +149,7 @@ class TritonPythonModel:
 
     def _post_load(self) -> None:
         """What this replica holds, for the others (a failed engine takes no more)."""
-        self.balance.post(NOT_TAKING if self.loop.failure is not None else len(self.live))
+        self.balance.post(NOT_TAKING if self.loop.failure is not None else self._held())
 
     def finalize(self) -> None:
         # Aborts what is in flight; each aborted request still gets its final response.
