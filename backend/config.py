@@ -95,6 +95,11 @@ class EngineConfig:
     pass compute-bound, so verifying proposals would cost about what it saves."""
     scheduler_policy: str = "splitfuse"
     """splitfuse | prefill_first | orca (the last two are benchmark baselines)."""
+    first_token_deadline_tokens_per_s: float = 0.0
+    """The order prompts are computed in. 0: arrival order. > 0: earliest deadline first, a
+    prompt's first token being due at its arrival plus its length at this rate (DeepSpeed-FastGen's
+    SLA uses 512 tokens/s): a short prompt that arrives among long ones is not held behind them
+    all, and a long one waits at most until its own deadline comes before the others'."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N."""
     kv_watermark: float = 0.01
@@ -207,6 +212,7 @@ class EngineConfig:
         if not (isinstance(self.max_waiting_requests, int) and self.max_waiting_requests >= 0):
             raise ValueError(f"max_waiting_requests must be an integer >= 0, got {self.max_waiting_requests!r}")
         _check_non_negative("max_queue_time_s", self.max_queue_time_s)
+        _check_non_negative("first_token_deadline_tokens_per_s", self.first_token_deadline_tokens_per_s)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_choice("tensor_parallel_launch", self.tensor_parallel_launch, TENSOR_PARALLEL_LAUNCHES)
         if not (isinstance(self.tensor_parallel_timeout_s, (int, float)) and 0 < self.tensor_parallel_timeout_s < 1e6):

@@ -110,7 +110,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, config.kv_watermark,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.token_budget, config.max_num_seqs, config.scheduler_policy,
-                                   config.speculative_disable_batch_size, max_loras=config.max_loras)
+                                   config.speculative_disable_batch_size, max_loras=config.max_loras,
+                                   first_token_deadline_tokens_per_s=config.first_token_deadline_tokens_per_s)
         self._lora_requests: dict[str, int] = {name: 0 for name in self.lora_names()}
         self.speculation = _speculative_decoder(config, self.max_model_len, self.vocab_size)
         self.eos_token_ids = set(_generation_eos_ids(config.model) or self.runner.args.eos_token_ids)

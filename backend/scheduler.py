@@ -78,7 +78,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, token_budget: int, max_num_seqs: int, policy: str,
-                 speculative_disable_batch_size: int = 0, max_loras: int | None = None) -> None:
+                 speculative_disable_batch_size: int = 0, max_loras: int | None = None,
+                 first_token_deadline_tokens_per_s: float = 0.0) -> None:
         self.blocks = block_manager
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
@@ -87,6 +88,9 @@ class Scheduler:
         # Running sequences use at most max_loras LoRA adapters together, so every step's fit in
         # the resident set (None: no bound).
         self.max_loras = max_loras
+        # > 0: prompts are prefilled earliest first-token deadline first (see `deadline`); 0: in
+        # arrival order.
+        self.deadline_rate = first_token_deadline_tokens_per_s
         self._running_loras: Counter[str] = Counter()
         self._lora_blocked: Sequence | None = None  # the oldest waiting sequence max_loras holds back
         self._lora_blocked_steps = 0  # steps it has been so
@@ -103,7 +107,28 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def deadline(self, seq: Sequence) -> float:
+        """When `seq`'s first token is due: its arrival plus its prompt's length at the deadline
+        rate. Fixed at arrival, so a long prompt passed by shorter ones is not passed forever."""
+        return seq.arrival_time + seq.num_prompt_tokens / self.deadline_rate
+
+    def _due_order(self, seq: Sequence) -> tuple[float, int]:
+        """Earliest deadline first; equal deadlines in arrival order."""
+        return self.deadline(seq), seq.arrival
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Queue `seq` in deadline order; without deadlines at the back (a new request) or the
+        front (a preempted one, to be recomputed first)."""
+        if not self.deadline_rate:
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        key = self._due_order(seq)
+        idx = len(self.waiting)
+        while idx and self._due_order(self.waiting[idx - 1]) > key:
+            idx -= 1
+        self.waiting.insert(idx, seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence from wherever it is and free its blocks."""
@@ -144,16 +169,24 @@ class Scheduler:
     def _schedule_splitfuse(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_decodes(out, self.token_budget)
-        # Continue prompts already being split (their blocks were reserved at admission).
-        for seq in self.running:
-            if budget == 0:
+        # Then prompts: those already being split (their blocks were reserved at admission) before
+        # new ones, or with deadlines all of them earliest deadline first. The last one
+        # scheduled is cut to fill the budget exactly.
+        split = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
+        if self.deadline_rate:
+            split.sort(key=self._due_order)
+        admitting = True  # until a new prompt does not fit (FIFO: none after it either)
+        while budget > 0:
+            head = self._next_waiting(out) if admitting and (self.deadline_rate or not split) else None
+            if split and (head is None or self._due_order(split[0]) < self._due_order(head)):
+                seq = split.pop(0)
+            elif head is None:
                 break
-            if seq.num_uncomputed_tokens > 1:
-                n = min(seq.num_uncomputed_tokens, budget)
-                out.chunks.append(ScheduledChunk(seq, n))
-                budget -= n
-        # New prompts; the last one admitted is cut to fill the budget exactly.
-        while budget > 0 and (seq := self._admit_next(out)) is not None:
+            elif self._admit(head, out):
+                seq = head
+            else:
+                admitting = False
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
@@ -275,10 +308,6 @@ class Scheduler:
                 starved = True
         return None
 
-    def _admit_next(self, out: SchedulerOutput) -> Sequence | None:
-        seq = self._next_waiting(out)
-        return seq if seq is not None and self._admit(seq, out) else None
-
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Move waiting `seq` to running if its KV fits, starting it after the longest prefix the
         cache holds. A sequence that does not fit stops admission for the step (FIFO), so long
@@ -315,7 +344,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def _remove_running(self, seq: Sequence) -> None:
         idx = self.running.index(seq)

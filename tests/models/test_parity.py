@@ -95,6 +95,16 @@ def test_parity_under_preemption(case, cpu_path):
     assert got == refs, name
 
 
+def test_deadline_order_under_preemption(case, cpu_path):
+    """Prompts computed shortest deadline first (all arrive at once: the shortest first), in a pool
+    that forces preemption: the same tokens."""
+    name, path, prompts, refs = case
+    got, llm = _run(path, prompts, cpu_path, token_budget=32, block_size=4, num_kv_blocks=38, kv_watermark=0.0,
+                    first_token_deadline_tokens_per_s=100.0)
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    assert got == refs, name
+
+
 def test_bfloat16_runs(tiny_llama):
     llm = LLM(tiny_llama, dtype="bfloat16", attention_backend="torch", token_budget=16)
     outs = llm.generate(_prompts(400)[:4], SamplingParams(max_tokens=5, temperature=0.0))

@@ -5,6 +5,7 @@ that reaches its sequence's end appends a token. Requests finish after their own
 output tokens, some are aborted midway, and the KV pool is often far too small for the load.
 """
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ requests_st = st.lists(
 
 
 def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, watermark=0.0, check=None,
-             prompts=None, prefix_caching=True, speculation=None):
+             prompts=None, prefix_caching=True, speculation=None, deadline_rate=0.0):
     """Run `requests` to completion. Prompts default to one shared run of ids (every prompt a
     prefix of the longest), so the prefix cache is exercised hard. A fake KV pool records
     which token each slot holds: every chunk must find its sequence's own tokens in the
@@ -46,14 +47,17 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
 
     `speculation` = (k, disable_batch_size, seed): decoding sequences get up to k proposals,
     each right (the simulated model always samples 7) or wrong at random; the accepted ones
-    are appended and the rest rolled back, as the engine does."""
+    are appended and the rest rolled back, as the engine does.
+
+    `deadline_rate` > 0: prompts in deadline order, the clock being the step number."""
     # The pool always fits the largest request alone (the engine rejects others at add time).
     largest = max(blocks_needed(r.prompt_len + r.output_len, block_size) for r in requests)
     total = int((largest + extra_blocks) / (1.0 - watermark)) + 1
     blocks = BlockManager(total, block_size, watermark, enable_prefix_caching=prefix_caching)
     assert total - blocks.watermark_blocks >= largest
     k, disable_batch, seed = speculation or (0, 0, 0)
-    sched = Scheduler(blocks, budget, max_num_seqs, policy, disable_batch)
+    sched = Scheduler(blocks, budget, max_num_seqs, policy, disable_batch,
+                      first_token_deadline_tokens_per_s=deadline_rate)
     rng = random.Random(seed)
     if prompts is None:
         prompts = [list(range(3, 3 + r.prompt_len)) for r in requests]
@@ -73,6 +77,7 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
         while pending and requests[pending[0]].arrive_step <= step:
             i = pending.pop(0)
             live[i] = seqs[i]
+            seqs[i].arrival_time = float(step)
             sched.add(seqs[i])
         for i in list(live):
             if requests[i].abort_step == step:
@@ -159,6 +164,12 @@ def check_splitfuse(sched, out, before, budget):
         if sched.waiting and not out.preempted:
             head = sched.waiting[0]
             assert len(sched.running) >= sched.max_num_seqs or not sched.blocks.can_admit(head, head.num_tokens)
+    if sched.deadline_rate:
+        # Prompt chunks earliest deadline first, whether being split or new; the queue in that order.
+        due = [sched.deadline(c.seq) for c, decode in zip(out.chunks, kinds) if not decode]
+        assert due == sorted(due), "a prompt ran before one due earlier"
+        queued = [sched.deadline(s) for s in sched.waiting]
+        assert queued == sorted(queued), "the queue is out of deadline order"
 
 
 @settings(max_examples=150, deadline=None)
@@ -168,9 +179,11 @@ def check_splitfuse(sched, out, before, budget):
     block_size=st.sampled_from([1, 2, 4, 16]),
     extra_blocks=st.integers(0, 40),
     max_num_seqs=st.integers(1, 16),
+    deadline_rate=st.sampled_from([0.0, 0.0, 4.0, 40.0]),
 )
-def test_splitfuse_properties(requests, budget, block_size, extra_blocks, max_num_seqs):
-    simulate(requests, "splitfuse", budget, block_size, extra_blocks, max_num_seqs, check=check_splitfuse)
+def test_splitfuse_properties(requests, budget, block_size, extra_blocks, max_num_seqs, deadline_rate):
+    simulate(requests, "splitfuse", budget, block_size, extra_blocks, max_num_seqs, check=check_splitfuse,
+             deadline_rate=deadline_rate)
 
 
 @settings(max_examples=60, deadline=None)
@@ -180,9 +193,11 @@ def test_splitfuse_properties(requests, budget, block_size, extra_blocks, max_nu
     budget=st.integers(1, 96),
     block_size=st.sampled_from([1, 4, 16]),
     extra_blocks=st.integers(0, 40),
+    deadline_rate=st.sampled_from([0.0, 4.0]),
 )
-def test_baseline_policies_finish_and_conserve_blocks(requests, policy, budget, block_size, extra_blocks):
-    simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs=8)
+def test_baseline_policies_finish_and_conserve_blocks(requests, policy, budget, block_size, extra_blocks,
+                                                      deadline_rate):
+    simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs=8, deadline_rate=deadline_rate)
 
 
 @settings(max_examples=60, deadline=None)
@@ -226,6 +241,71 @@ def test_short_prompts_fused_and_last_cut_to_fill_budget():
     out = sched.schedule()
     assert [c.num_tokens for c in out.chunks] == [5, 6, 5]
     assert [c.samples for c in out.chunks] == [True, True, False]
+
+
+# ---- first-token deadlines -----------------------------------------------------------------
+
+def _deadline_scheduler(rate: float, budget: int = 16) -> Scheduler:
+    return Scheduler(BlockManager(256, 4), token_budget=budget, max_num_seqs=64, policy="splitfuse",
+                     first_token_deadline_tokens_per_s=rate)
+
+
+_prompt_numbers = itertools.count(1)
+
+
+def _arrive(sched: Scheduler, name: str, length: int, at: float) -> Sequence:
+    first = 1000 * next(_prompt_numbers)  # no prompt a prefix of another
+    seq = Sequence(name, list(range(first, first + length)), SamplingParams(), arrival=first)
+    seq.arrival_time = at
+    sched.add(seq)
+    return seq
+
+
+def _step(sched: Scheduler) -> list[tuple[str, int]]:
+    """One step; a prompt ends with its first token."""
+    out = sched.schedule()
+    sampling = [c.seq for c in out.chunks if c.samples]
+    sched.advance(out)
+    for seq in sampling:
+        seq.append_token(7)
+        sched.finish(seq)
+    return [(c.seq.request_id, c.num_tokens) for c in out.chunks]
+
+
+def test_short_prompt_overtakes_a_long_one_being_split_only_with_deadlines():
+    for rate, expected in [(0.0, [("long", 16)]), (10.0, [("short", 6), ("long", 10)])]:
+        sched = _deadline_scheduler(rate)
+        _arrive(sched, "long", 100, at=0.0)  # due at 10 s with the rate 10
+        assert _step(sched) == [("long", 16)]
+        _arrive(sched, "short", 6, at=0.5)  # due at 1.1 s
+        assert _step(sched) == expected, rate
+
+
+def test_equal_deadlines_keep_arrival_order_and_a_preempted_prompt_keeps_its_deadline():
+    sched = _deadline_scheduler(10.0, budget=20)
+    a, b = _arrive(sched, "a", 20, at=0.0), _arrive(sched, "b", 10, at=1.0)  # both due at 2 s
+    _arrive(sched, "c", 5, at=1.0)  # due at 1.5 s
+    assert [s.request_id for s in sched.waiting] == ["c", "a", "b"]
+    assert _step(sched) == [("c", 5), ("a", 15)]
+    _arrive(sched, "d", 4, at=1.55)  # due at 1.95 s: before a and b
+    sched._preempt(a)  # back in the queue by its deadline, still before b
+    assert [s.request_id for s in sched.waiting] == ["d", "a", "b"]
+    # a recomputes after the 3 full blocks the prefix cache kept of it; b fills the budget.
+    assert _step(sched) == [("d", 4), ("a", 8), ("b", 8)] and a.num_preemptions == 1
+
+
+def test_a_long_prompt_is_not_passed_forever():
+    """Short prompts keep arriving, one a second (step), each due 0.5 s later; the long one, due
+    at 10 s, gets what they leave until then, and from then on goes ahead of every later one."""
+    sched = _deadline_scheduler(10.0, budget=8)
+    long = _arrive(sched, "long", 100, at=0.0)
+    ran = []
+    for t in range(20):
+        _arrive(sched, f"s{t}", 5, at=float(t))
+        ran.append(_step(sched))
+    assert ran[:10] == [[(f"s{t}", 5), ("long", 3)] for t in range(10)]
+    assert ran[10:18] == [[("long", 8)]] * 8  # s10 on (due 10.5 s on) wait
+    assert ran[18] == [("long", 6), ("s10", 2)] and long.status is SequenceStatus.FINISHED
 
 
 # ---- prefix caching ------------------------------------------------------------------------
