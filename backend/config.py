@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
+PROMPT_ORDERS = ("arrival", "deadline", "goodput")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
 GGUF_QUANTIZATIONS = ("gguf", "gguf-exact")  # the blocks of the GGUF file a checkpoint came from
@@ -95,11 +96,13 @@ class EngineConfig:
     pass compute-bound, so verifying proposals would cost about what it saves."""
     scheduler_policy: str = "splitfuse"
     """splitfuse | prefill_first | orca (the last two are benchmark baselines)."""
-    first_token_deadline_tokens_per_s: float = 0.0
-    """The order prompts are computed in. 0: arrival order. > 0: earliest deadline first, a
-    prompt's first token being due at its arrival plus its length at this rate (DeepSpeed-FastGen's
-    SLA uses 512 tokens/s): a short prompt that arrives among long ones is not held behind them
-    all, and a long one waits at most until its own deadline comes before the others'."""
+    prompt_order: str = "arrival"
+    """arrival | deadline | goodput: the order prompts are computed in (prompt_order.py). deadline:
+    earliest first-token deadline first; goodput: the same, but prompts that can no longer make
+    their deadline go after those that can (until they have waited twice their allowance)."""
+    first_token_deadline_tokens_per_s: float = 512.0
+    """A prompt's first token is due at its arrival plus its length at this rate (DeepSpeed-FastGen's
+    SLA uses 512 tokens/s); for prompt_order deadline and goodput."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N."""
     kv_watermark: float = 0.01
@@ -212,7 +215,12 @@ class EngineConfig:
         if not (isinstance(self.max_waiting_requests, int) and self.max_waiting_requests >= 0):
             raise ValueError(f"max_waiting_requests must be an integer >= 0, got {self.max_waiting_requests!r}")
         _check_non_negative("max_queue_time_s", self.max_queue_time_s)
-        _check_non_negative("first_token_deadline_tokens_per_s", self.first_token_deadline_tokens_per_s)
+        _check_choice("prompt_order", self.prompt_order, PROMPT_ORDERS)
+        rate = self.first_token_deadline_tokens_per_s
+        if not (isinstance(rate, (int, float)) and 0.0 < rate < float("inf")):
+            raise ValueError(f"first_token_deadline_tokens_per_s must be a finite number > 0, got {rate!r}")
+        if self.prompt_order == "goodput" and self.scheduler_policy != "splitfuse":
+            raise ValueError("prompt_order=goodput needs scheduler_policy=splitfuse (it shares each step's budget)")
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_choice("tensor_parallel_launch", self.tensor_parallel_launch, TENSOR_PARALLEL_LAUNCHES)
         if not (isinstance(self.tensor_parallel_timeout_s, (int, float)) and 0 < self.tensor_parallel_timeout_s < 1e6):

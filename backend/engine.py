@@ -111,6 +111,7 @@ class LLMEngine:
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.token_budget, config.max_num_seqs, config.scheduler_policy,
                                    config.speculative_disable_batch_size, max_loras=config.max_loras,
+                                   prompt_order=config.prompt_order,
                                    first_token_deadline_tokens_per_s=config.first_token_deadline_tokens_per_s)
         self._lora_requests: dict[str, int] = {name: 0 for name in self.lora_names()}
         self.speculation = _speculative_decoder(config, self.max_model_len, self.vocab_size)

@@ -18,6 +18,9 @@ all of them after its one token, from the budget the step's decodes leave, when 
 decodes few enough sequences for the pass to stay memory-bound; their KV slots are reserved
 like any other and handed back by `accept_drafts` past what the verification accepted.
 
+Prompt order (prompt_order.py): arrival order, or by first-token deadline (prompts being split
+and new ones together), or by deadline with the prompts that cannot make theirs last (goodput).
+
 Prefix caching: a sequence is admitted after the longest prefix of full blocks the cache
 holds (the BlockManager's `lookup`), so its first chunk starts at that offset; after each
 step `advance` makes the blocks a chunk filled findable for requests admitted later.
@@ -32,10 +35,12 @@ slot for it (base requests still pass: they take no slot).
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from splitfuse.block_manager import BlockManager
+from splitfuse.prompt_order import PromptOrder
 from splitfuse.sequence import Sequence, SequenceStatus
 
 # Steps a waiting sequence blocked by max_loras lets requests of running adapters pass it before
@@ -79,7 +84,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, token_budget: int, max_num_seqs: int, policy: str,
                  speculative_disable_batch_size: int = 0, max_loras: int | None = None,
-                 first_token_deadline_tokens_per_s: float = 0.0) -> None:
+                 prompt_order: str = "arrival", first_token_deadline_tokens_per_s: float = 512.0) -> None:
         self.blocks = block_manager
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
@@ -88,9 +93,7 @@ class Scheduler:
         # Running sequences use at most max_loras LoRA adapters together, so every step's fit in
         # the resident set (None: no bound).
         self.max_loras = max_loras
-        # > 0: prompts are prefilled earliest first-token deadline first (see `deadline`); 0: in
-        # arrival order.
-        self.deadline_rate = first_token_deadline_tokens_per_s
+        self.prompt_order = PromptOrder(prompt_order, first_token_deadline_tokens_per_s, token_budget)
         self._running_loras: Counter[str] = Counter()
         self._lora_blocked: Sequence | None = None  # the oldest waiting sequence max_loras holds back
         self._lora_blocked_steps = 0  # steps it has been so
@@ -109,24 +112,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq, front=False)
 
-    def deadline(self, seq: Sequence) -> float:
-        """When `seq`'s first token is due: its arrival plus its prompt's length at the deadline
-        rate. Fixed at arrival, so a long prompt passed by shorter ones is not passed forever."""
-        return seq.arrival_time + seq.num_prompt_tokens / self.deadline_rate
-
-    def _due_order(self, seq: Sequence) -> tuple[float, int]:
-        """Earliest deadline first; equal deadlines in arrival order."""
-        return self.deadline(seq), seq.arrival
-
     def _enqueue(self, seq: Sequence, front: bool) -> None:
-        """Queue `seq` in deadline order; without deadlines at the back (a new request) or the
-        front (a preempted one, to be recomputed first)."""
-        if not self.deadline_rate:
+        """Queue `seq` by its priority (prompt_order.py); in arrival order at the back (a new
+        request) or the front (a preempted one, to be recomputed first)."""
+        if not self.prompt_order.by_deadline:
             self.waiting.appendleft(seq) if front else self.waiting.append(seq)
             return
-        key = self._due_order(seq)
+        key = self.prompt_order.priority(seq)
         idx = len(self.waiting)
-        while idx and self._due_order(self.waiting[idx - 1]) > key:
+        while idx and self.prompt_order.priority(self.waiting[idx - 1]) > key:
             idx -= 1
         self.waiting.insert(idx, seq)
 
@@ -139,9 +133,13 @@ class Scheduler:
         self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """The next step's work; `now` (time.monotonic() by default) for the prompt order."""
+        now = time.monotonic() if now is None else now
         self._track_lora_blocked()
-        return self._schedule_fn()
+        out = self._schedule_fn(now)
+        self.prompt_order.step_started(now, out.num_tokens)
+        return out
 
     def advance(self, out: SchedulerOutput) -> None:
         """Record that the step `out` ran: each chunk's tokens are computed now, and the
@@ -166,19 +164,26 @@ class Scheduler:
         self.blocks.trim(seq, seq.num_tokens)
 
     # ---- policies -----------------------------------------------------------------------
-    def _schedule_splitfuse(self) -> SchedulerOutput:
+    def _schedule_splitfuse(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_decodes(out, self.token_budget)
-        # Then prompts: those already being split (their blocks were reserved at admission) before
-        # new ones, or with deadlines all of them earliest deadline first. The last one
+        # Then prompts: in arrival order those already being split (their blocks were reserved at
+        # admission) before new ones; by deadline all of them in priority order. The last one
         # scheduled is cut to fill the budget exactly.
         split = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
-        if self.deadline_rate:
-            split.sort(key=self._due_order)
+        order = self.prompt_order
+        if order.order == "goodput" and order.tokens_per_s is not None:
+            # The budget left after the decodes is what prompts get of the engine's rate.
+            prompt_rate = order.tokens_per_s * budget / self.token_budget
+            step_s = self.token_budget / order.tokens_per_s
+            if order.defer_hopeless(split + list(self.waiting), now, prompt_rate, step_s):
+                self.waiting = deque(sorted(self.waiting, key=order.priority))
+        if order.by_deadline:
+            split.sort(key=order.priority)
         admitting = True  # until a new prompt does not fit (FIFO: none after it either)
         while budget > 0:
-            head = self._next_waiting(out) if admitting and (self.deadline_rate or not split) else None
-            if split and (head is None or self._due_order(split[0]) < self._due_order(head)):
+            head = self._next_waiting(out) if admitting and (order.by_deadline or not split) else None
+            if split and (head is None or order.priority(split[0]) < order.priority(head)):
                 seq = split.pop(0)
             elif head is None:
                 break
@@ -192,7 +197,7 @@ class Scheduler:
             budget -= n
         return out
 
-    def _schedule_prefill_first(self) -> SchedulerOutput:
+    def _schedule_prefill_first(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         # A pass of whole prompts whenever one can be admitted; the first always runs whole,
         # even past the budget (this baseline does not split prompts).
@@ -209,7 +214,7 @@ class Scheduler:
         self._schedule_decodes(out, self.token_budget)
         return out
 
-    def _schedule_orca(self) -> SchedulerOutput:
+    def _schedule_orca(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_decodes(out, self.token_budget)
         # Whole prompts join the decode batch while they fit; a batch with no other work

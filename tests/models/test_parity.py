@@ -100,7 +100,7 @@ def test_deadline_order_under_preemption(case, cpu_path):
     that forces preemption: the same tokens."""
     name, path, prompts, refs = case
     got, llm = _run(path, prompts, cpu_path, token_budget=32, block_size=4, num_kv_blocks=38, kv_watermark=0.0,
-                    first_token_deadline_tokens_per_s=100.0)
+                    prompt_order="deadline", first_token_deadline_tokens_per_s=100.0)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     assert got == refs, name
 

@@ -30,7 +30,9 @@ def test_prefix_caching_is_on_by_default_and_parsed_as_a_bool():
     ({"model": "/m", "kv_watermark": "1.5"}, "kv_watermark"),
     ({"model": "/m", "default_temperature": "-0.5"}, "default_temperature"),
     ({"model": "/m", "default_temperature": "nan"}, "default_temperature"),
-    ({"model": "/m", "first_token_deadline_tokens_per_s": "-512"}, "first_token_deadline_tokens_per_s"),
+    ({"model": "/m", "first_token_deadline_tokens_per_s": "0"}, "first_token_deadline_tokens_per_s"),
+    ({"model": "/m", "prompt_order": "sjf"}, "prompt_order"),
+    ({"model": "/m", "prompt_order": "goodput", "scheduler_policy": "orca"}, "prompt_order"),
 ])
 def test_bad_values_name_the_field(values, field):
     with pytest.raises(ValueError, match=field):

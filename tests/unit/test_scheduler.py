@@ -39,7 +39,7 @@ requests_st = st.lists(
 
 
 def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, watermark=0.0, check=None,
-             prompts=None, prefix_caching=True, speculation=None, deadline_rate=0.0):
+             prompts=None, prefix_caching=True, speculation=None, prompt_order="arrival"):
     """Run `requests` to completion. Prompts default to one shared run of ids (every prompt a
     prefix of the longest), so the prefix cache is exercised hard. A fake KV pool records
     which token each slot holds: every chunk must find its sequence's own tokens in the
@@ -49,15 +49,16 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
     each right (the simulated model always samples 7) or wrong at random; the accepted ones
     are appended and the rest rolled back, as the engine does.
 
-    `deadline_rate` > 0: prompts in deadline order, the clock being the step number."""
+    `prompt_order`: as the engine's (deadlines at 4 tokens a step), the clock being the step
+    number."""
     # The pool always fits the largest request alone (the engine rejects others at add time).
     largest = max(blocks_needed(r.prompt_len + r.output_len, block_size) for r in requests)
     total = int((largest + extra_blocks) / (1.0 - watermark)) + 1
     blocks = BlockManager(total, block_size, watermark, enable_prefix_caching=prefix_caching)
     assert total - blocks.watermark_blocks >= largest
     k, disable_batch, seed = speculation or (0, 0, 0)
-    sched = Scheduler(blocks, budget, max_num_seqs, policy, disable_batch,
-                      first_token_deadline_tokens_per_s=deadline_rate)
+    sched = Scheduler(blocks, budget, max_num_seqs, policy, disable_batch, prompt_order=prompt_order,
+                      first_token_deadline_tokens_per_s=4.0)
     rng = random.Random(seed)
     if prompts is None:
         prompts = [list(range(3, 3 + r.prompt_len)) for r in requests]
@@ -86,7 +87,7 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
         for s in live.values():
             s.draft_token_ids = [rng.choice([7, 7, 8]) for _ in range(rng.randint(0, k))] if k else []
         before = {id(s): (s.status, s.num_uncomputed_tokens) for s in live.values()}
-        out = sched.schedule()
+        out = sched.schedule(now=float(step))
         if check is not None:
             check(sched, out, before, budget)
         for c in out.chunks:
@@ -164,12 +165,14 @@ def check_splitfuse(sched, out, before, budget):
         if sched.waiting and not out.preempted:
             head = sched.waiting[0]
             assert len(sched.running) >= sched.max_num_seqs or not sched.blocks.can_admit(head, head.num_tokens)
-    if sched.deadline_rate:
-        # Prompt chunks earliest deadline first, whether being split or new; the queue in that order.
-        due = [sched.deadline(c.seq) for c, decode in zip(out.chunks, kinds) if not decode]
-        assert due == sorted(due), "a prompt ran before one due earlier"
-        queued = [sched.deadline(s) for s in sched.waiting]
-        assert queued == sorted(queued), "the queue is out of deadline order"
+    order = sched.prompt_order
+    if order.by_deadline:
+        # Prompt chunks by priority (deferred last, then earliest deadline), being split or new;
+        # the queue in that order.
+        due = [order.priority(c.seq) for c, decode in zip(out.chunks, kinds) if not decode]
+        assert due == sorted(due), "a prompt ran before one of higher priority"
+        queued = [order.priority(s) for s in sched.waiting]
+        assert queued == sorted(queued), "the queue is out of priority order"
 
 
 @settings(max_examples=150, deadline=None)
@@ -179,11 +182,11 @@ def check_splitfuse(sched, out, before, budget):
     block_size=st.sampled_from([1, 2, 4, 16]),
     extra_blocks=st.integers(0, 40),
     max_num_seqs=st.integers(1, 16),
-    deadline_rate=st.sampled_from([0.0, 0.0, 4.0, 40.0]),
+    prompt_order=st.sampled_from(["arrival", "arrival", "deadline", "goodput"]),
 )
-def test_splitfuse_properties(requests, budget, block_size, extra_blocks, max_num_seqs, deadline_rate):
+def test_splitfuse_properties(requests, budget, block_size, extra_blocks, max_num_seqs, prompt_order):
     simulate(requests, "splitfuse", budget, block_size, extra_blocks, max_num_seqs, check=check_splitfuse,
-             deadline_rate=deadline_rate)
+             prompt_order=prompt_order)
 
 
 @settings(max_examples=60, deadline=None)
@@ -193,11 +196,11 @@ def test_splitfuse_properties(requests, budget, block_size, extra_blocks, max_nu
     budget=st.integers(1, 96),
     block_size=st.sampled_from([1, 4, 16]),
     extra_blocks=st.integers(0, 40),
-    deadline_rate=st.sampled_from([0.0, 4.0]),
+    prompt_order=st.sampled_from(["arrival", "deadline"]),
 )
 def test_baseline_policies_finish_and_conserve_blocks(requests, policy, budget, block_size, extra_blocks,
-                                                      deadline_rate):
-    simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs=8, deadline_rate=deadline_rate)
+                                                      prompt_order):
+    simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs=8, prompt_order=prompt_order)
 
 
 @settings(max_examples=60, deadline=None)
@@ -245,9 +248,10 @@ def test_short_prompts_fused_and_last_cut_to_fill_budget():
 
 # ---- first-token deadlines -----------------------------------------------------------------
 
-def _deadline_scheduler(rate: float, budget: int = 16) -> Scheduler:
+def _ordered_scheduler(order: str, budget: int = 16) -> Scheduler:
+    """Deadlines at 10 tokens a second."""
     return Scheduler(BlockManager(256, 4), token_budget=budget, max_num_seqs=64, policy="splitfuse",
-                     first_token_deadline_tokens_per_s=rate)
+                     prompt_order=order, first_token_deadline_tokens_per_s=10.0)
 
 
 _prompt_numbers = itertools.count(1)
@@ -261,9 +265,9 @@ def _arrive(sched: Scheduler, name: str, length: int, at: float) -> Sequence:
     return seq
 
 
-def _step(sched: Scheduler) -> list[tuple[str, int]]:
-    """One step; a prompt ends with its first token."""
-    out = sched.schedule()
+def _step(sched: Scheduler, now: float = 0.0) -> list[tuple[str, int]]:
+    """One step at `now`; a prompt ends with its first token."""
+    out = sched.schedule(now)
     sampling = [c.seq for c in out.chunks if c.samples]
     sched.advance(out)
     for seq in sampling:
@@ -273,16 +277,16 @@ def _step(sched: Scheduler) -> list[tuple[str, int]]:
 
 
 def test_short_prompt_overtakes_a_long_one_being_split_only_with_deadlines():
-    for rate, expected in [(0.0, [("long", 16)]), (10.0, [("short", 6), ("long", 10)])]:
-        sched = _deadline_scheduler(rate)
-        _arrive(sched, "long", 100, at=0.0)  # due at 10 s with the rate 10
+    for order, expected in [("arrival", [("long", 16)]), ("deadline", [("short", 6), ("long", 10)])]:
+        sched = _ordered_scheduler(order)
+        _arrive(sched, "long", 100, at=0.0)  # due at 10 s
         assert _step(sched) == [("long", 16)]
         _arrive(sched, "short", 6, at=0.5)  # due at 1.1 s
-        assert _step(sched) == expected, rate
+        assert _step(sched) == expected, order
 
 
 def test_equal_deadlines_keep_arrival_order_and_a_preempted_prompt_keeps_its_deadline():
-    sched = _deadline_scheduler(10.0, budget=20)
+    sched = _ordered_scheduler("deadline", budget=20)
     a, b = _arrive(sched, "a", 20, at=0.0), _arrive(sched, "b", 10, at=1.0)  # both due at 2 s
     _arrive(sched, "c", 5, at=1.0)  # due at 1.5 s
     assert [s.request_id for s in sched.waiting] == ["c", "a", "b"]
@@ -297,12 +301,12 @@ def test_equal_deadlines_keep_arrival_order_and_a_preempted_prompt_keeps_its_dea
 def test_a_long_prompt_is_not_passed_forever():
     """Short prompts keep arriving, one a second (step), each due 0.5 s later; the long one, due
     at 10 s, gets what they leave until then, and from then on goes ahead of every later one."""
-    sched = _deadline_scheduler(10.0, budget=8)
+    sched = _ordered_scheduler("deadline", budget=8)
     long = _arrive(sched, "long", 100, at=0.0)
     ran = []
     for t in range(20):
         _arrive(sched, f"s{t}", 5, at=float(t))
-        ran.append(_step(sched))
+        ran.append(_step(sched, float(t)))
     assert ran[:10] == [[(f"s{t}", 5), ("long", 3)] for t in range(10)]
     assert ran[10:18] == [[("long", 8)]] * 8  # s10 on (due 10.5 s on) wait
     assert ran[18] == [("long", 6), ("s10", 2)] and long.status is SequenceStatus.FINISHED
