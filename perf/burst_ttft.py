@@ -27,7 +27,12 @@ from fastgen_metrics import SLA_PROMPT_TOKENS_PER_S, RequestRecord, meets_sla, t
 def raw_files(paths: list[str]) -> list[Path]:
     files = []
     for p in map(Path, paths):
-        files += sorted((p / "raw").glob("*.json.gz")) if p.is_dir() else [p]
+        if p.is_dir():
+            files += sorted((p / "raw").glob("*.json.gz"))
+        elif p.name.endswith(".json.gz"):
+            files.append(p)
+        else:
+            raise SystemExit(f"{p}: neither a run folder nor a raw .json.gz file")
     return files
 
 
