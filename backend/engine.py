@@ -330,6 +330,8 @@ class LLMEngine:
                 outputs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
         if self.speculation is not None:
             self._propose()
+        duration_s = time.perf_counter() - start
+        self.scheduler.record_step(batch.num_tokens, duration_s)
         self.last_step = StepStats(
             num_tokens=batch.num_tokens,
             num_prompt_tokens=num_prompt_tokens,
@@ -338,7 +340,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.blocks.num_used_blocks,
             kv_blocks_free=self.blocks.num_free_blocks,
-            duration_s=time.perf_counter() - start,
+            duration_s=duration_s,
             forward_s=forward_s,
             num_preemptions=len(decision.preempted),
             prefix_cache_queries=decision.prefix_cache_queries,

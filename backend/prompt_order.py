@@ -33,8 +33,7 @@ class PromptOrder:
         self.deadline_tokens_per_s = deadline_tokens_per_s
         self.token_budget = token_budget
         self.tokens_per_s: float | None = None
-        """Tokens the engine computes a second, measured between the starts of busy steps."""
-        self._last_step: tuple[float, int] | None = None  # (start, tokens) of the previous busy step
+        """Tokens the engine computes a second, measured over its steps."""
         self._deferred: set[int] = set()  # ids of prompts that go after every other (goodput)
 
     def deadline(self, seq: Sequence) -> float:
@@ -46,19 +45,13 @@ class PromptOrder:
         deadline, equal deadlines in arrival order."""
         return id(seq) in self._deferred, self.deadline(seq), seq.arrival
 
-    def step_started(self, now: float, num_tokens: int) -> None:
-        """A step of `num_tokens` starts at `now`: measure the previous busy one's rate. Only
-        steps of at least half the budget count (a light step's fixed costs would understate the
-        rate), and not a gap longer than twice the expected (the engine sat idle in it)."""
-        if self._last_step is not None:
-            start, tokens = self._last_step
-            elapsed = now - start
-            expected = tokens / self.tokens_per_s if self.tokens_per_s else None
-            if elapsed > 0 and (expected is None or elapsed <= 2 * expected):
-                rate = tokens / elapsed
-                self.tokens_per_s = rate if self.tokens_per_s is None else (
-                    RATE_SMOOTHING * rate + (1 - RATE_SMOOTHING) * self.tokens_per_s)
-        self._last_step = (now, num_tokens) if 2 * num_tokens >= self.token_budget else None
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """A step computed `num_tokens` in `seconds`. Only steps of at least half the budget
+        count: a light step's fixed costs would understate the rate."""
+        if 2 * num_tokens >= self.token_budget and seconds > 0:
+            rate = num_tokens / seconds
+            self.tokens_per_s = rate if self.tokens_per_s is None else (
+                RATE_SMOOTHING * rate + (1 - RATE_SMOOTHING) * self.tokens_per_s)
 
     def defer_hopeless(self, prompts: Iterable[Sequence], now: float, prompt_tokens_per_s: float,
                        step_s: float = 0.0) -> bool:

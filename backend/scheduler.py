@@ -137,9 +137,11 @@ class Scheduler:
         """The next step's work; `now` (time.monotonic() by default) for the prompt order."""
         now = time.monotonic() if now is None else now
         self._track_lora_blocked()
-        out = self._schedule_fn(now)
-        self.prompt_order.step_started(now, out.num_tokens)
-        return out
+        return self._schedule_fn(now)
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of `num_tokens` took `seconds` (the engine's rate, for the goodput order)."""
+        self.prompt_order.record_step(num_tokens, seconds)
 
     def advance(self, out: SchedulerOutput) -> None:
         """Record that the step `out` ran: each chunk's tokens are computed now, and the

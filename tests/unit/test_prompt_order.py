@@ -20,17 +20,14 @@ def _prompt(length: int, at: float = 0.0) -> Sequence:
     return seq
 
 
-def test_rate_is_measured_between_busy_steps_only():
+def test_rate_is_measured_over_steps_of_half_the_budget_or_more():
     order = PromptOrder("goodput", 512.0, token_budget=256)
-    order.step_started(0.0, 256)
-    order.step_started(0.1, 256)  # the first step: 256 tokens in 0.1 s
+    order.record_step(100, 0.01)  # a light step: not measured
+    assert order.tokens_per_s is None
+    order.record_step(256, 0.1)
     assert order.tokens_per_s == pytest.approx(2560)
-    order.step_started(0.3, 100)  # 256 in 0.2 s: the average moves a quarter of the way
+    order.record_step(128, 0.1)  # the average moves a quarter of the way
     assert order.tokens_per_s == pytest.approx(0.75 * 2560 + 0.25 * 1280)
-    before = order.tokens_per_s
-    order.step_started(5.0, 256)  # a light step before: not measured
-    order.step_started(9.0, 256)  # 256 in 4 s: the engine idled, not measured
-    assert order.tokens_per_s == before
 
 
 def test_goodput_defers_the_fewest_prompts_to_meet_the_rest():
@@ -78,6 +75,7 @@ def _burst(prompt_order: str) -> tuple[int, list[float]]:
         out = sched.schedule(now)
         sampling = [c.seq for c in out.chunks if c.samples]
         sched.advance(out)
+        sched.record_step(out.num_tokens, 0.25)
         for seq in sampling:
             seq.append_token(7)
             first_token[seq.request_id] = now + 0.25  # at the end of the step

@@ -94,6 +94,7 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
             run_on_fake_kv(c, slots, block_size, live.values(), keys)
         sampling = [c for c in out.chunks if c.samples]
         sched.advance(out)
+        sched.record_step(out.num_tokens, 1.0)
         for c in sampling:
             drafts = c.seq.draft_token_ids[: c.num_draft_tokens]
             accepted = next((i for i, t in enumerate(drafts) if t != 7), len(drafts))
