@@ -96,3 +96,15 @@ def test_goodput_meets_more_deadlines_in_a_burst_and_none_waits_past_twice_its_a
     # A deferred prompt returns to deadline order at twice its allowance (length / 10 s), then
     # waits at most for the prompts ahead of it: all 393 tokens at 32 a second.
     assert all(w <= 2 * n / 10.0 + 393 / 32 for w, n in zip(waits, lengths))
+
+
+def test_prompts_past_twice_their_allowance_are_never_deferred_and_others_make_room():
+    """A prompt that has waited twice its allowance keeps its place; when it takes the time of
+    those due after it, as many of them are deferred as needed for the rest to make theirs."""
+    order = PromptOrder("goodput", 100.0, token_budget=64)
+    old = _prompt(100, at=0.0)  # due at 1 s, protected from 2 s on
+    a, b = _prompt(50, at=2.0), _prompt(60, at=2.0)  # due at 2.5 s and 2.6 s
+    order.defer_hopeless([old, a, b], now=2.0, prompt_tokens_per_s=250.0)
+    # old takes 0.4 s; a then ends at 2.6 s (late): deferring b alone leaves a late, so both go.
+    assert sorted([old, a, b], key=order.priority) == [old, a, b]
+    assert order.priority(a)[0] and order.priority(b)[0] and not order.priority(old)[0]
