@@ -134,8 +134,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
-        """The next step's work; `now` (time.monotonic() by default) for the prompt order."""
-        now = time.monotonic() if now is None else now
+        """The next step's work; `now` for the goodput order (time.monotonic(), read only there,
+        when not given)."""
         self._track_lora_blocked()
         return self._schedule_fn(now)
 
@@ -166,7 +166,7 @@ class Scheduler:
         self.blocks.trim(seq, seq.num_tokens)
 
     # ---- policies -----------------------------------------------------------------------
-    def _schedule_splitfuse(self, now: float) -> SchedulerOutput:
+    def _schedule_splitfuse(self, now: float | None) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_decodes(out, self.token_budget)
         # Then prompts: in arrival order those already being split (their blocks were reserved at
@@ -178,6 +178,7 @@ class Scheduler:
             # The budget left after the decodes is what prompts get of the engine's rate.
             prompt_rate = order.tokens_per_s * budget / self.token_budget
             step_s = self.token_budget / order.tokens_per_s
+            now = time.monotonic() if now is None else now
             if order.defer_hopeless(split + list(self.waiting), now, prompt_rate, step_s):
                 self.waiting = deque(sorted(self.waiting, key=order.priority))
         if order.by_deadline:
@@ -199,7 +200,7 @@ class Scheduler:
             budget -= n
         return out
 
-    def _schedule_prefill_first(self, now: float) -> SchedulerOutput:
+    def _schedule_prefill_first(self, now: float | None) -> SchedulerOutput:
         out = SchedulerOutput()
         # A pass of whole prompts whenever one can be admitted; the first always runs whole,
         # even past the budget (this baseline does not split prompts).
@@ -216,7 +217,7 @@ class Scheduler:
         self._schedule_decodes(out, self.token_budget)
         return out
 
-    def _schedule_orca(self, now: float) -> SchedulerOutput:
+    def _schedule_orca(self, now: float | None) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_decodes(out, self.token_budget)
         # Whole prompts join the decode batch while they fit; a batch with no other work
