@@ -5,7 +5,9 @@ Used by `make serve` (the demo model), the tests and the benchmarks:
     python -m splitfuse.demo_model OUT_DIR --arch llama --size tiny
 
 A byte-level BPE tokenizer is trained with `tokenizers` on built-in text that mixes
-English, CJK and emoji, so multi-byte characters get split across tokens.
+English, CJK and emoji, so multi-byte characters get split across tokens; or, with
+`--tokenizer sentencepiece`, one in Llama 2's layout (``▁`` word pieces, byte fallback, a
+decoder that strips a leading space).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import random
 from pathlib import Path
 
 ARCHS = ("llama", "mistral", "qwen2", "mixtral")
+TOKENIZERS = ("byte_level", "sentencepiece")
 
 # Per-architecture config defaults on top of a size (overrides still win): a tiny MoE
 # with 4 experts and top-2 routing, so some experts get no tokens in small batches.
@@ -97,15 +100,46 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int, seed: int = 0):
     return fast
 
 
+def build_sentencepiece_tokenizer(out_dir: str | os.PathLike, vocab_size: int):
+    """A tokenizer in Llama 2's layout (sentencepiece, as transformers converts it): word pieces
+    with ``\u2581`` for a leading space, a piece for every byte (byte fallback: CJK and emoji come
+    out as their UTF-8 bytes), and a decoder that strips the leading space of whatever it
+    decodes. Padded with more word pieces to `vocab_size` ids where that is larger."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    space = "\u2581"
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{b:02X}>", -20.0) for b in range(256)]
+    pieces.append((space, -5.0))
+    words = list(dict.fromkeys(_WORDS)) + ["\u4f60\u597d", "\u4e16\u754c"]  # two CJK words as pieces too
+    while len(pieces) + 2 * len(words) < vocab_size:
+        words.append(f"w{len(words)}")
+    pieces += [(p, -2.0) for w in words for p in (w, space + w)]
+    tok = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(space), normalizers.Replace(" ", space)])
+    tok.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = (
+        "{% for m in messages %}<s>[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    )
+    fast.save_pretrained(out_dir)
+    return fast
+
+
 def build_model(
     out_dir: str | os.PathLike,
     arch: str = "llama",
     size: str = "tiny",
     seed: int = 0,
     dtype: str = "float32",
+    tokenizer: str = "byte_level",
     **overrides,
 ) -> Path:
-    """Write a random-weight checkpoint + tokenizer to `out_dir` and return the path.
+    """Write a random-weight checkpoint + tokenizer (`TOKENIZERS`) to `out_dir` and return the path.
 
     `overrides` go into the transformers config (e.g. tie_word_embeddings=True,
     rope_parameters={...}, sliding_window=...).
@@ -117,12 +151,18 @@ def build_model(
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {tuple(SIZES)}, got {size!r}")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shape = dict(SIZES[size])
     shape.update(ARCH_DEFAULTS.get(arch, {}))
     shape.update(overrides)
-    tokenizer = build_tokenizer(out, shape["vocab_size"], seed)
+    tokenizer_kind = tokenizer
+    if tokenizer_kind == "sentencepiece":
+        tokenizer = build_sentencepiece_tokenizer(out, shape["vocab_size"])
+    else:
+        tokenizer = build_tokenizer(out, shape["vocab_size"], seed)
     shape["vocab_size"] = len(tokenizer)
     config_cls = {
         "llama": transformers.LlamaConfig,
@@ -156,7 +196,8 @@ def build_model(
                     proj.bias.normal_(0.0, 0.1)
     model.save_pretrained(out, safe_serialization=True)
     # Record what built it, for benchmark reports.
-    (out / "splitfuse_demo.json").write_text(json.dumps({"arch": arch, "size": size, "seed": seed}))
+    (out / "splitfuse_demo.json").write_text(json.dumps({"arch": arch, "size": size, "seed": seed,
+                                                          "tokenizer": tokenizer_kind}))
     return out
 
 
@@ -166,8 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", default="llama", choices=ARCHS)
     parser.add_argument("--size", default="tiny", choices=tuple(SIZES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default="byte_level", choices=TOKENIZERS)
     args = parser.parse_args(argv)
-    path = build_model(args.out_dir, args.arch, args.size, args.seed)
+    path = build_model(args.out_dir, args.arch, args.size, args.seed, tokenizer=args.tokenizer)
     print(f"wrote {args.arch}/{args.size} checkpoint to {path}")
 
 

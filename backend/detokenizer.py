@@ -7,7 +7,10 @@ Each step decodes only a small window of token ids (vLLM-style prefix/read offse
 
 The text of the new tokens is ``decode(ids[prefix:]) minus decode(ids[prefix:read])``.
 Decoding from one token before `read_offset` keeps decoders that strip a leading
-space from the first token (sentencepiece ``▁``) from eating real spaces.
+space from the first token (sentencepiece ``▁``) from eating real spaces. For the same
+reason the first window starts at the prompt's last tokens: the output's text is then
+``decode(prompt + output)`` minus ``decode(prompt)``, and the first output token keeps its
+space, as the peers' servers give it (vLLM, TGI).
 
 Byte exactness relies on both offsets sitting at *exact cuts*: token boundaries where
 the decoder restarts cleanly, so decoding the two sides separately gives the same
@@ -34,6 +37,7 @@ from __future__ import annotations
 import logging
 import random
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from splitfuse.sequence import SamplingParams
@@ -46,6 +50,8 @@ _REPLACEMENT = "\ufffd"
 _MAX_PENDING = 6
 # How far back from read_offset the context window may reach after a big commit.
 _MAX_CONTEXT = 4
+# Prompt tokens searched for the first window's context (a character spans at most 4 byte tokens).
+_PROMPT_CONTEXT = 8
 
 
 @dataclass
@@ -58,7 +64,7 @@ class DetokenizerStep:
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas, one engine step at a time."""
 
-    def __init__(self, tokenizer, params: SamplingParams) -> None:
+    def __init__(self, tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         # The Rust tokenizer decodes ~3x faster than the HF wrapper; it gives the same text
         # unless the wrapper post-processes spaces (clean_up_tokenization_spaces).
@@ -87,6 +93,8 @@ class IncrementalDetokenizer:
         self._text_cache: str | None = ""
         self.text_length = 0  # len(self.text), kept without joining
         self._done = False
+        if self._byte_table is None:  # byte-level tokens decode alike with or without context
+            self._start_after_prompt(prompt_ids)
 
     @property
     def text(self) -> str:
@@ -125,6 +133,21 @@ class IncrementalDetokenizer:
         return DetokenizerStep(self._emit(candidate[: len(candidate) - keep]), False)
 
     # -- internals -------------------------------------------------------------------
+
+    def _start_after_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Take the prompt's last tokens as the first window's context: the fewest whose text
+        starts and ends with whole characters (exact cuts on both sides); none where the
+        prompt ends inside a character."""
+        tail = [t for t in prompt_ids[-_PROMPT_CONTEXT:] if t not in self._skipped_ids]
+        for start in range(len(tail) - 1, -1, -1):
+            text = self._decode(tail[start:])
+            if not text or text.startswith(_REPLACEMENT):
+                continue  # starts inside a character (or decodes to nothing): reach further back
+            if not text.endswith(_REPLACEMENT):
+                self._ids = tail[start:]
+                self._prefix_offset = 0
+                self._read_offset = len(self._ids)
+            return
 
     def _decode(self, ids: list[int]) -> str:
         if self._fast_decode is not None:

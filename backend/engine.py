@@ -205,7 +205,7 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, next(self._arrivals))
         if arrival_time is not None:
             seq.arrival_time = arrival_time
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params, token_ids)
         matcher = self.grammars().matcher(params.guide) if params.guide is not None else None
         self._seqs[request_id] = seq
         self._detokenizers[request_id] = detokenizer

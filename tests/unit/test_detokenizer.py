@@ -1,4 +1,6 @@
-"""IncrementalDetokenizer against the real byte-level BPE tokenizer of the demo model.
+"""IncrementalDetokenizer against the real byte-level BPE tokenizer of the demo model, and a
+sentencepiece-style one (Llama 2's layout: ``▁`` for a space, byte fallback, a decoder that
+strips a decode's leading space), built here.
 
 Every test runs twice: with the byte-table fast path and with the tokenizer's decoder.
 """
@@ -10,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import splitfuse.detokenizer as detokenizer_module
-from splitfuse.demo_model import build_tokenizer
+from splitfuse.demo_model import build_sentencepiece_tokenizer, build_tokenizer
 from splitfuse.detokenizer import DetokenizerStep, IncrementalDetokenizer, byte_level_table
 from splitfuse.sequence import SamplingParams
 
@@ -31,9 +33,9 @@ def decode_path(request, monkeypatch):
     return request.param
 
 
-def run(tok, ids, chunks=None, **params):
+def run(tok, ids, chunks=None, prompt_ids=(), **params):
     """Feed `ids` in chunks (default one token per step), finishing on the last step."""
-    detok = IncrementalDetokenizer(tok, SamplingParams(**params))
+    detok = IncrementalDetokenizer(tok, SamplingParams(**params), prompt_ids)
     chunks = chunks or [1] * len(ids)
     deltas, matched, pos = [], False, 0
     for i, n in enumerate(chunks):
@@ -278,3 +280,62 @@ def test_saved_checkpoint_tokenizer(tiny_llama):
     deltas, matched = run(tok, ids, stop=["done"])
     assert matched and "".join(deltas) == "hello 世界 🚀 "
     assert "".join(run(tok, ids)[0]) == tok.decode(ids, skip_special_tokens=True)
+
+
+# -- sentencepiece-style tokenizers: the first output token keeps its space --------------
+
+SP_WORDS = ["hello", "world", "the", "sea", "你好", "ö", "€", "日本"]
+
+
+@pytest.fixture(scope="module")
+def sp_tok(tmp_path_factory):
+    tok = build_sentencepiece_tokenizer(tmp_path_factory.mktemp("sp"), vocab_size=512)
+    assert byte_level_table(tok) is None  # the decoder path, whatever decode_path says
+    return tok
+
+
+def continuation(tok, prompt_ids, ids, skip=True):
+    """The prompt's text continued: decode(prompt + output) minus decode(prompt)."""
+    head = tok.decode(prompt_ids, skip_special_tokens=skip)
+    full = tok.decode(list(prompt_ids) + list(ids), skip_special_tokens=skip)
+    assert full.startswith(head)
+    return full[len(head):]
+
+
+def test_sentencepiece_first_token_keeps_its_space(sp_tok):
+    prompt, out = encode(sp_tok, "hello"), encode(sp_tok, "world sea")
+    assert sp_tok.convert_ids_to_tokens(out) == ["\u2581world", "\u2581sea"]
+    assert sp_tok.decode(out) == "world sea"  # what decoding the output alone gives
+    assert "".join(run(sp_tok, out, prompt_ids=[1] + prompt)[0]) == " world sea"
+    assert "".join(run(sp_tok, out, [2], prompt_ids=[1] + prompt)[0]) == " world sea"
+    assert "".join(run(sp_tok, out)[0]) == "world sea"  # no prompt: nothing to continue
+
+
+def test_sentencepiece_prompt_ending_mid_character_starts_afresh(sp_tok):
+    euro = encode(sp_tok, "\u20acx")  # bytes of the euro sign, then x
+    bytes_of_euro = [sp_tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "€".encode()]
+    assert euro[-4:-1] == bytes_of_euro
+    prompt = encode(sp_tok, "the") + bytes_of_euro[:2]  # ends inside a character
+    out = [bytes_of_euro[2]] + euro
+    assert "".join(run(sp_tok, out, prompt_ids=prompt)[0]) == sp_tok.decode(out)
+
+
+@HYP
+@given(words=st.lists(st.sampled_from(SP_WORDS + [" ", "  ", "x", "ü", "😀"]), min_size=1, max_size=12),
+       prompt_words=st.lists(st.sampled_from(SP_WORDS + ["ü", "😀", " "]), max_size=6), bos=st.booleans(),
+       seed=st.integers(0, 2**16), skip=st.booleans())
+def test_sentencepiece_text_continues_the_prompt(sp_tok, words, prompt_words, bos, seed, skip):
+    prompt = ([1] if bos else []) + encode(sp_tok, " ".join(prompt_words))
+    ids = encode(sp_tok, "".join(words))
+    ids = ids[1:] if ids and len(ids) > 1 and seed % 3 == 0 else ids  # sometimes begin past the first piece
+    expected = continuation(sp_tok, prompt, ids, skip)
+    one, _ = run(sp_tok, ids, prompt_ids=prompt, skip_special_tokens=skip)
+    chunked, _ = run(sp_tok, ids, random_chunks(random.Random(seed), len(ids)), prompt_ids=prompt,
+                     skip_special_tokens=skip)
+    assert "".join(one) == expected
+    assert "".join(chunked) == expected
+
+
+def test_byte_level_text_is_the_same_with_or_without_the_prompt(tok):
+    prompt, out = encode(tok, "hello 世"), encode(tok, "界 🚀 done")
+    assert "".join(run(tok, out, prompt_ids=prompt)[0]) == tok.decode(out) == continuation(tok, prompt, out)
