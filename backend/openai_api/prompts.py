@@ -22,6 +22,8 @@ class Prompts:
         self.limit = PromptLimit(tokenizer, max_model_len)
         self.template = TemplateSupport()
         self._token_text: dict[int, str] = {}
+        self._anchor: list[int] | None = None  # what token_strings decodes each token after
+        self._anchor_text = ""
 
     def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -86,11 +88,22 @@ class Prompts:
         return messages
 
     def token_strings(self, ids: list[int]) -> list[str]:
-        """Each token decoded on its own (a piece of a multi-byte character shows as U+FFFD)."""
+        """Each token's own text (a piece of a multi-byte character shows as U+FFFD), with its
+        leading space: decoded after a plain anchor token and cut after the anchor's text, since
+        sentencepiece decoders strip the space that begins a decode ("\u2581world" -> " world")."""
         out = []
         for i in ids:
             text = self._token_text.get(i)
             if text is None:  # remembered: top log-probs decode up to 21 tokens per output token
-                text = self._token_text[i] = self.tokenizer.decode([i])
+                text = self._token_text[i] = self._token_text_of(i)
             out.append(text)
         return out
+
+    def _token_text_of(self, token_id: int) -> str:
+        if self._anchor is None:
+            self._anchor = self.tokenizer.encode("a", add_special_tokens=False)
+            self._anchor_text = self.tokenizer.decode(self._anchor)
+        text = self.tokenizer.decode(self._anchor + [token_id])
+        if self._anchor and text.startswith(self._anchor_text):
+            return text[len(self._anchor_text):]
+        return self.tokenizer.decode([token_id])

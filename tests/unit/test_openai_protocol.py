@@ -206,3 +206,20 @@ def test_prompts_with_the_demo_tokenizer(tiny_llama):
     with pytest.raises(ApiError) as e:
         prompts.chat(parse(ChatCompletionRequest, CHAT))
     assert e.value.status == 400 and e.value.code == "no_chat_template"
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_log_prob_token_strings_keep_their_leading_space(tmp_path, kind):
+    from splitfuse.demo_model import build_sentencepiece_tokenizer, build_tokenizer
+
+    tok = build_sentencepiece_tokenizer(tmp_path, 512) if kind == "sentencepiece" else build_tokenizer(tmp_path, 512)
+    prompts = Prompts(tok, max_model_len=64)
+    ids = tok.encode("hello world", add_special_tokens=False)
+    strings = prompts.token_strings(ids + [tok.eos_token_id])
+    # Joined, the strings are the text; sentencepiece's first piece carries the space it encodes.
+    assert "".join(strings[:-1]) == ("" if kind == "byte_level" else " ") + "hello world"
+    assert strings[-2] == " world" and strings[-1] == tok.eos_token
+    assert prompts.token_strings(ids) == strings[:-1]  # remembered, the same
+    cjk = tok.encode("\u4e16", add_special_tokens=False)  # a character split over byte tokens
+    pieces = [s for s in prompts.token_strings(cjk) if s.strip()]  # (sentencepiece: after a lone space)
+    assert len(pieces) > 1 and all(s.strip() == "\ufffd" for s in pieces)
