@@ -123,9 +123,6 @@ def build_sentencepiece_tokenizer(out_dir: str | os.PathLike, vocab_size: int):
                                                        special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    clean_up_tokenization_spaces=False)
-    fast.chat_template = (
-        "{% for m in messages %}<s>[INST] {{ m['content'] }} [/INST]{% endfor %}"
-    )
     fast.save_pretrained(out_dir)
     return fast
 
@@ -158,12 +155,11 @@ def build_model(
     shape = dict(SIZES[size])
     shape.update(ARCH_DEFAULTS.get(arch, {}))
     shape.update(overrides)
-    tokenizer_kind = tokenizer
-    if tokenizer_kind == "sentencepiece":
-        tokenizer = build_sentencepiece_tokenizer(out, shape["vocab_size"])
+    if tokenizer == "sentencepiece":
+        tok = build_sentencepiece_tokenizer(out, shape["vocab_size"])
     else:
-        tokenizer = build_tokenizer(out, shape["vocab_size"], seed)
-    shape["vocab_size"] = len(tokenizer)
+        tok = build_tokenizer(out, shape["vocab_size"], seed)
+    shape["vocab_size"] = len(tok)
     config_cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
@@ -175,8 +171,8 @@ def build_model(
     shape.setdefault("initializer_range", 0.1)
     shape.setdefault("max_position_embeddings", 4096)
     config = config_cls(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=None,
         **shape,
     )
@@ -197,7 +193,7 @@ def build_model(
     model.save_pretrained(out, safe_serialization=True)
     # Record what built it, for benchmark reports.
     (out / "splitfuse_demo.json").write_text(json.dumps({"arch": arch, "size": size, "seed": seed,
-                                                          "tokenizer": tokenizer_kind}))
+                                                          "tokenizer": tokenizer}))
     return out
 
 
