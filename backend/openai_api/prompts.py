@@ -22,8 +22,9 @@ class Prompts:
         self.limit = PromptLimit(tokenizer, max_model_len)
         self.template = TemplateSupport()
         self._token_text: dict[int, str] = {}
-        self._anchor: list[int] | None = None  # what token_strings decodes each token after
-        self._anchor_text = ""
+        # What token_strings decodes each token after (see there).
+        self._anchor: list[int] = tokenizer.encode("a", add_special_tokens=False)
+        self._anchor_text: str = tokenizer.decode(self._anchor)
 
     def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -100,9 +101,6 @@ class Prompts:
         return out
 
     def _token_text_of(self, token_id: int) -> str:
-        if self._anchor is None:
-            self._anchor = self.tokenizer.encode("a", add_special_tokens=False)
-            self._anchor_text = self.tokenizer.decode(self._anchor)
         text = self.tokenizer.decode(self._anchor + [token_id])
         if self._anchor and text.startswith(self._anchor_text):
             return text[len(self._anchor_text):]
