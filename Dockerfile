@@ -54,7 +54,7 @@ RUN mkdir -p /opt/splitfuse/lib \
        python3 -c "from splitfuse.kernels.cpu.build import build; print(build())" \
     && XDG_CACHE_HOME=/tmp/shim python3 -c "import shutil; from splitfuse.launcher.hidden_args import shim; \
 shutil.copy(shim(), '/opt/splitfuse/lib/libsplitfuse_argv_secrets.so')" \
-    && python3 -m splitfuse.demo_model /opt/splitfuse/models/demo --arch llama --size tiny
+    && python3 -m splitfuse.tools.demo_model /opt/splitfuse/models/demo --arch llama --size tiny
 
 FROM base
 # tini: PID 1 that forwards signals to the launcher and reaps orphans (`docker run --init` alike).

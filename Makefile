@@ -50,7 +50,7 @@ kernels:
 	$(PY) -m splitfuse.kernels.cpu.build
 
 $(DEMO_MODEL)/config.json: | install
-	$(PY) -m splitfuse.demo_model $(DEMO_MODEL) --arch llama --size tiny
+	$(PY) -m splitfuse.tools.demo_model $(DEMO_MODEL) --arch llama --size tiny
 
 demo-model: $(DEMO_MODEL)/config.json
 

@@ -1,7 +1,7 @@
 """splitfuse: a Dynamic SplitFuse LLM engine with a paged KV cache."""
 
 from splitfuse.config import EngineConfig
-from splitfuse.sequence import RequestOutput, SamplingParams
+from splitfuse.engine.sequence import RequestOutput, SamplingParams
 
 
 def __getattr__(name: str):
@@ -11,7 +11,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "LLMEngine":
-        from splitfuse.engine import LLMEngine
+        from splitfuse.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(name)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from splitfuse.config import EngineConfig
-from splitfuse.engine import LLMEngine
-from splitfuse.sequence import RequestOutput, SamplingParams
+from splitfuse.engine.llm_engine import LLMEngine
+from splitfuse.engine.sequence import RequestOutput, SamplingParams
 
 
 class LLM:

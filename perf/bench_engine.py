@@ -26,8 +26,8 @@ from splitfuse import EngineConfig, SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_flags, cpu_model, git_commit, mem_gib  # noqa: E402
 
-from splitfuse.demo_model import build_model
-from splitfuse.engine import LLMEngine
+from splitfuse.tools.demo_model import build_model
+from splitfuse.engine.llm_engine import LLMEngine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

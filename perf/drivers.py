@@ -354,7 +354,7 @@ class EngineDriver(Driver):
         self._ids_lock = threading.Lock()
 
     def run_one(self, spec: RequestSpec, client: int, timeout: float) -> RequestRecord:
-        from splitfuse.sequence import SamplingParams
+        from splitfuse.engine.sequence import SamplingParams
 
         events: queue.Queue = queue.Queue()
         with self._ids_lock:

@@ -27,8 +27,8 @@ from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
 from workload import add_workload_args, ensure_model, random_id_requests  # noqa: E402
 
 from splitfuse.config import EngineConfig  # noqa: E402
-from splitfuse.engine_loop import EngineLoop  # noqa: E402
-from splitfuse.sequence import SamplingParams  # noqa: E402
+from splitfuse.engine.loop import EngineLoop  # noqa: E402
+from splitfuse.engine.sequence import SamplingParams  # noqa: E402
 
 RESULTS = HERE / "results" / "engine-closed-loop"
 

@@ -323,7 +323,7 @@ def write_summary(out: Path, rows: list[dict], meta: dict, plots: list[str], tok
     shape = (f"{model['arch']} ({model['params_m']}M params, hidden {model['hidden']}, {model['layers']} layers, "
              f"{model['heads']} heads / {model['kv_heads']} KV heads, vocab {model['vocab']}, {model['dtype']})")
     if model.get("built_by"):
-        origin = (f"random-weight {shape}, built by `python -m splitfuse.demo_model DIR --size "
+        origin = (f"random-weight {shape}, built by `python -m splitfuse.tools.demo_model DIR --size "
                   f"{model['built_by'].get('size', '?')}`")
     elif model.get("converted_from"):
         origin = f"trained {shape}, converted from `{model['converted_from']}` by `splitfuse.models.gguf_checkpoint`"

@@ -51,7 +51,7 @@ def run_engine(system: str, args, specs, clients) -> dict:
     """Our engine in this process, driven by the same closed-loop clients: the serving path's
     reference (what Triton, the tokenizing model, gRPC and the client process cost)."""
     from splitfuse.config import EngineConfig
-    from splitfuse.engine_loop import EngineLoop
+    from splitfuse.engine.loop import EngineLoop
 
     params = engine_params(system, args)
     config = EngineConfig.from_strings({"model": str(Path(args.model_dir).resolve()), **params})

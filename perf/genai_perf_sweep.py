@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     if not (Path(args.model_dir) / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "splitfuse.demo_model", args.model_dir, "--arch", "llama",
+        subprocess.run([sys.executable, "-m", "splitfuse.tools.demo_model", args.model_dir, "--arch", "llama",
                         "--size", args.model_size], check=True)
     model_dir = str(Path(args.model_dir).resolve())
     meta = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "git_commit": git_commit(),

@@ -47,8 +47,8 @@ from machine import machine_info  # noqa: E402
 from workload import BENCH_MODEL_DIR, ensure_model, random_id_requests  # noqa: E402
 
 from splitfuse.config import EngineConfig  # noqa: E402
-from splitfuse.engine_loop import EngineLoop  # noqa: E402
-from splitfuse.sequence import SamplingParams  # noqa: E402
+from splitfuse.engine.loop import EngineLoop  # noqa: E402
+from splitfuse.engine.sequence import SamplingParams  # noqa: E402
 
 CACHE = HERE / ".cache" / "lora"
 ADAPTER_KINDS = {

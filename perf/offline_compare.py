@@ -106,7 +106,7 @@ def main() -> None:
     args = ap.parse_args()
 
     if not Path(args.model_dir, "config.json").exists():
-        from splitfuse.demo_model import build_model
+        from splitfuse.tools.demo_model import build_model
 
         build_model(args.model_dir, arch="llama", size="bench")
     reqs = random_id_requests(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)

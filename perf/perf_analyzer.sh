@@ -137,7 +137,7 @@ parse() {
 ensure_model() {
   if [[ ! -f "$MODEL_DIR/config.json" ]]; then
     log "building the bench checkpoint in $MODEL_DIR"
-    "$PY" -m splitfuse.demo_model "$MODEL_DIR" --arch llama --size bench
+    "$PY" -m splitfuse.tools.demo_model "$MODEL_DIR" --arch llama --size bench
   fi
 }
 

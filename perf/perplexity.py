@@ -36,9 +36,9 @@ from machine import machine_info  # noqa: E402
 
 from splitfuse import LLM, SamplingParams  # noqa: E402
 from splitfuse.kernels.cpu.build import isa, library_isa  # noqa: E402
-from splitfuse.ragged_batch import RaggedBatch  # noqa: E402
-from splitfuse.scheduler import ScheduledChunk  # noqa: E402
-from splitfuse.sequence import Sequence  # noqa: E402
+from splitfuse.engine.batch import RaggedBatch  # noqa: E402
+from splitfuse.engine.scheduler import ScheduledChunk  # noqa: E402
+from splitfuse.engine.sequence import Sequence  # noqa: E402
 
 MODES: dict[str, dict] = {
     "fp32": {"dtype": "float32"},

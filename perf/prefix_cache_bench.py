@@ -428,9 +428,9 @@ def bookkeeping_cost(num_requests: int = 16, prompt: int = 384, gen: int = 32, b
                      repeats: int = 5) -> dict:
     """CPU time of the scheduler + block manager alone (no model) over a no-shared-prefix
     workload, caching off vs on: what caching adds to every engine step, free of server noise."""
-    from splitfuse.block_manager import BlockManager
-    from splitfuse.scheduler import Scheduler
-    from splitfuse.sequence import SamplingParams, Sequence
+    from splitfuse.engine.block_manager import BlockManager
+    from splitfuse.engine.scheduler import Scheduler
+    from splitfuse.engine.sequence import SamplingParams, Sequence
 
     def once(caching: bool) -> float:
         rng = random.Random(0)
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not (Path(args.model_dir) / "config.json").is_file():
         log(f"building the {args.model_size} checkpoint in {args.model_dir}")
-        subprocess.run([sys.executable, "-m", "splitfuse.demo_model", args.model_dir, "--arch", "llama",
+        subprocess.run([sys.executable, "-m", "splitfuse.tools.demo_model", args.model_dir, "--arch", "llama",
                         "--size", args.model_size], check=True)
     convs = make_chat_workload(args.model_dir, args)
     unshared = make_unshared_workload(args.model_dir, args)

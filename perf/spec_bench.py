@@ -44,7 +44,7 @@ CACHE = HERE / ".cache"
 
 
 def build_models() -> dict[str, Path]:
-    from splitfuse.demo_model import build_model
+    from splitfuse.tools.demo_model import build_model
 
     paths = {"bench": CACHE / "bench-llama", "ceiling": CACHE / "spec-ceiling-llama",
              "draft_wrong": CACHE / "spec-draft-tiny"}

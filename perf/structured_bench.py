@@ -232,8 +232,8 @@ def run_served(args, model_dir: str, tokenizer: Any) -> dict:
 # ------------------------------------------------------------------------------ 2. stalls
 def run_stalls(args, model_dir: str, tokenizer: Any) -> dict:
     from splitfuse.config import EngineConfig
-    from splitfuse.engine_loop import EngineLoop
-    from splitfuse.sequence import SamplingParams
+    from splitfuse.engine.loop import EngineLoop
+    from splitfuse.engine.sequence import SamplingParams
     from splitfuse.structured.guide import Guide
 
     steps: list[tuple[float, float]] = []  # (end time, duration)

@@ -39,7 +39,7 @@ SINGLE_PROMPT, SINGLE_OUTPUT = 64, 128
 
 def _ensure_model() -> None:
     if not (MODEL / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "splitfuse.demo_model", str(MODEL), "--arch", "llama", "--size",
+        subprocess.run([sys.executable, "-m", "splitfuse.tools.demo_model", str(MODEL), "--arch", "llama", "--size",
                         "bench"], check=True)
 
 
@@ -141,9 +141,9 @@ def gloo_latency(rank: int, port: int) -> dict[int, float] | None:
 
 
 def _run_gloo_latency() -> dict:
-    from splitfuse.parallel.leader import _free_port
+    from splitfuse.utils.ports import free_port
 
-    port = str(_free_port())
+    port = str(free_port())
     peer = subprocess.Popen([sys.executable, __file__, "--gloo-rank", "1", "--port", port], stdout=subprocess.DEVNULL)
     out = subprocess.run([sys.executable, __file__, "--gloo-rank", "0", "--port", port], capture_output=True,
                          text=True, check=True).stdout

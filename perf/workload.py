@@ -200,5 +200,5 @@ def add_workload_args(ap: Any, num_requests: int, prompt_mean: float, gen_mean: 
 def ensure_model(model_dir: str, size: str) -> None:
     if not (Path(model_dir) / "config.json").is_file():
         print(f"[workload] building the {size} checkpoint in {model_dir}")
-        subprocess.run([sys.executable, "-m", "splitfuse.demo_model", model_dir, "--arch", "llama",
+        subprocess.run([sys.executable, "-m", "splitfuse.tools.demo_model", model_dir, "--arch", "llama",
                         "--size", size], check=True)

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from splitfuse.demo_model import build_model  # noqa: E402
+from splitfuse.tools.demo_model import build_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ from splitfuse.launcher.repository import LLM_MODEL, TEMPLATE_ENV, parse_params,
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 from splitfuse.openai_api.config import key_from
-from splitfuse.triton.control import read_limits, write_faults
+from splitfuse.triton_server.control import read_limits, write_faults
 
 
 def _parser() -> argparse.ArgumentParser:

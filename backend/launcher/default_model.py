@@ -40,7 +40,7 @@ def packaged_gguf() -> Path | None:
 
 
 def is_random_demo(model_dir: str | Path) -> bool:
-    """Whether `model_dir` is a random-weight checkpoint built by splitfuse.demo_model."""
+    """Whether `model_dir` is a random-weight checkpoint built by splitfuse.tools.demo_model."""
     return (Path(model_dir) / "splitfuse_demo.json").is_file()
 
 
@@ -56,7 +56,7 @@ def default_model(models_dir: str | Path = "models") -> Path:
     log.warning("splitfuse: the %s package is not installed; %s", TRAINED_PACKAGE.replace("_", "-"), RANDOM_WARNING)
     demo = models / RANDOM_DIR
     if not (demo / "config.json").is_file():
-        from splitfuse.demo_model import build_model
+        from splitfuse.tools.demo_model import build_model
 
         build_model(demo, "llama", "tiny")
     return demo

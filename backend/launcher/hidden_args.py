@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from splitfuse.kernels.toolchain import compile_library, compiler
+from splitfuse.utils.cache_dir import cache_dir as splitfuse_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def placeholder(name: str) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitfuse" / "launcher"
+    return splitfuse_cache_dir("launcher")
 
 
 def shim() -> Path | None:

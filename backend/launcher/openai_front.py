@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping
 
-from splitfuse.launcher.children import die_with_parent
+from splitfuse.utils.children import die_with_parent
 from splitfuse.launcher.lora import LORA_MODULES, resolve_lora_modules
 
 

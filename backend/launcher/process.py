@@ -8,7 +8,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitfuse.launcher import hidden_args
-from splitfuse.launcher.children import die_with_parent
+from splitfuse.utils.ports import free_port, port_is_free
+from splitfuse.utils.children import die_with_parent
 from splitfuse.openai_api.config import API_KEY_ENV
-from splitfuse.triton import control
+from splitfuse.triton_server import control
 from splitfuse.launcher.repository import render_model_repository
 from splitfuse.launcher.triton_install import TritonInstall, build_backend_dir, find_tritonserver, server_env
 
@@ -35,23 +35,6 @@ ADMIN_HEADER = "splitfuse-admin-key"
 GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER  # Triton's name for it in gRPC metadata
 ADMIN_KEY_ENV = "SPLITFUSE_TRITON_ADMIN_KEY"  # where the launcher and perf/ take the operator's key from
 ADMIN_KEY_SECRET = "ADMIN_KEY"  # its name for hidden_args (the key never goes on the command line)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (another process may still take it before the server binds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_is_free(port: int, host: str = "0.0.0.0") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is fine
-        try:
-            s.bind((host or "0.0.0.0", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass

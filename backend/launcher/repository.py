@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from splitfuse.config import EngineConfig
-from splitfuse.cpu_budget import available_cpus
+from splitfuse.utils.cpu_budget import available_cpus
 from splitfuse.launcher.lora import LORA_MODULES, format_lora_modules, resolve_lora_modules
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitfuse.triton import control
+from splitfuse.triton_server import control
 
 
 def alive(pid: int) -> bool:

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from splitfuse.utils.cache_dir import cache_dir as splitfuse_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def gguf_cache_dir() -> Path:
     root = os.environ.get(_CACHE_ENV)
     if root:
         return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitfuse" / "gguf"
+    return splitfuse_cache_dir("gguf")
 
 
 def _source_key(gguf_file: Path) -> dict:

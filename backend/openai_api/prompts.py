@@ -13,7 +13,7 @@ from typing import Any
 
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from splitfuse.openai_api.tool_prompt import TemplateSupport, call_block, tools_instructions, with_instructions
-from splitfuse.prompt_limit import PromptLimit
+from splitfuse.inputs import PromptLimit
 
 
 class Prompts:

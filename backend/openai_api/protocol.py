@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 from splitfuse.openai_api.response_format import JsonObjectFormat, JsonSchemaFormat, ResponseFormat, format_guide
 from splitfuse.openai_api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCall, ToolChoice, forced_call_schema, \
     tools_problem
-from splitfuse.sequence import MAX_CACHE_SALT_LENGTH, MAX_TOP_LOGPROBS
+from splitfuse.engine.sequence import MAX_CACHE_SALT_LENGTH, MAX_TOP_LOGPROBS
 from splitfuse.structured.guide import MAX_GUIDE_LENGTH
 
 

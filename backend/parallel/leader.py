@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import time
 from typing import Callable
@@ -22,6 +21,7 @@ import torch
 from splitfuse.config import EngineConfig
 from splitfuse.errors import FatalEngineError
 from splitfuse.parallel.group import RankGroup, join
+from splitfuse.utils.ports import free_port
 from splitfuse.parallel.step_message import StepMessage, to_device
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Leader:
         """Time spent sending steps to the other ranks, for benchmarks."""
         self._closed = False
         if config.tensor_parallel_launch == "spawn":
-            addr, port = "127.0.0.1", _free_port()
+            addr, port = "127.0.0.1", free_port()
             self.processes = _spawn_workers(self.world_size, addr, port)
         else:
             addr, port = _env_rendezvous(self.world_size)
@@ -135,7 +135,7 @@ def _spawn_workers(world_size: int, addr: str, port: int) -> list[subprocess.Pop
     child: a spawned child re-runs the parent's `__main__` (a user's script without a main
     guard would start engines recursively) and, inside Triton's Python backend, sys.executable
     is the backend stub, not a Python."""
-    from splitfuse.launcher.children import python_executable  # the launcher package, not at import
+    from splitfuse.utils.children import python_executable  # the launcher package, not at import
 
     env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                SPLITFUSE_PARENT_PID=str(os.getpid()))
@@ -166,9 +166,3 @@ def _env_rendezvous(world_size: int) -> tuple[str, int]:
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} != tensor_parallel_size={world_size}")
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from splitfuse.model_runner import ModelRunner
+from splitfuse.engine.model_runner import ModelRunner
 from splitfuse.parallel.group import join
 from splitfuse.parallel.step_message import StepMessage, to_device
 

@@ -30,8 +30,8 @@ from typing import Protocol
 from weakref import WeakKeyDictionary
 
 from splitfuse.config import EngineConfig
-from splitfuse.scheduler import ScheduledChunk
-from splitfuse.sequence import Sequence
+from splitfuse.engine.scheduler import ScheduledChunk
+from splitfuse.engine.sequence import Sequence
 
 _RATE_SMOOTHING = 0.5
 """Weight of the newest verification in a sequence's acceptance rate (exponential average)."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from splitfuse.block_manager import BlockManager
+from splitfuse.engine.block_manager import BlockManager
 from splitfuse.config import EngineConfig
-from splitfuse.model_runner import ModelRunner
-from splitfuse.ragged_batch import RaggedBatch
-from splitfuse.scheduler import ScheduledChunk
-from splitfuse.sequence import SamplingParams, Sequence
+from splitfuse.engine.model_runner import ModelRunner
+from splitfuse.engine.batch import RaggedBatch
+from splitfuse.engine.scheduler import ScheduledChunk
+from splitfuse.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 

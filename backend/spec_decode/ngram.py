@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from weakref import WeakKeyDictionary
 
-from splitfuse.sequence import Sequence
+from splitfuse.engine.sequence import Sequence
 
 
 class NgramIndex:

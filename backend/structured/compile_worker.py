@@ -224,7 +224,7 @@ class _Child:
             self._in_process = self._xgr.GrammarCompiler(self.info, max_threads=1)
 
     def _start(self) -> None:
-        from splitfuse.launcher.children import die_with_parent, python_executable
+        from splitfuse.utils.children import die_with_parent, python_executable
 
         if self._info_json is None:
             self._info_json = self.info.serialize_json().encode()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from splitfuse.sequence import SamplingParams
+from splitfuse.engine.sequence import SamplingParams
 
 
 def new_bitmask(xgr: Any, num_rows: int, vocab_size: int) -> torch.Tensor:

@@ -44,6 +44,7 @@ from typing import Generic, TypeVar
 import torch  # noqa: F401  (loads torch's libgomp before the library binds to one)
 
 from splitfuse.kernels.toolchain import compile_library, compiler
+from splitfuse.utils.cache_dir import cache_dir as splitfuse_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def cache_dir() -> Path:
     root = os.environ.get("SPLITFUSE_KERNEL_CACHE")
     if root:
         return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitfuse" / "cpu_kernels"
+    return splitfuse_cache_dir("cpu_kernels")
 
 
 # SPLITFUSE_CPU_ISA -> the target flag. x86-64-v3 is the AVX2 + FMA level every AVX2 CPU we run on

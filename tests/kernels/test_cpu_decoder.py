@@ -82,7 +82,7 @@ def test_one_call_matches_the_python_layers_bit_for_bit(tiny_model_factory, arch
     ("llama", {"attention_backend": "torch"}, "not the C++ CPU kernels"),
 ])
 def test_models_it_cannot_run_keep_the_python_layers(tiny_model_factory, arch, kw, why, caplog):
-    caplog.set_level("INFO", logger="splitfuse.model_runner")
+    caplog.set_level("INFO", logger="splitfuse.engine.model_runner")
     llm = LLM(tiny_model_factory(arch), num_kv_blocks=64, **{**CPU_LINEAR, **kw})
     assert llm.engine.runner.model.decoder_stack is None
     assert any(why in r.getMessage() and "decoder layers in Python" in r.getMessage() for r in caplog.records)

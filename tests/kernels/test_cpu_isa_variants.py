@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 AVX2_ENV = {"SPLITFUSE_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 TESTS = ["tests/kernels/test_cpu_paged_attention.py", "tests/kernels/test_cpu_elementwise.py",
          "tests/kernels/test_cpu_linear.py", "tests/kernels/test_cpu_decoder.py",
-         "tests/kernels/test_cpu_decoder_lora.py", "tests/unit/test_linear.py",
-         "tests/unit/test_int8_linear.py", "tests/unit/test_dtype_auto.py",
+         "tests/kernels/test_cpu_decoder_lora.py", "tests/unit/layers/test_linear.py",
+         "tests/unit/layers/test_int8_linear.py", "tests/unit/engine/test_dtype_auto.py",
          "tests/models/test_low_precision_agreement.py"]
 # What the AVX2 build offers and what the engine's `auto` choices take from it: bf16 weights
 # widened in registers by our linear kernel (oneDNN has no bf16 below AVX-512 / AVX-NE-CONVERT),
@@ -63,7 +63,7 @@ def test_avx_vnni_int8_build_passes_the_linear_tests():
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split()[-2:] == ["32", "avx_vnni"], probe.stdout
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          "tests/kernels/test_cpu_linear.py", "tests/unit/test_int8_linear.py"],
+                          "tests/kernels/test_cpu_linear.py", "tests/unit/layers/test_int8_linear.py"],
                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 

@@ -13,7 +13,7 @@ within that kernel's tolerance of torch's silu_and_mul.
 bfloat16: the same products summed in fp32 (in pairs with AVX-512 BF16), then one bf16 rounding:
 within one bf16 ulp (2^-8 relative) of the rounded float32 reference, plus the fp32 difference
 of the sums (which can tip a rounding); and the relative Frobenius error against float32
-inputs bounded as for oneDNN's bf16 GEMM (tests/unit/test_linear.py).
+inputs bounded as for oneDNN's bf16 GEMM (tests/unit/layers/test_linear.py).
 """
 
 from __future__ import annotations

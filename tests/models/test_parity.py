@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from splitfuse import LLM, SamplingParams
 from splitfuse.config import EngineConfig
-from splitfuse.engine_loop import EngineLoop
+from splitfuse.engine.loop import EngineLoop
 
 PROMPT_LENGTHS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 64, 100, 130]
 LLAMA3_ROPE = {

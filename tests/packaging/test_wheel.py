@@ -144,7 +144,7 @@ def test_every_module_imports_from_the_wheel(wheel_env, tmp_path):
     skipped = sorted(out["failed"])
     if skipped:
         print("optional-dependency modules not imported:", skipped)
-    expected = {"splitfuse.launcher", "splitfuse.engine_loop", "splitfuse.kernels.cpu.build",
+    expected = {"splitfuse.launcher", "splitfuse.engine.loop", "splitfuse.kernels.cpu.build",
                 "splitfuse.openai_api", "splitfuse.models"}
     assert expected <= set(out["ok"])
     assert {"splitfuse.launcher.__main__", "splitfuse.openai_api.__main__"} <= set(out["commands"])

@@ -336,7 +336,7 @@ def test_tiny_sweep_against_real_triton_server(tiny_llama, tmp_path):
 # ---------------------------------------------------------------------------------- in-process engine
 def test_tiny_sweep_against_in_process_engine(tiny_llama):
     from splitfuse.config import EngineConfig
-    from splitfuse.engine_loop import EngineLoop
+    from splitfuse.engine.loop import EngineLoop
 
     specs = workload.make_workload(tiny_llama, 8, prompt_mean=32, gen_mean=5, seed=0, max_model_len=256)
     loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=64, device="cpu", num_kv_blocks=64, num_threads=1))

@@ -58,7 +58,7 @@ def offline_engine_greedy(model_dir: str, params: dict[str, str], prompts: list[
     """offline_greedy's tokens, and how that engine ran its decoder layers on this machine
     (`ModelRunner.decoder_layers`, which the served model's ready line also reports)."""
     from splitfuse.llm import LLM
-    from splitfuse.sequence import SamplingParams
+    from splitfuse.engine.sequence import SamplingParams
 
     with LLM(model_dir, **engine_kwargs(model_dir, params)) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))

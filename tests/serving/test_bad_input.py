@@ -97,7 +97,7 @@ def test_one_bad_request_fails_alone_in_a_preprocessing_batch(strict_template_se
 
     from transformers import AutoTokenizer
 
-    from splitfuse.prompt_limit import PromptLimit
+    from splitfuse.inputs import PromptLimit
 
     server, model = strict_template_server
     too_long = "x" * (PromptLimit(AutoTokenizer.from_pretrained(model), 4096).max_chars + 1)

@@ -7,7 +7,7 @@ import json
 import pytest
 from triton_helpers import grpc_generate, http_generate, http_generate_stream
 
-from splitfuse.sequence import SamplingParams
+from splitfuse.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.serving
 

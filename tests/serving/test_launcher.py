@@ -20,7 +20,7 @@ from google.protobuf import text_format
 from triton_helpers import GrpcStream, InferenceServerException
 from tritonclient.grpc import model_config_pb2
 
-from splitfuse.block_manager import longest_sequence
+from splitfuse.engine.block_manager import longest_sequence
 from splitfuse.config import EngineConfig
 from splitfuse.kernels.toolchain import compiler
 from splitfuse.launcher import (

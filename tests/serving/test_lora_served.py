@@ -59,7 +59,7 @@ def _key(prompt: str | list[int]) -> str:
 def lora_server(tiny_llama, tmp_path_factory):
     pytest.importorskip("peft", reason="peft is in the dev extra")
     from splitfuse.llm import LLM
-    from splitfuse.sequence import SamplingParams
+    from splitfuse.engine.sequence import SamplingParams
 
     root = tmp_path_factory.mktemp("lora_served")
     adapters = {name: make_adapter(tiny_llama, root / name, seed, **spec)

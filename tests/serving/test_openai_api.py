@@ -59,7 +59,7 @@ def test_models_lists_the_served_model(api):
 
 
 def test_completion_greedy_matches_the_engine_and_streams_the_same_text(api, offline_llm):
-    from splitfuse.sequence import SamplingParams
+    from splitfuse.engine.sequence import SamplingParams
 
     client = api.client()
     whole = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=12, temperature=0)
@@ -93,7 +93,7 @@ def test_completion_with_token_ids_and_echo(api, offline_llm):
 
 
 def test_chat_uses_the_chat_template_and_streams_the_same_text(api, offline_llm):
-    from splitfuse.sequence import SamplingParams
+    from splitfuse.engine.sequence import SamplingParams
 
     tok = offline_llm.tokenizer
     prompt_ids = tok(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
@@ -159,7 +159,7 @@ def test_stop_strings_and_lengths(api):
 def test_sampling_parameters_reach_the_engine(api, offline_llm):
     """Seeded sampling and penalties give what the engine gives for the same SamplingParams
     (a seeded request's tokens do not depend on what else shares the batch)."""
-    from splitfuse.sequence import SamplingParams
+    from splitfuse.engine.sequence import SamplingParams
 
     client = api.client()
     kw = dict(model=api.model, prompt=PROMPT, max_tokens=16, temperature=0.8, top_p=0.9)

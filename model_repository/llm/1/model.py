@@ -23,17 +23,17 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from splitfuse.config import EngineConfig
-from splitfuse.triton.control import Control
-from splitfuse.engine_loop import EngineLoop
+from splitfuse.triton_server.control import Control
+from splitfuse.engine.loop import EngineLoop
 from splitfuse.errors import SERVER_BUSY, ServerBusyError
-from splitfuse.sequence import RequestOutput
-from splitfuse.triton.metrics import MetricsRecorder, TritonMetrics
-from splitfuse.triton.orphan_guard import exit_with_parent
-from splitfuse.triton.replica_balance import NOT_TAKING, ReplicaBalance
-from splitfuse.triton.request import InputError, Parsed, parse_request
-from splitfuse.triton.response import response_arrays, stop_ack_arrays
+from splitfuse.engine.sequence import RequestOutput
+from splitfuse.triton_server.metrics import MetricsRecorder, TritonMetrics
+from splitfuse.utils.orphan_guard import exit_with_parent
+from splitfuse.triton_server.replica_balance import NOT_TAKING, ReplicaBalance
+from splitfuse.triton_server.request import InputError, Parsed, parse_request
+from splitfuse.triton_server.response import response_arrays, stop_ack_arrays
 
-log = logging.getLogger("splitfuse.triton.llm")
+log = logging.getLogger("splitfuse.triton_server.llm")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How often stop requests and the shutdown handshake are checked.

@@ -12,8 +12,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
-from splitfuse.prompt_limit import PromptLimit
-from splitfuse.triton.orphan_guard import exit_with_parent
+from splitfuse.inputs import PromptLimit
+from splitfuse.utils.orphan_guard import exit_with_parent
 
 
 class InputError(ValueError):

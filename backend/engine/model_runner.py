@@ -1,0 +1,268 @@
+"""Owns the model, the KV-cache tensors and the attention backend; runs one ragged batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from splitfuse.engine.block_manager import longest_sequence, pool_blocks_for
+from splitfuse.config import BLOCK_QUANTIZATIONS, EngineConfig
+from splitfuse.utils.cpu_budget import available_cpus
+from splitfuse.utils.host_allocator import keep_freed_memory
+from splitfuse.kernels.cpu.paged_attention import huge_page_empty
+from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
+from splitfuse.layers.kernels import KernelSet
+from splitfuse.layers.linear import check_quantization, make_linear_kernel, native_bf16_cpu, resolve_linear_backend
+from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
+from splitfuse.lora.adapter import TARGETS, BaseShape
+from splitfuse.lora.batching import LoraProjection, LoraState
+from splitfuse.lora.registry import LoraRegistry
+from splitfuse.models.llama import ModelArgs
+from splitfuse.models.loader import load_model, read_hf_config
+from splitfuse.parallel.group import RankGroup, rank_device
+from splitfuse.parallel.sharding import Sharder, local_args
+from splitfuse.engine.batch import RaggedBatch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, args: ModelArgs, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """`dtype=auto`: float32 under a GGUF block quantization (its kernel takes float32
+    activations); else the checkpoint's dtype on GPUs; on CPUs a bfloat16 checkpoint stays bfloat16
+    where bf16 runs at least as fast as float32 (layers.linear.native_bf16_cpu: AVX-512 BF16 or AMX,
+    or the C++ kernels' AVX2 build, which widens bf16 weights in registers), everything else runs
+    float32 (bf16 widened by torch's generic paths is slower than fp32 itself).
+    The choice and its reason are logged."""
+    if name != "auto":
+        return _DTYPES[name]
+    if quantization in BLOCK_QUANTIZATIONS:
+        log.info("splitfuse: dtype=auto -> float32: quantization=%s multiplies float32 activations", quantization)
+        return torch.float32
+    checkpoint = str(args.checkpoint_dtype).removeprefix("torch.")
+    if device.type != "cpu":
+        return _DTYPES.get(checkpoint, torch.bfloat16)
+    native, why = native_bf16_cpu()
+    if checkpoint == "bfloat16" and native:
+        log.info("splitfuse: dtype=auto -> bfloat16: a bfloat16 checkpoint on a CPU with %s", why)
+        return torch.bfloat16
+    reason = f"a {checkpoint} checkpoint" if checkpoint != "bfloat16" else f"this CPU has {why}"
+    log.info("splitfuse: dtype=auto -> float32: %s (set dtype=bfloat16 to choose otherwise)", reason)
+    return torch.float32
+
+
+def threads_per_rank(config: EngineConfig) -> int:
+    """CPU threads of one rank: `num_threads` (or the cores this process may use) divided among
+    the tensor-parallel ranks of this machine."""
+    if config.tensor_parallel_size == 1:
+        return config.num_threads or min(torch.get_num_threads(), available_cpus())
+    total = config.num_threads or available_cpus()
+    return max(1, total // config.tensor_parallel_size)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
+        """`group` is given on tensor-parallel ranks 1..N-1 (parallel/worker.py); the engine's
+        runner, rank 0, starts the group itself when `tensor_parallel_size` > 1."""
+        self.config = config
+        # Also on this thread's OpenMP setting, which the C++ kernels' parallel regions read
+        # (torch passes its own count to each of its regions); the engine steps on the thread
+        # that built it.
+        torch.set_num_threads(threads_per_rank(config))
+        self.hf_config = read_hf_config(config.model)
+        full_args = ModelArgs.from_hf_config(self.hf_config)
+        world_size = config.tensor_parallel_size
+        # A tensor-parallel rank builds its own heads, KV heads and MLP share (parallel/sharding.py).
+        self.args = local_args(full_args, world_size) if world_size > 1 else full_args
+        self.device = resolve_device(config.device)
+        if world_size > 1:
+            self.device = rank_device(self.device, group.rank if group is not None else 0)
+        if self.device.type == "cpu":
+            # SiLU/exp on denormal floats is ~20x slower on x86; flushing them to zero changes
+            # nothing at the precision that matters (values below 1e-38). A per-thread setting:
+            # the engine steps on the thread that built it.
+            torch.set_flush_denormal(True)
+            keep_freed_memory()
+        self.dtype = resolve_dtype(config.dtype, self.args, self.device, config.quantization)
+        self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype,
+                                                     config.quantization)
+        check_quantization(config.quantization, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attention_backend)
+        self.kernels = KernelSet.create(self.attention_backend, self.dtype)
+        self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
+                                 self.args.max_position_embeddings)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.max_model_len = self._fit_max_model_len()
+        self.leader = None
+        if world_size > 1 and group is None:
+            from splitfuse.parallel.leader import Leader
+
+            # The other ranks build from rank 0's config, with the KV block count it decided.
+            self.leader = Leader(dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks), self.device)
+            group = self.leader.group
+        elif group is not None:
+            group.open_compute(self.device, config.tensor_parallel_timeout_s)
+        self.group = group
+        try:
+            self._load(full_args)
+        except BaseException as e:
+            if self.leader is not None:
+                self.leader.abort(f"rank 0 failed to load: {type(e).__name__}: {e}")
+            raise
+
+    def _load(self, full_args: ModelArgs) -> None:
+        config, group = self.config, self.group
+        shard = Sharder(full_args, group.rank, group.world_size) if group is not None else None
+        self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device, shard=shard,
+                                all_reduce=group.all_reduce if group is not None else None)
+        self._attach_lora()
+        self.model.prepare_linears(self.linear_backend, config.quantization)
+        log.info("splitfuse: device=%s dtype=%s kv_cache_dtype=%s attention_backend=%s (requested %s) "
+                 "linear_backend=%s (requested %s) quantization=%s weights=%s threads=%d", self.device,
+                 str(self.dtype).removeprefix("torch."), str(self.kv_cache_dtype).removeprefix("torch."),
+                 self.attention_backend, config.attention_backend,
+                 self.linear_backend, config.linear_backend, config.quantization, self.weight_memory_summary(),
+                 torch.get_num_threads())
+        if config.quantization == "int8":
+            log.warning("splitfuse: quantization=int8 costs quality: weights per output channel and activations "
+                        "per token in int8 raised a trained model's perplexity over float32 by about 3% with "
+                        "the C++ kernel (AVX-512 VNNI; 8-bit activations on every ISA) and 9% through oneDNN's 7-bit "
+                        "activations on AVX2, and its greedy answers "
+                        "leave float32's within a few tokens (perf/results/perplexity/); dtype=bfloat16 alone "
+                        "costs under 0.1%")
+        inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
+        cos, sin = rope_cos_sin(inv_freq, self.max_model_len)
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        # Each backend lays out its blocks as its kernels read them best.
+        shape = self.kernels.attention.cache_shape(self.num_kv_blocks, config.block_size, self.args.num_kv_heads,
+                                                   self.args.head_dim)
+        # Zeroed so padded block slots read by batched kernels are finite.
+        self.kv_caches = [(self._zeroed_cache(shape), self._zeroed_cache(shape)) for _ in range(self.args.num_layers)]
+        if not config.fused_decoder:
+            why = "fused_decoder=false"
+        else:
+            why = self.model.prepare_decoder_stack(self.kv_caches)
+        self.decoder_layers = "one C++ call" if why is None else f"Python ({why})"
+        log.info("splitfuse: decoder layers in %s", self.decoder_layers)
+        if group is not None:
+            group.barrier()  # every rank has its shard and cache
+
+    def _attach_lora(self) -> None:
+        """Read the configured LoRA adapters and hook the projections they adapt (before the
+        kernels are prepared: a hooked gate_up projection leaves its activation out)."""
+        self.lora: LoraRegistry | None = None
+        self.lora_state: LoraState | None = None
+        adapters = self.config.lora_adapters()
+        if not adapters:
+            return
+        a = self.args
+        base = BaseShape(num_layers=a.num_layers, hidden_size=a.hidden_size, q_size=a.num_heads * a.head_dim,
+                         kv_size=a.num_kv_heads * a.head_dim, intermediate_size=a.intermediate_size,
+                         moe=a.num_experts > 0)
+        backend = self.linear_backend
+        self.lora = LoraRegistry(adapters, base, self.config.max_loras, self.config.max_lora_rank, self.dtype,
+                                 self.device, make_kernel=lambda weight: make_linear_kernel(weight, None, backend))
+        # Where the Triton-lang kernels run, LoRA takes its Triton-lang kernel too (one per part).
+        state = self.lora_state = LoraState(self.lora.stacks, device_kernel=self.kernels.triton_lang)
+        self.model.attach_lora(state, lambda layer, name: LoraProjection(layer, name, state),
+                               {TARGETS[t][0] for t in self.lora.targets})
+
+    def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            # On transparent huge pages: a step reads its sequences' blocks scattered over the pool,
+            # and on 4 KiB pages nearly every K/V tile read costs a TLB miss (fp32, 32 decodes of
+            # ~700 tokens: attention 13.5-15.3 -> 12.1-13.3 ms per step). At start, zeroing 1 GiB this
+            # way took 0.12 s against torch.zeros' 0.21 s, or 1.4 s when the kernel had to compact
+            # memory for the first huge pages.
+            return huge_page_empty(shape, self.kv_cache_dtype).zero_()
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+
+    def weight_memory_summary(self) -> str:
+        """Weights held, in MB per dtype, e.g. "int8 18.9 MB + float32 17.2 MB"."""
+        memory = sorted(self.model.weight_memory().items(), key=lambda item: -item[1])
+        return " + ".join(f"{dtype} {nbytes / 1e6:.1f} MB" for dtype, nbytes in memory if nbytes)
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.args
+        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return 2 * a.num_layers * self.config.block_size * a.num_kv_heads * a.head_dim * itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        blocks = int(self.config.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_block()
+        # More blocks than max_num_seqs full-length sequences can ever use (beside the admission
+        # watermark) would only waste memory.
+        cap = pool_blocks_for(self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size),
+                              self.config.kv_watermark)
+        return max(1, min(blocks, cap))
+
+    def _fit_max_model_len(self) -> int:
+        """max_model_len, lowered to what the KV pool can hold for one sequence when it came from
+        the checkpoint; an explicit max_model_len the pool cannot hold is refused with the
+        setting to raise. Logs the pool's capacity either way."""
+        config, bs = self.config, self.config.block_size
+        gib_per_block = self.kv_bytes_per_block() / (1 << 30)
+        fits = longest_sequence(self.num_kv_blocks, bs, config.kv_watermark)
+        wanted = self.max_model_len
+        if wanted > fits:
+            blocks = pool_blocks_for(-(-wanted // bs), config.kv_watermark)
+            raise_what = (f"num_kv_blocks to {blocks}" if config.num_kv_blocks is not None
+                          else f"kv_cache_memory_gb to {blocks * gib_per_block:.3g}")
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len={wanted} does not fit the KV cache: its {self.num_kv_blocks} blocks "
+                                 f"of {bs} tokens hold one sequence of at most {fits} tokens. Raise {raise_what}, "
+                                 f"or lower max_model_len")
+            log.warning("splitfuse: max_model_len lowered from the checkpoint's %d to %d, the longest sequence the "
+                        "KV cache holds; raise %s to serve the full context", wanted, fits, raise_what)
+            wanted = fits
+        log.info("splitfuse: KV cache: %d blocks of %d tokens = %d tokens (%.3g GiB); %d sequences of "
+                 "max_model_len %d fit at once", self.num_kv_blocks, bs, self.num_kv_blocks * bs,
+                 self.num_kv_blocks * gib_per_block, self.num_kv_blocks // -(-wanted // bs), wanted)
+        return wanted
+
+    @torch.inference_mode()
+    def execute(self, batch: RaggedBatch) -> torch.Tensor:
+        """Run the model over the batch; return float32 logits of the sampling rows [S, V].
+        With tensor parallelism the other ranks get the batch first and run their shards."""
+        if self.leader is not None:
+            return self.leader.run_step(self._execute, batch)
+        return self._execute(batch)
+
+    def _execute(self, batch: RaggedBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.forward_hidden(batch)).float()
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: RaggedBatch) -> torch.Tensor:
+        """Hidden states of the sample rows (what ranks 1..N-1 run too: only rank 0 computes
+        logits). The last layer writes every row's K/V and computes nothing else for the rest."""
+        attention, kv_heads = self.kernels.attention, self.args.num_kv_heads
+        attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, kv_heads)
+        if self.lora_state is not None:
+            adapters = self.lora.acquire(batch.lora.names) if batch.lora is not None else []
+            self.lora_state.set_step(adapters, [self.lora.slot(a.name) for a in adapters], batch.lora, self.device)
+        elif batch.lora is not None:
+            raise ValueError(f"LoRA adapters {batch.lora.names} requested but this model serves none")
+        keep = None
+        if (last := batch.last_layer) is not None:
+            attention.prepare(last.attn, last.query_lens, last.seq_lens, kv_heads)
+            keep = (batch.sample_rows, last.attn)
+        return self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin, keep=keep)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0); nothing to do otherwise."""
+        if self.leader is not None:
+            self.leader.shutdown()

@@ -1,0 +1,2 @@
+"""Developer tools shipped with the package: the random-weight demo checkpoints tests and
+benchmarks build (`python -m splitfuse.tools.demo_model`)."""

@@ -1,0 +1,183 @@
+"""Parse one Triton request (TensorRT-LLM ensemble tensor names) into a prompt and SamplingParams.
+
+Pure numpy over a mapping of input name -> array, so it is tested without a server; the
+`llm` model's model.py builds that mapping from the Triton request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from splitfuse.engine.sequence import MAX_TOP_LOGPROBS, SamplingParams
+from splitfuse.structured.guide import Guide
+
+
+class InputError(ValueError):
+    """A request the client must fix; its message goes back in the error response."""
+
+
+# --------------------------------------------------------------------------- request parsing
+
+
+def _tensor(request: Mapping[str, np.ndarray], name: str) -> np.ndarray | None:
+    return request.get(name)
+
+
+def _scalar(request, name: str, kind: type) -> Any:
+    arr = _tensor(request, name)
+    if arr is None:
+        return None
+    if arr.size != 1:
+        raise InputError(f"{name} must hold one value per request (shape [1, 1]), got shape {list(arr.shape)}")
+    value = arr.reshape(-1)[0]
+    if kind is str:
+        return _utf8(name, value)
+    return kind(value)
+
+
+def _utf8(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{name} is not valid UTF-8: {e}") from None
+
+
+def _first(request, names: tuple[str, ...], kind: type) -> Any:
+    """The value of the first of several accepted names (e.g. min_tokens / min_length)."""
+    for name in names:
+        value = _scalar(request, name, kind)
+        if value is not None:
+            return value
+    return None
+
+
+# A stop handle is "<instance tag>.<random hex>" (see the llm model); anything longer is not one.
+MAX_STOP_HANDLE_LENGTH = 128
+
+
+@dataclass
+class Parsed:
+    stop_request: bool = False
+    stop_handle: str = ""
+    """Of a stop request: the handle the generation's first response carried."""
+    prompt: str | list[int] = ""
+    prompt_text: str | None = None
+    params: SamplingParams | None = None
+    stream: bool = False
+    exclude_input: bool = True
+    return_log_probs: bool = False
+    return_top_log_probs: int = 0
+    """k: each output token's k most likely tokens go out as top_log_probs / top_log_prob_ids."""
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_num_cached_tokens: bool = False
+    return_stop_handle: bool = False
+
+
+def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0) -> Parsed:
+    """Input tensors by name -> prompt + SamplingParams, raising InputError/ValueError.
+
+    A request without `temperature` gets `default_temperature` (EngineConfig's; 0 = greedy)."""
+    batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
+             if a is not None and a.ndim > 0]
+    bad = [b for b in batch if b != 1]
+    if bad:
+        raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
+    if _scalar(request, "stop", bool):
+        handle = _scalar(request, "stop_handle", str)
+        if not handle:
+            raise InputError("a stop request needs the stop_handle of the generation to stop: ask for it with "
+                             "return_stop_handle=true, its first response carries it (a request id alone no "
+                             "longer stops a generation: ids are chosen by clients, so any client could stop "
+                             "another's)")
+        if len(handle) > MAX_STOP_HANDLE_LENGTH:
+            raise InputError(f"stop_handle is longer than {MAX_STOP_HANDLE_LENGTH} characters: not a stop handle")
+        return Parsed(stop_request=True, stop_handle=handle)
+
+    text = _scalar(request, "text_input", str)
+    ids_arr = _tensor(request, "input_ids")
+    prompt: str | list[int]
+    if ids_arr is not None:
+        ids = ids_arr.reshape(-1).tolist()
+        length = _scalar(request, "input_lengths", int)
+        if length is not None:
+            if not 0 <= length <= len(ids):
+                raise InputError(f"input_lengths ({length}) must be in [0, {len(ids)}]")
+            ids = ids[:length]
+        if not ids:
+            raise InputError("input_ids is empty")
+        prompt = ids
+    elif text is not None:
+        if not text:
+            raise InputError("text_input is empty")
+        prompt = text
+    else:
+        raise InputError("text_input (or input_ids) is required")
+
+    max_tokens = _scalar(request, "max_tokens", int)
+    if max_tokens is None:
+        raise InputError("max_tokens is required")
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": default_temperature}
+    for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("repetition_penalty", float),
+                       ("presence_penalty", float), ("frequency_penalty", float), ("ignore_eos", bool)):
+        value = _scalar(request, name, kind)
+        if value is not None:
+            kwargs[name] = value
+    min_tokens = _first(request, ("min_tokens", "min_length"), int)
+    if min_tokens is not None:
+        kwargs["min_tokens"] = min_tokens
+    seed = _first(request, ("seed", "random_seed"), int)
+    if seed is not None:
+        kwargs["seed"] = seed
+    words = _tensor(request, "stop_words")
+    if words is not None:
+        # Empty entries are padding in TensorRT-LLM-style clients, not stop strings.
+        kwargs["stop"] = [w for w in (_utf8("stop_words", v) for v in words.reshape(-1)) if w]
+    end_id = _scalar(request, "end_id", int)
+    if end_id is not None and end_id >= 0:
+        kwargs["stop_token_ids"] = [end_id]
+    guide_type = _scalar(request, "guided_decoding_guide_type", str)
+    if guide_type is not None:  # TensorRT-LLM's names; Guide names the problem with a bad one
+        kwargs["guide"] = Guide(guide_type, _scalar(request, "guided_decoding_guide", str) or "")
+    elif _tensor(request, "guided_decoding_guide") is not None:
+        raise InputError("guided_decoding_guide needs guided_decoding_guide_type (json, json_schema, regex, "
+                         "ebnf_grammar or choice)")
+    salt = _scalar(request, "cache_salt", str)
+    if salt is not None:
+        kwargs["cache_salt"] = salt
+    lora = _scalar(request, "lora_name", str)
+    if lora is not None:
+        if not lora:  # checked here so that the error names the Triton input
+            raise InputError("lora_name is empty: name a served LoRA adapter, or leave the input out for the base "
+                             "model")
+        kwargs["lora_name"] = lora
+    return_log_probs = bool(_scalar(request, "return_log_probs", bool))
+    kwargs["logprobs"] = return_log_probs
+    top = _scalar(request, "return_top_log_probs", int)
+    if top is not None:
+        # Checked here, not only by SamplingParams, so that the error names the Triton input.
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InputError(f"return_top_log_probs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        kwargs["top_logprobs"] = top
+    params = SamplingParams(**kwargs)  # ValueError names the field
+
+    exclude = _scalar(request, "exclude_input_in_output", bool)
+    return Parsed(
+        prompt=prompt,
+        prompt_text=text,
+        params=params,
+        stream=bool(_scalar(request, "stream", bool)),
+        exclude_input=True if exclude is None else exclude,
+        return_log_probs=return_log_probs,
+        return_top_log_probs=params.top_logprobs,
+        return_num_input_tokens=bool(_scalar(request, "return_num_input_tokens", bool)),
+        return_num_output_tokens=bool(_scalar(request, "return_num_output_tokens", bool)),
+        return_num_cached_tokens=bool(_scalar(request, "return_num_cached_tokens", bool)),
+        return_stop_handle=bool(_scalar(request, "return_stop_handle", bool)),
+    )

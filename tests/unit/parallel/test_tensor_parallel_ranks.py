@@ -1,0 +1,215 @@
+"""Tensor-parallel ranks as processes: started apart through torchrun's variables, and failing.
+
+A tensor-parallel rank that dies or hangs fails the engine with a clear error within the
+configured bound (`tensor_parallel_timeout_s`), never a hang; no rank process outlives its
+engine or the process that started it.
+
+The bounds below are liveness checks (the error comes at all, instead of a wedged engine), set
+at several times the configured timeout; they say nothing about speed."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from splitfuse import LLMEngine, SamplingParams
+from splitfuse.config import EngineConfig
+from splitfuse.engine.loop import EngineFailedError, EngineLoop
+from splitfuse.errors import FatalEngineError
+
+TIMEOUT_S = 5.0
+# Liveness bound of each wait below: the configured timeout plus room for a loaded machine.
+BOUND_S = 4 * TIMEOUT_S + 10
+
+
+def _config(path: str, **overrides) -> EngineConfig:
+    values = dict(dtype="float32", tensor_parallel_size=2, num_kv_blocks=256, block_size=4,
+                  tensor_parallel_timeout_s=TIMEOUT_S, num_threads=2)
+    return EngineConfig(model=path, **(values | overrides))
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"g{i}", p, SamplingParams(max_tokens=8, temperature=0.0))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    return [tokens[f"g{i}"] for i in range(len(prompts))]
+
+
+def _worker_pids(parent: int | None = None) -> list[int]:
+    """Processes running a tensor-parallel rank, children of `parent` (default: this process)."""
+    parent = os.getpid() if parent is None else parent
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"splitfuse.parallel.worker" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.slow  # starts rank processes
+def test_killed_rank_fails_the_served_engine_and_every_request(tiny_llama):
+    """SIGKILL rank 1 mid-generation under EngineLoop (what the Triton model runs): every request
+    ends with an error naming the rank, the loop is broken (so the model reports not ready) and
+    no process is left once it shuts down."""
+    loop = EngineLoop(_config(tiny_llama))
+    loop.start()
+    worker = loop.engine.runner.leader.processes[0]
+    finals: dict[str, object] = {}
+    first_token = threading.Event()
+    done = threading.Event()
+
+    def on_output(out):
+        if out.delta_token_ids:
+            first_token.set()
+        if out.finished:
+            finals[out.request_id] = out
+            if len(finals) == 3:
+                done.set()
+
+    for i in range(3):
+        loop.submit(f"r{i}", [1, 5 + i, 9, 13], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                    on_output)
+    assert first_token.wait(60)
+    os.kill(worker.pid, signal.SIGKILL)
+    assert done.wait(BOUND_S), "requests still pending after a rank was killed"
+    for out in finals.values():
+        assert out.finish_reason == "error"
+        assert "rank 1" in out.error and "exited with code -9" in out.error, out.error
+    assert loop.failure is not None and "tensor-parallel" in loop.failure
+    with pytest.raises(EngineFailedError):
+        loop.submit("late", [1, 2, 3], SamplingParams(max_tokens=2), on_output)
+    loop.shutdown(timeout=BOUND_S)
+    assert not _worker_pids()
+
+
+@pytest.mark.slow  # starts rank processes
+def test_hung_rank_fails_the_step_within_the_timeout(tiny_llama):
+    """A rank that stops answering (SIGSTOP) fails the step at the all-reduce timeout; later steps
+    fail at once; shutdown leaves no process behind."""
+    engine = LLMEngine(_config(tiny_llama))
+    worker = engine.runner.leader.processes[0]
+    engine.add_request("a", [1, 7, 8, 9], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.step()
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        result: dict = {}
+
+        def step():
+            try:
+                engine.step()
+            except BaseException as e:
+                result["error"] = e
+
+        thread = threading.Thread(target=step, daemon=True)
+        thread.start()
+        thread.join(BOUND_S)
+        assert not thread.is_alive(), "a step with a hung rank did not end"
+        assert isinstance(result.get("error"), FatalEngineError), result
+        assert "tensor-parallel group failed" in str(result["error"])
+        with pytest.raises(FatalEngineError):
+            engine.step()
+    finally:
+        if _alive(worker.pid):
+            os.kill(worker.pid, signal.SIGCONT)
+    engine.shutdown()
+    assert not _alive(worker.pid) and not _worker_pids()
+
+
+@pytest.mark.slow  # starts rank processes
+def test_ranks_leave_with_their_parent(tiny_llama, tmp_path):
+    """The engine's process killed with SIGKILL (no shutdown runs): its ranks exit on their own."""
+    script = tmp_path / "engine.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from splitfuse import LLM
+        llm = LLM({tiny_llama!r}, dtype="float32", tensor_parallel_size=2, num_kv_blocks=16, num_threads=2)
+        print("READY", flush=True)
+        time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        ranks = _worker_pids(proc.pid)
+        assert len(ranks) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    # Orphaned, the rank is re-parented (to init); it must notice and exit.
+    assert _wait_until(lambda: not _alive(ranks[0]), BOUND_S), "a rank outlived its engine's process"
+
+
+def test_shapes_that_do_not_split_are_refused_before_any_rank_starts(tiny_llama):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        LLMEngine(_config(tiny_llama, tensor_parallel_size=3))
+    assert not _worker_pids()
+
+
+@pytest.mark.parametrize("bad", [dict(tensor_parallel_size=0), dict(tensor_parallel_timeout_s=0),
+                                 dict(tensor_parallel_launch="mpi")])
+def test_config_rejects_bad_tensor_parallel_values(tiny_llama, bad):
+    with pytest.raises(ValueError):
+        EngineConfig(model=tiny_llama, **bad)
+
+
+@pytest.mark.slow  # starts rank processes
+def test_ranks_started_apart_meet_through_env_variables(tiny_llama, monkeypatch):
+    """tensor_parallel_launch="env": rank 1 started on its own (as torchrun would, possibly on
+    another machine) with MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, the engine as rank 0;
+    rank 1 takes its config from rank 0, the tokens equal one rank's, and it exits cleanly when
+    the engine shuts down."""
+    from splitfuse.utils.ports import free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    rank1 = subprocess.Popen([sys.executable, "-m", "splitfuse.parallel.worker"], env=dict(env, RANK="1"))
+    try:
+        for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
+            monkeypatch.setenv(name, env[name])
+        monkeypatch.setenv("RANK", "0")
+        prompts = [[1, 5, 9], [1, 17, 30, 44, 2, 3], [1] + list(range(10, 40))]
+        engine = LLMEngine(_config(tiny_llama, tensor_parallel_launch="env"))
+        try:
+            assert engine.runner.leader.processes == []  # nothing spawned: rank 1 came on its own
+            two = _greedy(engine, prompts)
+        finally:
+            engine.shutdown()
+        assert rank1.wait(30) == 0
+        one = _greedy(LLMEngine(_config(tiny_llama, tensor_parallel_size=1, num_threads=1)), prompts)
+        assert two == one
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+            rank1.wait()
