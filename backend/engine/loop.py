@@ -223,7 +223,9 @@ class EngineLoop:
                 self._hand_out()
                 continue
             try:
-                outputs = self.engine.step(before_forward=self._hand_out)
+                plan = self.engine.schedule()
+                self._hand_out()  # the last step's outputs go out while this thread runs the forward pass
+                outputs = self.engine.execute(plan)
                 self.steps += 1
             except FatalEngineError:
                 self._hand_out()
@@ -233,7 +235,6 @@ class EngineLoop:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_in_flight(f"engine step failed: {type(e).__name__}: {e}")
                 continue
-            self._hand_out()  # a step that ran no forward pass
             self._step_outputs = outputs
             self._engine_waiting = self.engine.num_waiting
             if not self.engine.has_unfinished_requests():

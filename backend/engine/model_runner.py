@@ -16,7 +16,7 @@ from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import check_quantization, make_linear_kernel, native_bf16_cpu, resolve_linear_backend
 from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
-from splitfuse.lora.adapter import TARGETS, BaseShape
+from splitfuse.lora.adapter import TARGETS, BaseShape, LoraAdapter
 from splitfuse.lora.batching import LoraProjection, LoraState
 from splitfuse.lora.registry import LoraRegistry
 from splitfuse.models.llama import ModelArgs
@@ -165,6 +165,7 @@ class ModelRunner:
         kernels are prepared: a hooked gate_up projection leaves its activation out)."""
         self.lora: LoraRegistry | None = None
         self.lora_state: LoraState | None = None
+        self._acquired: dict[str, LoraAdapter] = {}  # by acquire_adapters, for the next forward pass
         adapters = self.config.lora_adapters()
         if not adapters:
             return
@@ -252,7 +253,7 @@ class ModelRunner:
         attention, kv_heads = self.kernels.attention, self.args.num_kv_heads
         attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, kv_heads)
         if self.lora_state is not None:
-            adapters = self.lora.acquire(batch.lora.names) if batch.lora is not None else []
+            adapters = self._step_adapters(batch.lora.names if batch.lora is not None else [])
             self.lora_state.set_step(adapters, [self.lora.slot(a.name) for a in adapters], batch.lora, self.device)
         elif batch.lora is not None:
             raise ValueError(f"LoRA adapters {batch.lora.names} requested but this model serves none")
@@ -261,6 +262,28 @@ class ModelRunner:
             attention.prepare(last.attn, last.query_lens, last.seq_lens, kv_heads)
             keep = (batch.sample_rows, last.attn)
         return self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin, keep=keep)
+
+    def acquire_adapters(self, names: list[str]) -> dict[str, Exception]:
+        """Make the next step's LoRA adapters resident, each on its own: one that cannot be read
+        again (its folder changed or vanished since the start) is returned with its error, the
+        others stay. The next forward pass takes them from here instead of acquiring them again."""
+        acquired: dict[str, LoraAdapter] = {}
+        errors: dict[str, Exception] = {}
+        for name in names:  # one by one: the ones loaded stay the most recently used, never evicted here
+            try:
+                acquired[name] = self.lora.acquire([name])[0]
+            except (ValueError, OSError) as e:
+                errors[name] = e
+        self._acquired = acquired
+        return errors
+
+    def _step_adapters(self, names: list[str]) -> list[LoraAdapter]:
+        """The adapters `names` for this forward pass: those `acquire_adapters` made resident for
+        it, or, for a caller that ran the batch without it (a runner driven directly), acquired here."""
+        acquired, self._acquired = self._acquired, {}  # for one pass only: a later acquire may evict
+        if all(name in acquired for name in names):
+            return [acquired[name] for name in names]
+        return self.lora.acquire(names)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0); nothing to do otherwise."""

@@ -12,7 +12,8 @@ the batch or on earlier steps; unseeded rows share one sampler-level generator.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -20,7 +21,13 @@ import torch
 
 from splitfuse.engine.sequence import SamplingParams, Sequence, TopLogprobs
 
+log = logging.getLogger(__name__)
+
 _MASK64 = (1 << 64) - 1
+
+SampledToken = tuple[int, float | None, TopLogprobs | None]
+"""What one sampling row yields: the token, its log-prob and its top alternatives (each None
+unless the request asks for it)."""
 
 
 @dataclass
@@ -200,6 +207,33 @@ class Sampler:
             for (_, i), k, row_ids, row_values in zip(ranked, ks, ids.tolist(), values.tolist()):
                 top[i] = list(zip(row_ids[:k], row_values[:k]))
         return out, top
+
+
+def sample_isolated(sample: Callable[[torch.Tensor, list], SamplerOutput], logits: torch.Tensor,
+                    seqs: list) -> tuple[list[SampledToken | Exception], list]:
+    """Per row: (token, log-prob, top log-probs), or what sampling that row raised; and per row
+    its scores (SamplerOutput.scores; None for a row that raised).
+
+    The batch is sampled in one call; only when that raises is each row sampled alone, so that
+    a failure tied to one request (its parameters, its logits) fails that request and not the
+    batch. Seeded rows draw the same tokens either way (their noise depends on seed and
+    position only)."""
+    try:
+        out = sample(logits, seqs)
+        return list(zip(out.token_ids, out.logprobs, out.top_logprobs)), out.scores
+    except Exception:
+        log.exception("sampling a batch of %d failed; sampling each request alone", len(seqs))
+    rows: list[SampledToken | Exception] = []
+    scores: list = []
+    for i, seq in enumerate(seqs):
+        try:
+            out = sample(logits[i : i + 1], [seq])
+            rows.append((out.token_ids[0], out.logprobs[0], out.top_logprobs[0]))
+            scores.append(out.scores[0])
+        except Exception as e:
+            rows.append(e)
+            scores.append(None)
+    return rows, scores
 
 
 def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 from weakref import WeakKeyDictionary
 
 from splitfuse.config import EngineConfig
-from splitfuse.engine.scheduler import ScheduledChunk
+from splitfuse.engine.scheduler import ScheduledChunk, Scheduler
 from splitfuse.engine.sequence import Sequence
+from splitfuse.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from splitfuse.engine.sampler import SampledToken
 
 _RATE_SMOOTHING = 0.5
 """Weight of the newest verification in a sequence's acceptance rate (exponential average)."""
@@ -95,6 +99,35 @@ def sampling_rows(chunks: list[ScheduledChunk]) -> list:
     return rows
 
 
+def verified_tokens(chunk: ScheduledChunk, rows: list[SampledToken | Exception]) -> list[SampledToken]:
+    """The tokens (with their log-probs and alternatives, each from its own row) a sampling
+    chunk yields: the proposals its rows confirmed, then the token sampled where the first one
+    failed (or after the last). Raises what sampling a needed row raised."""
+    drafts = chunk.seq.draft_token_ids[: chunk.num_draft_tokens]
+    out: list[SampledToken] = []
+    for i, row in enumerate(rows):
+        if isinstance(row, Exception):
+            raise row
+        out.append(row)
+        if i == len(drafts) or row[0] != drafts[i]:
+            break
+    return out
+
+
+def make_speculative_decoder(config: EngineConfig, max_model_len: int,
+                             vocab_size: int) -> SpeculativeDecoder | None:
+    """The decoder `speculative_method` asks for; None for "none"."""
+    if config.speculative_method == "none":
+        return None
+    if config.speculative_method == "ngram":
+        proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    else:
+        from splitfuse.spec_decode.draft import DraftModelProposer  # loads a second model
+
+        proposer = DraftModelProposer(config, vocab_size)
+    return SpeculativeDecoder(config, proposer, max_model_len)
+
+
 class SpeculativeDecoder:
     def __init__(self, config: EngineConfig, proposer: Proposer, max_model_len: int) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -129,6 +162,24 @@ class SpeculativeDecoder:
         if asking:
             for seq, drafts in zip(asking, self.proposer.propose(asking, limits)):
                 seq.draft_token_ids = drafts
+
+    def propose_next(self, scheduler: Scheduler) -> list[Sequence]:
+        """Proposals for the sequences the next step decodes, if it may speculate (else their
+        old proposals are dropped); returns those sequences."""
+        decoding = [s for s in scheduler.running if s.num_uncomputed_tokens == 1]
+        if not scheduler.may_speculate(len(decoding)):
+            for seq in decoding:
+                seq.draft_token_ids = []
+            return decoding
+        self.propose(decoding)
+        return decoding
+
+    def settle(self, scheduler: Scheduler, chunk: ScheduledChunk, num_accepted: int, finished: bool) -> None:
+        """After verifying `chunk`'s proposals: its acceptance rate, and the KV slots of the
+        rejected ones handed back (a finished sequence has freed them all)."""
+        self.record(chunk.seq, chunk.num_draft_tokens, num_accepted)
+        if not finished:
+            scheduler.accept_drafts(chunk.seq, num_accepted)
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """Update `seq`'s acceptance rate after a verification; pause it while poor."""

@@ -6,9 +6,9 @@ and applies it to the logits in one call (xgrammar's kernel); building a boolean
 sequence took about a quarter of a 16-sequence decode step on SmolLM2's 49k vocabulary.
 
 Most rows need no mask at all: a row sampled from its whole distribution whose token the grammar
-allows has the token the masked row would have had (`masks_before_sampling`); a refused row takes
-its best-scored allowed token, found among its first few candidates or, failing that, under its
-whole mask. Filling a row's mask costs ~20x checking one token.
+allows has the token the masked row would have had (`masking.masks_before_sampling`); a refused
+row takes its best-scored allowed token, found among its first few candidates or, failing that,
+under its whole mask. Filling a row's mask costs ~20x checking one token.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from splitfuse.engine.sequence import SamplingParams
 
 
 def new_bitmask(xgr: Any, num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -31,23 +29,6 @@ def apply_bitmask_(xgr: Any, logits: torch.Tensor, bitmask: torch.Tensor, rows: 
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
     if logits.shape[-1] > vocab_size:
         logits[torch.tensor(rows, device=logits.device), vocab_size:] = float("-inf")
-
-
-def masks_before_sampling(params: SamplingParams, num_drafts: int) -> bool:
-    """Must this row be masked before it is sampled, or may it be sampled first and masked only
-    if its token is refused?
-
-    Sampling picks argmax(processed logits) (greedy) or argmax(probs / E) with noise E fixed per
-    row (the sampler's exponential race): masking only removes competitors, so when the winner
-    is allowed it is also the masked row's winner, and when it is not, the best-scored allowed
-    token under the same noise is (the very token masking first gives). That fails where the
-    mask changes what the sampler computes from the row: top-k / top-p cut the distribution by
-    rank and mass (the masked row keeps other tokens), and log-probs are reported under the
-    masked distribution. Speculative rows are filled together
-    (each after its proposals), as verification reads them all.
-    """
-    return bool(num_drafts or params.logprobs or params.top_logprobs
-                or (not params.greedy and (params.top_k > 0 or params.top_p < 1.0)))
 
 
 class Matcher:

@@ -200,6 +200,49 @@ class _Collector:
                 self.done.set()
 
 
+def test_step_is_schedule_then_execute(tiny_llama):
+    """`step` = `execute(schedule())`, the split a server uses to hand out outputs in between: the
+    plan holds the built batch and nothing has run yet; with nothing to do, no batch."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, attention_backend="torch"))
+    idle = engine.schedule()
+    assert idle.batch is None and engine.execute(idle) == [] and engine.last_step is None
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    plan = engine.schedule()
+    assert plan.batch is not None and plan.batch.num_tokens == 3
+    assert engine.last_step is None and engine._seqs["a"].num_output_tokens == 0
+    (out,) = engine.execute(plan)
+    assert out.request_id == "a" and len(out.delta_token_ids) == 1 and not out.finished
+    assert (engine.last_step.num_tokens, engine.last_step.num_prompt_tokens) == (3, 3)
+    (last,) = engine.step()
+    assert last.finished and len(last.token_ids) == 2
+
+
+def test_lora_adapters_are_acquired_once_per_step(tiny_llama, tmp_path):
+    """The engine makes a step's adapters resident before building its batch (to fail only the
+    requests of one that cannot be read); the forward pass takes them from there."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    for name in ("x", "y"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+        lora = LoraConfig(init_lora_weights=False, r=4, target_modules=["q_proj"])
+        get_peft_model(model, lora).save_pretrained(str(tmp_path / name))
+    engine = LLMEngine(EngineConfig(model=tiny_llama, lora_modules=f"x={tmp_path / 'x'},y={tmp_path / 'y'}",
+                                    max_loras=2, token_budget=32, attention_backend="torch"))
+    registry, calls = engine.runner.lora, []
+    acquire = registry.acquire
+    registry.acquire = lambda names: calls.append(list(names)) or acquire(names)
+    for i, name in enumerate(["x", "y", None]):
+        engine.add_request(f"r{i}", [3, 4, 5, 6], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                                                  lora_name=name))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert calls == [["x"], ["y"]] * steps
+
+
 def test_engine_loop_threads_submit_abort_shutdown(tiny_llama):
     steps = []
     loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, attention_backend="torch"),

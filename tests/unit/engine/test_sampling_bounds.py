@@ -42,7 +42,7 @@ def test_the_bounds_themselves_are_accepted():
 
 def test_a_text_the_context_cannot_hold_is_refused_before_tokenizing(tiny_llama, monkeypatch):
     with LLM(tiny_llama, num_kv_blocks=64) as llm:
-        limit = llm.engine.prompt_limit
+        limit = llm.engine.validator.prompt_limit
         assert limit.context_tokens == llm.engine.max_model_len
         calls = []
         encode = llm.engine.tokenizer.encode

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from splitfuse import LLM, EngineConfig, SamplingParams
+from splitfuse.engine.scheduler import ScheduledChunk
+from splitfuse.engine.sequence import Sequence
+from splitfuse.spec_decode.decoder import verified_tokens
 
 K = 4
 
@@ -270,3 +273,15 @@ def test_draft_passes_run_a_token_for_every_proposal(tiny_llama, vocab, monkeypa
               speculative_disable_batch_size=10_000)
     generate(llm, [[1] + [7, 8, 9, 10] * 4] * 1500, params)
     assert built and all(n > 0 for chunk_tokens in built for n in chunk_tokens)
+
+
+def test_verified_tokens_are_the_confirmed_proposals_then_the_sampled_token():
+    seq = Sequence("r", [1, 2], SamplingParams(), arrival=0)
+    seq.draft_token_ids = [7, 8, 9]
+    chunk = ScheduledChunk(seq, 1, num_draft_tokens=3)
+    rows = [(7, None, None), (5, None, None), RuntimeError("never read"), (4, None, None)]
+    assert verified_tokens(chunk, rows) == rows[:2]  # 8 was refused: 5 was sampled in its place
+    rows = [(7, None, None), (8, None, None), (9, None, None), (4, None, None)]
+    assert verified_tokens(chunk, rows) == rows  # all accepted, and the token after them
+    with pytest.raises(RuntimeError, match="needed"):
+        verified_tokens(chunk, [(7, None, None), RuntimeError("needed")])

@@ -183,9 +183,9 @@ def test_rows_checked_after_sampling_equal_rows_masked_before(llm, temperature, 
     """Rows without log-probs or top-k/top-p are sampled first; a refused token is replaced by
     the best-scored allowed one (among the first `candidates`, else under the whole mask). Rows
     asking for log-probs are masked before sampling. Both must pick the very same tokens."""
-    import splitfuse.engine.llm_engine
+    import splitfuse.structured.masking
 
-    monkeypatch.setattr(splitfuse.engine.llm_engine, "REPICK_CANDIDATES", candidates)
+    monkeypatch.setattr(splitfuse.structured.masking, "REPICK_CANDIDATES", candidates)
     guide = Guide("json_schema", json.dumps(SCHEMAS[0]))
     for seed in SEEDS:
         checked, masked = (llm.generate(["the answer is"], SamplingParams(
@@ -197,7 +197,7 @@ def test_rows_checked_after_sampling_equal_rows_masked_before(llm, temperature, 
 
 
 def test_masks_before_sampling_where_the_mask_changes_what_the_sampler_computes():
-    from splitfuse.structured.matcher import masks_before_sampling
+    from splitfuse.structured.masking import masks_before_sampling
     assert not masks_before_sampling(SamplingParams(temperature=0.0), 0)
     assert not masks_before_sampling(SamplingParams(temperature=0.7, repetition_penalty=1.2), 0)
     assert not masks_before_sampling(SamplingParams(temperature=0.0, top_k=5, top_p=0.5), 0)  # greedy ignores both
@@ -220,3 +220,22 @@ def test_allows_checks_one_token_and_leaves_the_matcher_alone(llm):
     json_matcher = grammars.matcher(Guide("json_schema", json.dumps({"type": "string"})))
     json_matcher.accept(llm.tokenizer.convert_tokens_to_ids('"'))
     assert not json_matcher.allows(newline)  # the control-character ban, inside a string
+
+
+def test_structured_does_not_import_the_engine_at_runtime():
+    """The engine builds on splitfuse.structured, not the reverse: engine types appear there
+    under `if TYPE_CHECKING:` only (for annotations)."""
+    import ast
+    from pathlib import Path
+
+    import splitfuse.structured
+
+    for path in Path(splitfuse.structured.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        checking = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                    and ast.unparse(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and id(node) not in checking:
+                assert not (node.module or "").startswith("splitfuse.engine"), f"{path.name}: {ast.unparse(node)}"
+            if isinstance(node, ast.Import) and id(node) not in checking:
+                assert not any(a.name.startswith("splitfuse.engine") for a in node.names), path.name

@@ -1,0 +1,54 @@
+"""What the engine reports: each step's counts and timings (StepStats, for metrics and
+benchmarks) and the KV pool and queues at a moment (EngineStats)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, for metrics and benchmarks."""
+
+    num_tokens: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    duration_s: float
+    forward_s: float
+    num_preemptions: int = 0
+    """Sequences preempted (KV freed, to be recomputed) while scheduling this step."""
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted this step looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found in the cache (not computed)."""
+    spec_draft_tokens: int = 0
+    """Proposed tokens verified this step (speculative decoding)."""
+    spec_accepted_tokens: int = 0
+    """Of those, tokens accepted (each one a decode step saved)."""
+    grammar_mask_s: float = 0.0
+    """Seconds spent masking constrained sequences' logits to their grammars."""
+
+
+@dataclass
+class EngineStats:
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    num_running: int
+    num_waiting: int
+
+
+@dataclass
+class StepTally:
+    """What one step counts and times as it runs, for its StepStats."""
+
+    prompt_tokens: int = 0
+    generated: int = 0
+    drafts: int = 0
+    accepted: int = 0
+    forward_s: float = 0.0
+    grammar_mask_s: float = 0.0

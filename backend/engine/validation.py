@@ -1,0 +1,68 @@
+"""A request checked once, where it enters the engine (`LLMEngine.prepare_prompt`): its sampling
+parameters, its adapter, its prompt (tokenized here) and its guide (compiled here, on the
+caller's thread, so the engine thread finds it cached). What passes is added as it is."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+from splitfuse.engine.sequence import SamplingParams
+from splitfuse.inputs import PromptLimit
+from splitfuse.structured.grammars import GrammarCache
+
+
+class RequestValidator:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, lora_names: Collection[str],
+                 grammars: Callable[[], GrammarCache]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.prompt_limit = PromptLimit(tokenizer, max_model_len)
+        self._lora_names = lora_names
+        self._grammars = grammars
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids; ValueError naming the field that is wrong. Thread-safe."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: a caller may have changed a field since it was built
+        self.check_lora(params)
+        token_ids = self._token_ids(prompt)
+        if params.guide is not None:
+            self._grammars().compile(params.guide)  # cached by text
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context (max_model_len={self.max_model_len})"
+            )
+        # (max_model_len is at most what the KV pool holds for one sequence, ModelRunner's
+        # _fit_max_model_len: a request that passes fits the pool on its own, so preemption can
+        # always make room for it.)
+        return token_ids
+
+    def check_lora(self, params: SamplingParams) -> None:
+        if params.lora_name is not None and params.lora_name not in self._lora_names:
+            served = ", ".join(self._lora_names)
+            raise ValueError(f"unknown LoRA adapter {params.lora_name!r}; "
+                             + (f"this engine serves: {served}" if served else "no LoRA adapters are configured"))
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            self.prompt_limit.check(prompt)
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError("prompt token ids must be integers")
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        return token_ids
