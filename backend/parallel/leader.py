@@ -23,6 +23,7 @@ from splitfuse.errors import FatalEngineError
 from splitfuse.parallel.group import RankGroup, join
 from splitfuse.utils.ports import free_port
 from splitfuse.parallel.step_message import StepMessage, to_device
+from splitfuse.utils.children import python_executable
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,6 @@ def _spawn_workers(world_size: int, addr: str, port: int) -> list[subprocess.Pop
     child: a spawned child re-runs the parent's `__main__` (a user's script without a main
     guard would start engines recursively) and, inside Triton's Python backend, sys.executable
     is the backend stub, not a Python."""
-    from splitfuse.utils.children import python_executable  # the launcher package, not at import
-
     env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                SPLITFUSE_PARENT_PID=str(os.getpid()))
     env.pop("LOCAL_RANK", None)

@@ -36,6 +36,7 @@ from typing import Any
 
 from splitfuse.structured.guide import Guide
 from splitfuse.structured.schema_keywords import check_schema_keywords
+from splitfuse.utils import children
 
 log = logging.getLogger(__name__)
 
@@ -224,19 +225,17 @@ class _Child:
             self._in_process = self._xgr.GrammarCompiler(self.info, max_threads=1)
 
     def _start(self) -> None:
-        from splitfuse.utils.children import die_with_parent, python_executable
-
         if self._info_json is None:
             self._info_json = self.info.serialize_json().encode()
         ours, theirs = Pipe()
         try:
             # A fresh interpreter, not multiprocessing: inside Triton's stub sys.executable is the
             # stub, and a spawned child would re-run the parent's __main__.
-            command = [python_executable(), "-m", __name__, str(theirs.fileno()), str(self.memory_limit)]
+            command = [children.python_executable(), "-m", __name__, str(theirs.fileno()), str(self.memory_limit)]
             if self.test_seams:
                 command.append("--test-seams")
             self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                            preexec_fn=die_with_parent())
+                                            preexec_fn=children.die_with_parent())
         except (OSError, RuntimeError) as e:
             ours.close()
             raise _WorkerUnavailable(f"{type(e).__name__}: {e}") from None
