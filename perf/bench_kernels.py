@@ -361,7 +361,7 @@ def _flash_attn(b: Bench):
         from flash_attn import flash_attn_with_kvcache
     except Exception:
         return None, None
-    from splitfuse.kernels.triton_lang.flash_attn_backend import flash_attn_paged_attention, flash_attn_supported
+    from splitfuse.kernels.flash_attn import flash_attn_paged_attention, flash_attn_supported
 
     ok, _ = flash_attn_supported(b.dtype, 256, b.device, b.args.head_dim)
     return flash_attn_with_kvcache, (flash_attn_paged_attention if ok else None)

@@ -58,7 +58,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, bl
     if requested == "auto":
         if device.type == "cuda":
             if importlib.util.find_spec("flash_attn") is not None:
-                from splitfuse.kernels.triton_lang.flash_attn_backend import flash_attn_supported
+                from splitfuse.kernels.flash_attn import flash_attn_supported
 
                 ok, reason = flash_attn_supported(dtype, block_size, device)
                 if ok:
@@ -81,7 +81,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, bl
     if requested in ("triton", "flash_attn") and not triton_ok:
         raise ValueError(f"attention_backend={requested!r} needs the `triton` package")
     if requested == "flash_attn":
-        from splitfuse.kernels.triton_lang.flash_attn_backend import flash_attn_supported
+        from splitfuse.kernels.flash_attn import flash_attn_supported
 
         ok, reason = flash_attn_supported(dtype, block_size, device)
         if not ok:

@@ -40,6 +40,6 @@ class FlashAttnAttention(TritonAttention):
 
     def __init__(self) -> None:
         super().__init__()
-        from splitfuse.kernels.triton_lang.flash_attn_backend import paged_attention_flash
+        from splitfuse.kernels.flash_attn import paged_attention_flash
 
         self._attention = paged_attention_flash

@@ -249,6 +249,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 _ISA_BITS = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "avx512_vnni": 8}
 
 
+def vector_width() -> int:
+    """Floats per vector the library was compiled for: 16 (AVX-512), 8 (AVX2), 4 (other)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the C++ CPU kernels are not available: {unavailable_reason()}")
+    lib.sf_ew_vector_width.restype = ctypes.c_int
+    return int(lib.sf_ew_vector_width())
+
+
 def _isa_name(bits: int) -> str:
     if bits & _ISA_BITS["avx512"]:
         return "avx512" + ("+bf16" if bits & _ISA_BITS["avx512_bf16"] else "")

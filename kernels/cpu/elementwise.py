@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import Entries
+from .build import Entries, vector_width
 
 __all__ = ["apply_rotary", "available", "dequantize_rows", "get_parallel_threshold", "quantize_rows", "rms_norm",
            "set_parallel_threshold", "silu_and_mul", "vector_width"]
@@ -73,8 +73,6 @@ def _lookup(lib: ctypes.CDLL) -> _Kernels:
     lib.sf_ew_set_parallel_threshold.restype = None
     lib.sf_ew_get_parallel_threshold.argtypes = []
     lib.sf_ew_get_parallel_threshold.restype = ctypes.c_int64
-    lib.sf_ew_vector_width.argtypes = []
-    lib.sf_ew_vector_width.restype = ctypes.c_int
     return _Kernels(lib, f32, bf16)
 
 
@@ -96,11 +94,6 @@ def set_parallel_threshold(elements: int) -> None:
 
 def get_parallel_threshold() -> int:
     return int(_entries.need().lib.sf_ew_get_parallel_threshold())
-
-
-def vector_width() -> int:
-    """Floats per vector the library was compiled for: 16 (AVX-512), 8 (AVX2), 4 (other)."""
-    return int(_entries.need().lib.sf_ew_vector_width())
 
 
 def _bad(name: str, what: str) -> ValueError:

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from .build import library
+from .build import Entries, vector_width
 
 __all__ = ["K_ROW_MAJOR", "K_TRANSPOSED", "allocate_cache", "available", "bf16_products", "cache_shape",
            "from_reference_layout",
@@ -66,28 +68,28 @@ _ERRORS = {
 }
 
 _ATTN_NARGS, _WRITE_NARGS = 29, 16  # int64 slots of the packed entry points (csrc/paged_attention.cpp)
-_attn_fn = None
-_write_fn = None
-_write_bf16_fn = None
 _tls = threading.local()
 
 
-def _functions():
-    global _attn_fn, _write_fn, _write_bf16_fn
-    if _attn_fn is None:
-        lib = library()
-        if lib is None:
-            raise RuntimeError("the C++ CPU kernels are not available (see splitfuse.kernels.cpu.build)")
-        f = lib.sf_attn_paged_attention_f32_packed
-        f.argtypes = [ctypes.c_void_p, ctypes.c_float]
-        f.restype = ctypes.c_int
-        w, wb = lib.sf_attn_write_kv_f32_packed, lib.sf_attn_write_kv_bf16_packed
-        for fn in (w, wb):
-            fn.argtypes = [ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-        _write_fn, _write_bf16_fn = w, wb
-        _attn_fn = f
-    return _attn_fn, _write_fn
+@dataclass(frozen=True)
+class _Kernels:
+    attn: Callable
+    write_f32: Callable
+    write_bf16: Callable
+    bf16_products: bool
+
+
+def _lookup(lib: ctypes.CDLL) -> _Kernels:
+    attn = lib.sf_attn_paged_attention_f32_packed
+    attn.argtypes, attn.restype = [ctypes.c_void_p, ctypes.c_float], ctypes.c_int
+    for fn in (lib.sf_attn_write_kv_f32_packed, lib.sf_attn_write_kv_bf16_packed):
+        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_int
+    lib.sf_attn_bf16_products.argtypes, lib.sf_attn_bf16_products.restype = [], ctypes.c_int
+    return _Kernels(attn, lib.sf_attn_write_kv_f32_packed, lib.sf_attn_write_kv_bf16_packed,
+                    bool(lib.sf_attn_bf16_products()))
+
+
+_entries = Entries("attention", _lookup)
 
 
 def _arg_blocks():
@@ -102,23 +104,14 @@ def _arg_blocks():
 
 def available() -> bool:
     """Whether the C++ library built and loaded here."""
-    return library() is not None
-
-
-def vector_width() -> int:
-    """Floats per vector the kernel was compiled for: 16 (AVX-512), 8 (AVX2), 4 (other)."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the C++ CPU kernels are not available (see splitfuse.kernels.cpu.build)")
-    lib.sf_attn_simd_width.restype = ctypes.c_int
-    return int(lib.sf_attn_simd_width())
+    return _entries.available()
 
 
 def bf16_products() -> bool:
     """Whether prompt chunks of bf16 queries over a bf16 cache take bf16 products here (the
     library was built for a CPU with AVX-512 BF16)."""
-    lib = library()
-    return lib is not None and bool(lib.sf_attn_bf16_products())
+    kernels = _entries.get()
+    return kernels is not None and kernels.bf16_products
 
 
 def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -199,9 +192,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     k and v may be strided views (e.g. of a fused QKV output): only their last dim must be contiguous.
     k, v and the caches share one dtype, float32 or bfloat16.
     A slot past the cache raises ValueError (nothing is written then)."""
-    if _write_fn is None:
-        _functions()
-    write = _write_fn if k.dtype is _FP32 else _write_bf16_fn
+    kernels = _entries.need()
+    write = kernels.write_f32 if k.dtype is _FP32 else kernels.write_bf16
     shape = k.shape
     ks, vs = k.stride(), v.stride()
     if not (k.dtype is k_cache.dtype and v.dtype is k.dtype and len(shape) == 3 and v.shape == shape and ks[2] == 1
@@ -293,7 +285,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     split, k > 1 = split every work item's key range into k parts (at most one per 16 keys);
     `rows_per_tile` query rows (tokens x group heads) per work item; `num_threads` overrides
     torch.get_num_threads()."""
-    attn = _attn_fn or _functions()[0]
+    attn = _entries.need().attn
     if not _batch_ok(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window):
         _check_batch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window)
         raise ValueError("paged_attention: bad arguments")  # not reached: _check_batch names the problem
@@ -326,7 +318,7 @@ def plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_st
          num_threads: int | None = None) -> dict[str, int]:
     """The work decomposition `paged_attention` would use for these arguments (nothing computed):
     work items, split (sequence, kv head, tile) groups, the largest split count, rows per tile."""
-    attn, _ = _functions()
+    attn = _entries.need().attn
     _check_batch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window)
     t, hq, d = q.shape
     kshape = k_cache.shape

@@ -38,35 +38,12 @@
 #include "bf16.h"
 #include "elementwise_simd.h"
 #include "lora_simd.h"
+#include "sf_api.h"
 
 #if defined(__AVX512BF16__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
 #include <immintrin.h>
 #endif
 
-extern "C" {
-void sf_lin_linear_f32_packed(const int64_t* a);
-void sf_lin_linear_bf16_packed(const int64_t* a);
-void sf_lin_linear_silu_mul_f32_packed(const int64_t* a);
-void sf_lin_linear_silu_mul_bf16_packed(const int64_t* a);
-void sf_lin_linear_i8_f32_packed(const int64_t* a);
-void sf_lin_linear_i8_bf16_packed(const int64_t* a);
-void sf_lin_linear_i8_silu_mul_f32_packed(const int64_t* a);
-void sf_lin_linear_i8_silu_mul_bf16_packed(const int64_t* a);
-void sf_lin_linear_lora_packed(const int64_t* a, int bf16, int gated, int int8, const void* lora);
-void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated, const void* lora);
-void sf_ew_quantize_rows_u8_packed(const int64_t* a);
-void sf_ew_quantize_rows_u8_bf16_packed(const int64_t* a);
-void sf_ew_rms_norm_f32_packed(const int64_t* a);
-void sf_ew_silu_and_mul_f32_packed(const int64_t* a);
-void sf_ew_silu_and_mul_bf16_packed(const int64_t* a);
-void sf_ew_rms_norm_bf16_packed(const int64_t* a);
-int64_t sf_ew_rotary_f32_packed(const int64_t* a);
-int64_t sf_ew_rotary_bf16_packed(const int64_t* a);
-int sf_attn_write_kv_f32_packed(const int64_t* p);
-int sf_attn_write_kv_bf16_packed(const int64_t* p);
-int sf_attn_paged_attention_f32_packed(const int64_t* p, float scale);
-int sf_lin_block_width(void);
-}
 
 namespace {
 

@@ -27,6 +27,7 @@
 #include <cstring>
 
 #include "elementwise_simd.h"
+#include "sf_api.h"
 
 using namespace sf_ew;
 

@@ -1,7 +1,9 @@
+#include "sf_api.h"
+
 // What the library was compiled for (build.py's library_isa): the engine chooses between our
 // kernels and torch's from this, not from the CPU's flags, so a narrowed build
 // (SPLITFUSE_CPU_ISA=avx2 on an AVX-512 machine) takes the paths an AVX2-only CPU takes.
-extern "C" int sf_build_isa() {
+int sf_build_isa() {
   int bits = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   bits |= 1;

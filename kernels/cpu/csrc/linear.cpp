@@ -45,6 +45,7 @@
 #include "elementwise_simd.h"
 #include "lora_simd.h"
 #include "prefetch_ahead.h"
+#include "sf_api.h"
 #include "work_split.h"
 
 #if defined(__AVX512BF16__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16

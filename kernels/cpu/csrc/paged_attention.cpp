@@ -48,6 +48,7 @@
 
 #include "attention_simd.h"
 #include "bf16.h"
+#include "sf_api.h"
 
 // bf16 products (vdpbf16ps: 32 bf16 products summed pairwise into 16 fp32 lanes, twice the
 // multiplies of an fp32 FMA per instruction) for prompt chunks of a bf16 model over a bf16
@@ -964,8 +965,6 @@ using namespace sf_attn;
 extern "C" {
 
 
-
-int sf_attn_simd_width() { return VL; }
 
 // 1 when prompt chunks of bf16 queries over a bf16 cache take bf16 products (vdpbf16ps).
 int sf_attn_bf16_products() { return SF_ATTN_BF16_DOT; }

@@ -36,6 +36,7 @@
 #include "lora_simd.h"
 #include "prefetch_ahead.h"
 #include "work_split.h"
+#include "sf_api.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_test_utils import make_paged_batch, tolerances
 
-from splitfuse.kernels.triton_lang.flash_attn_backend import flash_attn_paged_attention, flash_attn_supported, paged_attention_flash
+from splitfuse.kernels.flash_attn import flash_attn_paged_attention, flash_attn_supported, paged_attention_flash
 from splitfuse.kernels import paged_attention_reference
 
 
