@@ -20,7 +20,6 @@ from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 TEMPLATE_ENV = "SPLITFUSE_MODEL_REPOSITORY"
 LLM_MODEL = "llm"
 PREPROCESSING_MODEL = "preprocessing"
-ENSEMBLE_MODEL = "ensemble"
 PLACEHOLDER_PREFIX = "${"
 # Triton model names are directory names: keep a prefix to what every file system and URL takes.
 PREFIX_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
@@ -77,25 +76,9 @@ def render_model_repository(
         raise ValueError("instance counts must be >= 1")
     if not set(name_prefix) <= PREFIX_CHARACTERS or name_prefix.startswith("."):
         raise ValueError(f"model name prefix {name_prefix!r}: use letters, digits, '-', '_' and '.' (not first)")
-    model_path = Path(prepare_checkpoint(model)).resolve()
-    if not (model_path / "config.json").is_file():
-        raise FileNotFoundError(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
-    params = dict(params or {})
-    EngineConfig.check_names(params)
-    params["model"] = str(model_path)
-    if params.get("tokenizer"):
-        params["tokenizer"] = str(Path(prepare_checkpoint(params["tokenizer"])).resolve())
-    if params.get(LORA_MODULES, "").strip():  # absolute: the server runs elsewhere
-        params[LORA_MODULES] = format_lora_modules(resolve_lora_modules(params[LORA_MODULES]))
-
+    model_path, params = _resolved(model, params)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ours = [d.name for d in sorted(template.iterdir()) if (d / "config.pbtxt").is_file()]
-    for name in ours:
-        target = out / (name_prefix + name)
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(template / name, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    ours = _copy_models(template, out, name_prefix)
 
     def edit(name: str, fn) -> None:
         path = out / (name_prefix + name) / "config.pbtxt"
@@ -127,14 +110,41 @@ def render_model_repository(
         _check_filled(PREPROCESSING_MODEL, {k: v.string_value for k, v in cfg.parameters.items()})
         _set_instances(cfg, preprocessing_instances)
 
-    # Empty version directories (the ensemble's) are not kept by git but Triton needs them.
-    for name in ours:
-        model_dir = out / (name_prefix + name)
-        if not any(p.name.isdigit() for p in model_dir.iterdir()):
-            (model_dir / "1").mkdir()
     for name in ours:
         edit(name, {LLM_MODEL: edit_llm, PREPROCESSING_MODEL: edit_pre}.get(name, lambda cfg: None))
     return out
+
+
+def _resolved(model: str | os.PathLike, params: Mapping[str, str] | None) -> tuple[Path, dict[str, str]]:
+    """The checkpoint directory and the parameters with every path made absolute (the server
+    runs elsewhere), names checked against EngineConfig."""
+    model_path = Path(prepare_checkpoint(model)).resolve()
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
+    params = dict(params or {})
+    EngineConfig.check_names(params)
+    params["model"] = str(model_path)
+    if params.get("tokenizer"):
+        params["tokenizer"] = str(Path(prepare_checkpoint(params["tokenizer"])).resolve())
+    if params.get(LORA_MODULES, "").strip():
+        params[LORA_MODULES] = format_lora_modules(resolve_lora_modules(params[LORA_MODULES]))
+    return model_path, params
+
+
+def _copy_models(template: Path, out: Path, name_prefix: str) -> list[str]:
+    """Copy the template's models into `out` under their prefixed names (replacing only those);
+    returns their template names."""
+    out.mkdir(parents=True, exist_ok=True)
+    ours = [d.name for d in sorted(template.iterdir()) if (d / "config.pbtxt").is_file()]
+    for name in ours:
+        target = out / (name_prefix + name)
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(template / name, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        # Empty version directories (the ensemble's) are not kept by git but Triton needs them.
+        if not any(p.name.isdigit() for p in target.iterdir()):
+            (target / "1").mkdir()
+    return ours
 
 
 def replica_threads(instances: int) -> int:

@@ -149,11 +149,6 @@ class LoraAdapter:
                                              lambda q: q.rank_end).t().contiguous())
         return self
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(p.a.numel() * p.a.element_size() + sum(q.b.numel() * q.b.element_size() for q in p.parts)
-                   for p in self.projections.values())
-
 
 def fused_b(parts: list, rows: int, out_features: int, row_start: Callable, row_end: Callable) -> torch.Tensor:
     """[rows, out_features]: each part's `b` at its rows [row_start, row_end) and its output

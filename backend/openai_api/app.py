@@ -318,6 +318,36 @@ def generation_http_error(e: GenerationError, guide_param: str | None = None) ->
     return ApiError(503, e.message, type_="server_error")
 
 
+def _install_errors(app: FastAPI) -> None:
+    """Every error in OpenAI's shape."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # No route (e.g. a model name with a newline, which the path converter does not match)
+        # or method: OpenAI's error shape too, not Starlette's {"detail": ...}.
+        message = (f"invalid URL ({request.method} {request.url.path})" if exc.status_code == 404
+                   else f"{exc.detail} ({request.method} {request.url.path})")
+        return _error_response(ApiError(exc.status_code, message, headers=exc.headers))
+
+
+def _install_api_key(app: FastAPI, api_key: str) -> None:
+    """Every /v1 route needs `Authorization: Bearer <api_key>`; /health stays open for probes."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _error_response(ApiError(401, "a valid API key is required: send the header "
+                                                     "'Authorization: Bearer <key>'", code="invalid_api_key"))
+        return await call_next(request)
+
+
 def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
     """The ASGI application for `config` (run it with uvicorn, see `run`)."""
     server = OpenAIServer(config, tokenizer)
@@ -350,30 +380,9 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
             log.info("%s: client disconnected; generation cancelled", job.meta.id)
             return JSONResponse({}, status_code=499)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # No route (e.g. a model name with a newline, which the path converter does not match)
-        # or method: OpenAI's error shape too, not Starlette's {"detail": ...}.
-        message = (f"invalid URL ({request.method} {request.url.path})" if exc.status_code == 404
-                   else f"{exc.detail} ({request.method} {request.url.path})")
-        return _error_response(ApiError(exc.status_code, message, headers=exc.headers))
-
+    _install_errors(app)
     if config.api_key is not None:
-        expected = f"Bearer {config.api_key}".encode()
-
-        @app.middleware("http")
-        async def require_api_key(request: Request, call_next):
-            # Every /v1 route; /health stays open for probes.
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    return _error_response(ApiError(401, "a valid API key is required: send the header "
-                                                         "'Authorization: Bearer <key>'", code="invalid_api_key"))
-            return await call_next(request)
+        _install_api_key(app, config.api_key)
 
     @app.get("/v1/models", **openapi.MODELS_ROUTE)
     async def models() -> dict:

@@ -13,7 +13,7 @@ from typing import Any
 
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from splitfuse.openai_api.tool_prompt import TemplateSupport, call_block, tools_instructions, with_instructions
-from splitfuse.inputs import PromptLimit
+from splitfuse.inputs import InputError, PromptLimit, has_chat_template, render_chat
 
 
 class Prompts:
@@ -35,7 +35,7 @@ class Prompts:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return has_chat_template(self.tokenizer)
 
     def completion(self, req: CompletionRequest) -> tuple[list[int], str]:
         """(prompt ids, prompt text for `echo`)."""
@@ -63,10 +63,9 @@ class Prompts:
         if req.tools and not self.template.tools(self.tokenizer):
             messages, tools = with_instructions(messages, tools_instructions(req.tools)), None
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                      tokenize=False)
-        except Exception as e:  # the template's own checks (e.g. roles must alternate)
-            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+            text = render_chat(self.tokenizer, messages, tools)
+        except InputError as e:
+            raise ApiError(400, str(e), param="messages") from None
         return self._tokenize(text, "messages", add_special_tokens=False)
 
     def _messages(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -5,21 +5,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from splitfuse.openai_api.json_schemas import check_schema, schema_text
+from splitfuse.openai_api.json_schemas import schema_text
+from splitfuse.openai_api.strict import Strict, bounded_schema
 
 # OpenAI's rule for the names of schemas and functions.
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class _Strict(BaseModel):
-    # strict: a JSON value of another type is refused, never coerced ("true" is not a boolean),
-    # so what is accepted is what the OpenAPI document says.
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
-
-
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -30,18 +25,18 @@ class JsonSchemaSpec(_Strict):
     @field_validator("schema_")
     @classmethod
     def _bounded(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if v is None else check_schema(v, "the schema")
+        return bounded_schema(v, "the schema")
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Strict):
+class JsonObjectFormat(Strict):
     type: Literal["json_object"]
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from splitfuse.openai_api.json_schemas import check_schema, rebase_refs
+from splitfuse.openai_api.json_schemas import rebase_refs
+from splitfuse.openai_api.strict import Strict, bounded_schema
 from splitfuse.openai_api.response_format import NAME_PATTERN
 
 # OpenAI's limit on the number of tools of one request.
@@ -25,12 +26,7 @@ _DEF_PREFIX = "splitfuse_tool_"
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-class _Strict(BaseModel):
-    # strict: values of another JSON type are refused, not coerced (see response_format.py).
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
     parameters: dict[str, Any] | None = None
@@ -41,22 +37,22 @@ class FunctionDefinition(_Strict):
     @field_validator("parameters")
     @classmethod
     def _bounded(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if v is None else check_schema(v, "the parameters schema")
+        return bounded_schema(v, "the parameters schema")
 
     def arguments_schema(self) -> dict[str, Any]:
         return NO_PARAMETERS if self.parameters is None else self.parameters
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(Strict):
     name: str = Field(pattern=NAME_PATTERN)
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 

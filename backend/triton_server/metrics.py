@@ -215,6 +215,10 @@ class TritonMetrics:
                                     MF.COUNTER).Metric(labels=labels)
         self.balance_wait_s = family("splitfuse_replica_balance_wait_seconds_total",
                                      "Seconds this replica spent in those waits", MF.COUNTER).Metric(labels=labels)
+        self._add_lora_and_fault_metrics(family, MF, labels)
+
+    def _add_lora_and_fault_metrics(self, family, MF, labels: dict[str, str]) -> None:
+        """Per-adapter counters (labelled as adapters appear) and the launcher's restart record."""
         self._lora_families = {
             "requests": family("splitfuse_lora_requests_total", "Requests accepted per LoRA adapter (lora_name)",
                                MF.COUNTER),

@@ -1,7 +1,7 @@
 """Parse one Triton request (TensorRT-LLM ensemble tensor names) into a prompt and SamplingParams.
 
 Pure numpy over a mapping of input name -> array, so it is tested without a server; the
-`llm` model's model.py builds that mapping from the Triton request.
+`llm` model (llm_model.py) builds that mapping from the Triton request.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ from typing import Any
 import numpy as np
 
 from splitfuse.engine.sequence import MAX_TOP_LOGPROBS, SamplingParams
+from splitfuse.inputs import InputError
 from splitfuse.structured.guide import Guide
-
-
-class InputError(ValueError):
-    """A request the client must fix; its message goes back in the error response."""
 
 
 # --------------------------------------------------------------------------- request parsing
@@ -80,29 +77,22 @@ class Parsed:
     return_stop_handle: bool = False
 
 
-def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0) -> Parsed:
-    """Input tensors by name -> prompt + SamplingParams, raising InputError/ValueError.
+def _stop_request(request: Mapping[str, np.ndarray]) -> Parsed:
+    """A request to stop the generation its stop_handle names."""
+    handle = _scalar(request, "stop_handle", str)
+    if not handle:
+        raise InputError("a stop request needs the stop_handle of the generation to stop: ask for it with "
+                         "return_stop_handle=true, its first response carries it (a request id alone no "
+                         "longer stops a generation: ids are chosen by clients, so any client could stop "
+                         "another's)")
+    if len(handle) > MAX_STOP_HANDLE_LENGTH:
+        raise InputError(f"stop_handle is longer than {MAX_STOP_HANDLE_LENGTH} characters: not a stop handle")
+    return Parsed(stop_request=True, stop_handle=handle)
 
-    A request without `temperature` gets `default_temperature` (EngineConfig's; 0 = greedy)."""
-    batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
-             if a is not None and a.ndim > 0]
-    bad = [b for b in batch if b != 1]
-    if bad:
-        raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
-    if _scalar(request, "stop", bool):
-        handle = _scalar(request, "stop_handle", str)
-        if not handle:
-            raise InputError("a stop request needs the stop_handle of the generation to stop: ask for it with "
-                             "return_stop_handle=true, its first response carries it (a request id alone no "
-                             "longer stops a generation: ids are chosen by clients, so any client could stop "
-                             "another's)")
-        if len(handle) > MAX_STOP_HANDLE_LENGTH:
-            raise InputError(f"stop_handle is longer than {MAX_STOP_HANDLE_LENGTH} characters: not a stop handle")
-        return Parsed(stop_request=True, stop_handle=handle)
 
-    text = _scalar(request, "text_input", str)
+def _prompt(request: Mapping[str, np.ndarray], text: str | None) -> str | list[int]:
+    """The prompt: input_ids (cut at input_lengths) if given, else text_input."""
     ids_arr = _tensor(request, "input_ids")
-    prompt: str | list[int]
     if ids_arr is not None:
         ids = ids_arr.reshape(-1).tolist()
         length = _scalar(request, "input_lengths", int)
@@ -112,14 +102,16 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
             ids = ids[:length]
         if not ids:
             raise InputError("input_ids is empty")
-        prompt = ids
-    elif text is not None:
+        return ids
+    if text is not None:
         if not text:
             raise InputError("text_input is empty")
-        prompt = text
-    else:
-        raise InputError("text_input (or input_ids) is required")
+        return text
+    raise InputError("text_input (or input_ids) is required")
 
+
+def _sampling_kwargs(request: Mapping[str, np.ndarray], default_temperature: float) -> dict[str, Any]:
+    """SamplingParams keywords from the request's sampling inputs."""
     max_tokens = _scalar(request, "max_tokens", int)
     if max_tokens is None:
         raise InputError("max_tokens is required")
@@ -165,6 +157,26 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise InputError(f"return_top_log_probs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         kwargs["top_logprobs"] = top
+    return kwargs
+
+
+def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0) -> Parsed:
+    """Input tensors by name -> prompt + SamplingParams, raising InputError/ValueError.
+
+    A request without `temperature` gets `default_temperature` (EngineConfig's; 0 = greedy)."""
+    batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
+             if a is not None and a.ndim > 0]
+    bad = [b for b in batch if b != 1]
+    if bad:
+        raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
+    if _scalar(request, "stop", bool):
+        return _stop_request(request)
+
+    text = _scalar(request, "text_input", str)
+    prompt = _prompt(request, text)
+
+    kwargs = _sampling_kwargs(request, default_temperature)
+    return_log_probs = kwargs["logprobs"]
     params = SamplingParams(**kwargs)  # ValueError names the field
 
     exclude = _scalar(request, "exclude_input_in_output", bool)

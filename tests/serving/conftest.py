@@ -99,14 +99,13 @@ def one_instance_server(model_dir: str, settings: dict[str, str], workdir):
 @contextmanager
 def fault_server(model_dir: str, params: dict[str, str], workdir, instances: int = 1, **serve_kwargs):
     """A server whose llm model is fault_model.py (faults and slow steps injected by request id,
-    see its docstring), the real model beside it; yields the server, still running."""
+    see its docstring); yields the server, still running."""
     _need_tritonserver()
     from splitfuse.launcher import default_template_dir, serve
 
     template = Path(workdir) / "template"
     shutil.copytree(default_template_dir(), template, ignore=shutil.ignore_patterns("__pycache__"))
     version = template / "llm" / "1"
-    (version / "model.py").rename(version / "llm_model.py")
     shutil.copy(Path(__file__).with_name("fault_model.py"), version / "model.py")
     with serve(model_dir, params, instances=instances, workdir=Path(workdir) / "run", template_dir=template,
                **serve_kwargs) as server:

@@ -1,7 +1,8 @@
 """The `llm` model with faults injected by request id, for the serving tests.
 
-conftest.fault_server renders a repository whose llm/1/model.py is this file and puts the real
-model beside it as llm_model.py (for test_hardening.py, and test_cancel.py's two slowed replicas).
+conftest.fault_server renders a repository whose llm/1/model.py is this file; it subclasses the
+real model, splitfuse.triton_server.llm_model (for test_hardening.py, and test_cancel.py's two
+slowed replicas).
 A client request id starting with
     fault-add     makes adding the request to the engine raise,
     fault-abort   makes aborting it raise (stop it with a `stop` request),
@@ -14,15 +15,9 @@ A client request id starting with
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("splitfuse_llm_model", Path(__file__).with_name("llm_model.py"))
-_real = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = _real  # dataclasses look their module up there
-_spec.loader.exec_module(_real)
+from splitfuse.triton_server import llm_model as _real
 
 
 SLOW_STEP_S = 0.02

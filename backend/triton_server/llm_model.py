@@ -1,0 +1,360 @@
+"""The `llm` Triton model: the adapter between Triton's Python backend and the splitfuse engine
+(decoupled: one response sender per request). model_repository/llm/1/model.py imports it.
+
+`execute` only parses and enqueues; the engine runs on its own thread (EngineLoop) and each
+request's outputs go out through that request's response sender as they are produced.
+A housekeeping thread watches for cancelled requests and explicit stops, and publishes the
+engine's metrics, so the engine thread does nothing but step and send.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import json
+import logging
+import secrets
+import threading
+import time
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from splitfuse.config import EngineConfig
+from splitfuse.triton_server.control import Control
+from splitfuse.triton_server.live import Live
+from splitfuse.engine.loop import EngineLoop
+from splitfuse.errors import SERVER_BUSY, ServerBusyError
+from splitfuse.engine.sequence import RequestOutput
+from splitfuse.triton_server.metrics import MetricsRecorder, TritonMetrics
+from splitfuse.utils.orphan_guard import exit_with_parent
+from splitfuse.triton_server.replica_balance import NOT_TAKING, ReplicaBalance
+from splitfuse.triton_server.request import InputError, parse_request
+from splitfuse.triton_server.response import response_arrays, stop_ack_arrays
+
+log = logging.getLogger("splitfuse.triton_server.llm")
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# How often stop requests and the shutdown handshake are checked.
+HOUSEKEEPING_INTERVAL_S = 0.01
+# How often metrics go to Triton (every update is a round trip to the server process;
+# publishing at every tick cost ~10% of the throughput with 64 streams on 2 cores; a
+# Prometheus scrape every few seconds sees no difference at half a second).
+METRICS_INTERVAL_S = 0.5
+# Cancellation is polled per request (one round trip to the server process each, holding the GIL
+# the engine thread needs), at least this often, but slowed so that polling stays under ~1% of the
+# time: with many requests in flight a sweep at every tick cost 20% of the throughput on a 2-core
+# machine, and a 3% share was nearly a quarter of the serving path's CPU with 64 streams. A
+# cancellation is then noticed within ~100 sweep times: 0.3-0.8 s with 32 requests live on a busy
+# 2-core machine (perf/results/README.md, s34). Requests that came through the ensemble are never
+# seen cancelled (Triton 2.51 does not forward it; tests/serving/test_cancel.py).
+CANCEL_POLL_MIN_INTERVAL_S = 0.02
+CANCEL_POLL_MAX_SHARE = 0.01
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        exit_with_parent()  # an orphaned stub ends at once (orphan_guard.py)
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("llm needs `model_transaction_policy { decoupled: true }`")
+        params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+        config = EngineConfig.from_strings(params)
+        self.config = config
+        self.model_name = args["model_name"]
+        self.instance = args["model_instance_name"]
+        self.recorder = MetricsRecorder()
+        self.loop = EngineLoop(config, on_step=self.recorder.step)
+        self.engine = self.loop.start()  # built on the engine's own thread
+        self.tokenizer = self.engine.tokenizer
+        self.lora_names = tuple(self.engine.lora_names())
+        labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
+        self.metrics = TritonMetrics(labels)
+        self.failure_reported = False
+        self.live: dict[str, Live] = {}
+        self.live_lock = threading.Lock()
+        self.ids = itertools.count()
+        self.control = Control(self.model_name, self.instance)
+        # The launcher tells the OpenAI front (default max_tokens) what the KV cache allows.
+        self.control.publish_limits(max_model_len=self.engine.max_model_len)
+        self.balance = ReplicaBalance(self.control.model_dir / "load", self.instance,
+                                      config.replica_balance_max_wait_ms / 1e3)
+        self.stopping = threading.Event()
+        self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
+        self.housekeeper.start()
+        runner = self.engine.runner
+        pb_utils.Logger.log_info(
+            f"{self.instance}: splitfuse engine ready: device={runner.device} "
+            f"dtype={str(runner.dtype).removeprefix('torch.')} attention_backend={runner.attention_backend} "
+            f"linear_backend={runner.linear_backend} quantization={config.quantization} "
+            f"weights={runner.weight_memory_summary()} threads={torch.get_num_threads()} "
+            f"decoder layers in {runner.decoder_layers}; {config}")
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._start(request, sender)
+            except ValueError as e:  # InputError, SamplingParams, the engine's own validation
+                self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            except ServerBusyError as e:  # max_waiting_requests: refused at once, nothing queued
+                self.recorder.refused("queue_full")
+                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+            except RuntimeError as e:  # the engine is shutting down, or failed for good (EngineFailedError)
+                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+            except Exception as e:  # never let one request take down the others
+                log.exception("unexpected error handling a request")
+                self._send_error(sender, f"internal error: {type(e).__name__}: {e}",
+                                 pb_utils.TritonError.INTERNAL)
+        # Holding more than another replica: take no more for now, so Triton gives the next
+        # requests to the others (replica_balance.py). Not while draining: all are refused.
+        if not self.control.draining():
+            waited = self.balance.wait_turn(self._held)
+            if waited:
+                self.recorder.balance_wait(waited)
+        return None
+
+    def _held(self) -> int:
+        return len(self.live)
+
+    def _post_load(self) -> None:
+        """What this replica holds, for the others (a failed engine takes no more)."""
+        self.balance.post(NOT_TAKING if self.loop.failure is not None else self._held())
+
+    def finalize(self) -> None:
+        # Aborts what is in flight; each aborted request still gets its final response.
+        self.loop.shutdown(timeout=30.0)
+        self.stopping.set()
+        self.housekeeper.join(timeout=5.0)
+        self.balance.close()
+        self.control.close()
+        self.metrics.close()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _start(self, request, sender) -> None:
+        parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()}, self.config.default_temperature)
+        client_id = request.request_id() or ""
+        if parsed.stop_request:
+            self._stop(parsed.stop_handle, sender)
+            return
+        engine_id = f"{client_id}#{next(self.ids)}"
+        if self.control.draining():  # the file itself, not the housekeeper's copy: no 10 ms window
+            raise RuntimeError("the server is shutting down")
+        if parsed.return_num_cached_tokens and not (self.config.report_num_cached_tokens
+                                                     or parsed.params.cache_salt is not None):
+            raise InputError("num_cached_tokens is reported only for requests with a cache_salt on this server "
+                             "(it would tell whether another client sent the same prompt; the operator can allow "
+                             "it with the report_num_cached_tokens parameter)")
+        lora = parsed.params.lora_name
+        if lora is not None and lora not in self.lora_names:  # here: refused even when the queue is full
+            served = ", ".join(self.lora_names) if self.lora_names else "none (no lora_modules parameter)"
+            raise InputError(f"lora_name: unknown LoRA adapter {lora!r}; this server's adapters: {served}")
+        if parsed.params.guide is not None:  # compiled here first, to time it (submit then finds it
+            # cached); a guide that does not compile is refused before the request is held
+            start = time.perf_counter()
+            self.engine.grammars().compile(parsed.params.guide)
+            self.recorder.constrained(time.perf_counter() - start)
+        # Unguessable, and led by this instance's tag so that a stop landing on another instance
+        # finds it (request ids are the client's choice: any client could reuse another's).
+        handle = f"{self.control.tag}.{secrets.token_hex(16)}"
+        live = Live(engine_id, handle, sender, parsed, arrival=time.perf_counter(),
+                    echo_pending=not parsed.exclude_input, handle_pending=parsed.return_stop_handle)
+        with self.live_lock:
+            self.live[engine_id] = live
+            self._post_load()
+        try:
+            self.loop.submit(engine_id, parsed.prompt, parsed.params, lambda out: self._on_output(live, out))
+        except BaseException:
+            with live.lock:  # the caller sends the final (error) response
+                live.done = True
+            with self.live_lock:
+                self.live.pop(engine_id, None)
+                self._post_load()
+            raise
+
+    def _stop(self, handle: str, sender) -> None:
+        """Stop the generation that `handle` names, wherever it runs; the answer is the same
+        whether or not it exists (a stop tells nothing about others' generations)."""
+        owner = handle.split(".", 1)[0]
+        if owner == self.control.tag:
+            self._abort_handle(Control.key(handle))
+        else:
+            self.control.post_stop(owner, Control.key(handle))
+        sender.send(_response(stop_ack_arrays()), flags=FINAL)
+
+    def _abort_handle(self, stop_key: str) -> None:
+        with self.live_lock:
+            victims = [lv for lv in self.live.values()
+                       if not lv.cancelled and hmac.compare_digest(Control.key(lv.stop_handle), stop_key)]
+            for lv in victims:
+                lv.cancelled = True
+        for lv in victims:
+            self.loop.abort(lv.engine_id)
+
+    def _send_error(self, sender, message: str, code: int) -> None:
+        try:
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code)),
+                        flags=FINAL)
+        except Exception:
+            log.exception("could not send an error response")
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _on_output(self, live: Live, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if out.delta_token_ids:
+            self.recorder.tokens(live.arrival, live.last_token, len(out.delta_token_ids), now)
+            live.last_token = now
+        if out.finished:
+            self.recorder.finished(out, live.arrival, now)
+        try:
+            if out.finished:
+                with live.lock:
+                    try:
+                        if out.error is not None:  # failed inside the engine
+                            self._send_error(live.sender, out.error, self._error_code(out.error))
+                        elif live.error is not None:
+                            self._send_error(live.sender, live.error, pb_utils.TritonError.INTERNAL)
+                        else:
+                            error = self._send(live, out)
+                            if error is not None:
+                                self._send_error(live.sender, error, pb_utils.TritonError.INTERNAL)
+                    finally:
+                        live.done = True
+            elif live.parsed.stream and live.error is None:
+                live.error = self._send(live, out)
+                if live.error is not None and not live.cancelled:  # its final response carries the error
+                    live.cancelled = True
+                    self.loop.abort(live.engine_id)
+        finally:
+            if out.finished:  # only now: the shutdown handshake waits for `live` to empty
+                with self.live_lock:
+                    self.live.pop(live.engine_id, None)
+                    self._post_load()
+
+    def _error_code(self, error: str) -> int:
+        # Busy (max_queue_time_s), or the engine broke for good: like a server that is away, retry
+        # elsewhere. Else this request alone failed.
+        if error.startswith(SERVER_BUSY):
+            self.recorder.refused("queue_time")
+            return pb_utils.TritonError.UNAVAILABLE
+        return pb_utils.TritonError.UNAVAILABLE if self.loop.failure is not None else pb_utils.TritonError.INTERNAL
+
+    def _send(self, live: Live, out: RequestOutput) -> str | None:
+        """Send one response; returns why, when this request's response could not be built."""
+        echo = None
+        if live.echo_pending:  # exclude_input_in_output=false: the prompt leads the first response
+            live.echo_pending = False
+            echo = self._prompt_text(live, out)
+        handle = None
+        if live.handle_pending:
+            live.handle_pending = False
+            handle = live.stop_handle
+        try:
+            response = _response(response_arrays(live.parsed, out, echo, handle))
+        except Exception as e:
+            log.exception("%s: building a response for %s failed", self.instance, live.engine_id)
+            return f"could not build the response: {type(e).__name__}: {e}"
+        try:
+            live.sender.send(response, flags=FINAL if out.finished else 0)
+        except Exception as e:
+            # The client is gone: stop generating for it.
+            log.warning("%s: sending a response for %s failed (%s); aborting it", self.instance, live.engine_id, e)
+            if not out.finished and not live.cancelled:
+                live.cancelled = True
+                self.loop.abort(live.engine_id)
+        return None
+
+    def _prompt_text(self, live: Live, out: RequestOutput) -> str:
+        if live.parsed.prompt_text is not None:
+            return live.parsed.prompt_text
+        return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True)
+
+    # ---- housekeeping thread -------------------------------------------------------------------
+    def _housekeeping(self) -> None:
+        next_sweep = next_metrics = 0.0
+        while not self.stopping.wait(HOUSEKEEPING_INTERVAL_S):
+            try:
+                now = time.perf_counter()
+                if now >= next_sweep:
+                    self._check_cancelled()
+                    took = time.perf_counter() - now
+                    next_sweep = now + max(CANCEL_POLL_MIN_INTERVAL_S, took / CANCEL_POLL_MAX_SHARE)
+                self.balance.touch()
+                for stop_key in self.control.take_stops():
+                    self._abort_handle(stop_key)
+                self._shutdown_handshake()
+                if now >= next_metrics:
+                    next_metrics = now + METRICS_INTERVAL_S
+                    self._publish_metrics()
+            except Exception:
+                log.exception("housekeeping failed")
+
+    def _shutdown_handshake(self) -> None:
+        if not self.control.draining():
+            return
+        if self.control.aborting():
+            with self.live_lock:
+                victims = [lv for lv in self.live.values() if not lv.cancelled]
+                for lv in victims:
+                    lv.cancelled = True
+            for lv in victims:
+                self.loop.abort(lv.engine_id)
+        with self.live_lock:
+            idle = not self.live
+        self.control.set_idle(idle)
+
+    def _check_cancelled(self) -> None:
+        with self.live_lock:
+            candidates = [lv for lv in self.live.values() if not lv.cancelled]
+        for lv in candidates:
+            with lv.lock:
+                if lv.done:
+                    continue
+                try:
+                    cancelled = lv.sender.is_cancelled()
+                except Exception:
+                    continue
+            if cancelled:
+                lv.cancelled = True
+                self.loop.abort(lv.engine_id)
+
+    def _publish_metrics(self) -> None:
+        with self.live_lock:
+            pending = len(self.live)
+        self.control.beat(self.loop.steps, pending)  # the launcher's watchdog reads it
+        self.metrics.record_faults(self.control.faults())  # what the launcher's restarts cost so far
+        failure = self.loop.failure
+        if failure is not None and not self.failure_reported:
+            self.failure_reported = True
+            with self.live_lock:
+                self._post_load()
+            self._report_not_ready(failure)
+        self.metrics.publish(self.recorder.drain(), self.loop.stats(), healthy=failure is None)
+        if self.lora_names:
+            self.metrics.publish_lora(self.engine.lora_stats())
+
+    def _report_not_ready(self, failure: str) -> None:
+        """The engine broke (every request it held has failed; new ones get UNAVAILABLE).
+
+        Triton 2.51 keeps a loaded Python model READY whatever its stub does (even after the
+        stub process dies); the one way to stop reporting ready is to unload the model, which
+        needs explicit model control (the launcher's default). That unloads every instance of
+        this model: a broken engine is a bug, and a restart is what cures it. Its own thread,
+        as unloading waits for finalize(), which joins the housekeeping thread."""
+        pb_utils.Logger.log_error(f"{self.instance}: the engine failed and serves no more requests ({failure}); "
+                                  f"unloading '{self.model_name}' so that it reports not ready")
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.model_name)
+            except Exception as e:  # e.g. not in explicit model-control mode
+                pb_utils.Logger.log_error(
+                    f"{self.instance}: could not unload '{self.model_name}' ({e}); it keeps reporting ready, "
+                    "every request gets an UNAVAILABLE error: watch splitfuse_engine_healthy")
+
+        threading.Thread(target=unload, name="splitfuse-unload", daemon=True).start()
+
+
+def _response(arrays: dict[str, np.ndarray]):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, a) for name, a in arrays.items()])
