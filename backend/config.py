@@ -1,7 +1,8 @@
-"""EngineConfig: every engine knob in one place, validated once.
+"""EngineConfig (every engine knob) and ServerConfig (how a served replica admits and answers
+requests), each validated once.
 
-The Triton model's `config.pbtxt` `parameters` map onto these fields one to one
-(same names), and `LLM(model, **kwargs)` takes the same names as keywords.
+The Triton model's `config.pbtxt` `parameters` map one to one onto the fields of the two (same
+names; `split_parameters`), and `LLM(model, **kwargs)` takes EngineConfig's names as keywords.
 """
 
 from __future__ import annotations
@@ -28,8 +29,38 @@ TENSOR_PARALLEL_LAUNCHES = ("spawn", "env")
 LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
+class _FromStrings:
+    """Building a config dataclass from config.pbtxt's string values, converting by field type."""
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def check_names(cls, names) -> None:
+        """Raise ValueError for names that are not fields (typos in config.pbtxt or --param)."""
+        known = cls.field_names()
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise ValueError(f"unknown parameter(s) of {cls.__name__} {unknown}; known: {sorted(known)}")
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> Any:
+        """Build from string values (Triton `parameters`), converting by field type.
+
+        Unknown names are an error so that a typo in config.pbtxt is not silently ignored.
+        """
+        cls.check_names(values)
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for name, raw in values.items():
+            kwargs[name] = _convert(name, str(types[name]), raw)
+        return cls(**kwargs)
+
+
+
 @dataclass
-class EngineConfig:
+class EngineConfig(_FromStrings):
     model: str
     """Local Hugging Face checkpoint directory (config.json + *.safetensors)."""
     tokenizer: str | None = None
@@ -124,41 +155,6 @@ class EngineConfig:
     engine within about this long instead of wedging it."""
     seed: int = 0
     """Seed for requests that give none."""
-    default_temperature: float = 0.0
-    """Temperature of server requests that send no `temperature` input: 0 = greedy, as
-    TensorRT-LLM's ensemble is when no sampling inputs are sent. (`SamplingParams` built in
-    Python carry their own temperature.)"""
-    max_waiting_requests: int = 512
-    """Requests a server replica holds that are not running (queued for their first step, or
-    preempted); past it a new request is refused at once ("server busy": Triton UNAVAILABLE,
-    the OpenAI front's 429) instead of queueing without bound. 0 = no bound."""
-    max_queue_time_s: float = 0.0
-    """A served request not started within this many seconds of its arrival ends with a
-    "server busy" error (UNAVAILABLE / 429), so clients retry elsewhere instead of waiting
-    behind a backlog. 0 = no deadline."""
-    report_num_cached_tokens: bool = False
-    """Served requests may ask for `num_cached_tokens` (prompt tokens found in the prefix cache)
-    without a `cache_salt`. Off by default: the count tells a client whether another client sent
-    the same prompt prefix recently. A request with a cache_salt may always ask (its cache hits
-    can only come from requests with the same salt)."""
-    stream_interval: int = 4
-    """A streaming request's new tokens go to its caller every this many tokens (its first token
-    and its end at once; a token waits at most stream_interval_max_ms). Each Triton response is a
-    round trip to the server process (~1 ms on 2 busy cores): larger values send fewer responses
-    per token under load, the tokens arriving in groups. 1 sends every step's tokens. The default
-    4 served 9-22% more requests per second than 1 at 16-128 clients, and the best effective
-    throughput (perf/results/fastgen-avx512-s30-si*)."""
-    stream_interval_max_ms: float = 50.0
-    """The longest a token waits for stream_interval's group: it goes out with the first step
-    that ends this many milliseconds after it was made, however few tokens are held then (under
-    light load groups fill quickly; under heavy load, where steps are slow, this caps the added
-    latency). 0 = no bound."""
-    replica_balance_max_wait_ms: float = 200.0
-    """With several replicas (instance_group count > 1), one holding more requests than the least
-    loaded of the others waits up to this long before it takes another, so Triton gives new
-    requests to the others (it would otherwise hand them to whichever replica takes them first:
-    one held 30+ while the other ran dry, perf/results s35). The least loaded never waits.
-    0 = off."""
     lora_modules: str = ""
     """LoRA adapters served over the base model: "name=path[,name=path...]", each path a PEFT
     folder (adapter_config.json + adapter_model.safetensors), all read and checked at start. A
@@ -209,12 +205,6 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
-        _check_positive("stream_interval", self.stream_interval)
-        _check_non_negative("replica_balance_max_wait_ms", self.replica_balance_max_wait_ms)
-        _check_non_negative("stream_interval_max_ms", self.stream_interval_max_ms)
-        if not (isinstance(self.max_waiting_requests, int) and self.max_waiting_requests >= 0):
-            raise ValueError(f"max_waiting_requests must be an integer >= 0, got {self.max_waiting_requests!r}")
-        _check_non_negative("max_queue_time_s", self.max_queue_time_s)
         _check_choice("prompt_order", self.prompt_order, PROMPT_ORDERS)
         rate = self.first_token_deadline_tokens_per_s
         if not (isinstance(rate, (int, float)) and 0.0 < rate < float("inf")):
@@ -226,7 +216,6 @@ class EngineConfig:
         if not (isinstance(self.tensor_parallel_timeout_s, (int, float)) and 0 < self.tensor_parallel_timeout_s < 1e6):
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got "
                              f"{self.tensor_parallel_timeout_s!r}")
-        _check_non_negative("default_temperature", self.default_temperature)
         self._check_lora()
 
     def _check_lora(self) -> None:
@@ -269,30 +258,79 @@ class EngineConfig:
         if self.speculative_model is not None:
             self.speculative_model = os.fspath(self.speculative_model)
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
-    @classmethod
-    def check_names(cls, names) -> None:
-        """Raise ValueError for names that are not fields (typos in config.pbtxt or --param)."""
-        known = cls.field_names()
-        unknown = sorted(set(names) - set(known))
-        if unknown:
-            raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(known)}")
+@dataclass
+class ServerConfig(_FromStrings):
+    """How a served replica admits, paces and answers requests (the engine itself does not read
+    these): the `llm` model's and EngineLoop's settings, beside EngineConfig in config.pbtxt."""
 
-    @classmethod
-    def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
-        """Build from string values (Triton `parameters`), converting by field type.
+    default_temperature: float = 0.0
+    """Temperature of server requests that send no `temperature` input: 0 = greedy, as
+    TensorRT-LLM's ensemble is when no sampling inputs are sent. (`SamplingParams` built in
+    Python carry their own temperature.)"""
+    max_waiting_requests: int = 512
+    """Requests a server replica holds that are not running (queued for their first step, or
+    preempted); past it a new request is refused at once ("server busy": Triton UNAVAILABLE,
+    the OpenAI front's 429) instead of queueing without bound. 0 = no bound."""
+    max_queue_time_s: float = 0.0
+    """A served request not started within this many seconds of its arrival ends with a
+    "server busy" error (UNAVAILABLE / 429), so clients retry elsewhere instead of waiting
+    behind a backlog. 0 = no deadline."""
+    report_num_cached_tokens: bool = False
+    """Served requests may ask for `num_cached_tokens` (prompt tokens found in the prefix cache)
+    without a `cache_salt`. Off by default: the count tells a client whether another client sent
+    the same prompt prefix recently. A request with a cache_salt may always ask (its cache hits
+    can only come from requests with the same salt)."""
+    stream_interval: int = 4
+    """A streaming request's new tokens go to its caller every this many tokens (its first token
+    and its end at once; a token waits at most stream_interval_max_ms). Each Triton response is a
+    round trip to the server process (~1 ms on 2 busy cores): larger values send fewer responses
+    per token under load, the tokens arriving in groups. 1 sends every step's tokens. The default
+    4 served 9-22% more requests per second than 1 at 16-128 clients, and the best effective
+    throughput (perf/results/fastgen-avx512-s30-si*)."""
+    stream_interval_max_ms: float = 50.0
+    """The longest a token waits for stream_interval's group: it goes out with the first step
+    that ends this many milliseconds after it was made, however few tokens are held then (under
+    light load groups fill quickly; under heavy load, where steps are slow, this caps the added
+    latency). 0 = no bound."""
+    replica_balance_max_wait_ms: float = 200.0
+    """With several replicas (instance_group count > 1), one holding more requests than the least
+    loaded of the others waits up to this long before it takes another, so Triton gives new
+    requests to the others (it would otherwise hand them to whichever replica takes them first:
+    one held 30+ while the other ran dry, perf/results s35). The least loaded never waits.
+    0 = off."""
 
-        Unknown names are an error so that a typo in config.pbtxt is not silently ignored.
-        """
-        cls.check_names(values)
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for name, raw in values.items():
-            kwargs[name] = _convert(name, str(types[name]), raw)
-        return cls(**kwargs)
+    def __post_init__(self) -> None:
+        _check_non_negative("default_temperature", self.default_temperature)
+        if not (isinstance(self.max_waiting_requests, int) and not isinstance(self.max_waiting_requests, bool)
+                and self.max_waiting_requests >= 0):
+            raise ValueError(f"max_waiting_requests must be an integer >= 0, got {self.max_waiting_requests!r}")
+        _check_non_negative("max_queue_time_s", self.max_queue_time_s)
+        _check_positive("stream_interval", self.stream_interval)
+        _check_non_negative("stream_interval_max_ms", self.stream_interval_max_ms)
+        _check_non_negative("replica_balance_max_wait_ms", self.replica_balance_max_wait_ms)
+
+
+def parameter_names() -> list[str]:
+    """Every name config.pbtxt's `parameters` (and the launcher's --param) may use."""
+    return EngineConfig.field_names() + ServerConfig.field_names()
+
+
+def check_parameter_names(names) -> None:
+    """Raise ValueError for names neither config knows (typos in config.pbtxt or --param)."""
+    known = parameter_names()
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(known)}")
+
+
+def split_parameters(values: dict[str, str]) -> tuple[EngineConfig, ServerConfig]:
+    """config.pbtxt's parameters (string values), each name to the one config that has it."""
+    check_parameter_names(values)
+    server_names = set(ServerConfig.field_names())
+    server = ServerConfig.from_strings({k: v for k, v in values.items() if k in server_names})
+    engine = EngineConfig.from_strings({k: v for k, v in values.items() if k not in server_names})
+    return engine, server
 
 
 def _convert(name: str, type_name: str, raw: str) -> Any:

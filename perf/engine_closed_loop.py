@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE))
 from machine import cpu_flags, cpu_model, git_commit  # noqa: E402
 from workload import add_workload_args, ensure_model, random_id_requests  # noqa: E402
 
-from splitfuse.config import EngineConfig  # noqa: E402
+from splitfuse.config import split_parameters  # noqa: E402
 from splitfuse.engine.loop import EngineLoop  # noqa: E402
 from splitfuse.engine.sequence import SamplingParams  # noqa: E402
 
@@ -35,9 +35,9 @@ RESULTS = HERE / "results" / "engine-closed-loop"
 
 def run(model_dir: str, params: dict[str, str], clients: int, num_requests: int, prompt_mean: float,
         gen_mean: float, seed: int, timeout_s: float = 1800.0) -> dict:
-    config = EngineConfig.from_strings({"model": model_dir, **params})
+    config, server = split_parameters({"model": model_dir, **params})
     steps: list = []
-    loop = EngineLoop(config, on_step=steps.append)
+    loop = EngineLoop(config, on_step=steps.append, server=server)
     loop.start()
     requests = random_id_requests(model_dir, num_requests, prompt_mean, gen_mean, seed)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from closed_loop import sweep
 from drivers import EngineDriver, OpenAIDriver, TritonDriver, TritonHttpDriver
+from splitfuse.utils.ports import free_port
 from systems import (PRECISIONS, VLLM_DTYPES, VLLM_SERVER_ARGS, VLLM_SYSTEMS, base_of, budget_of, file_stem, policy_of,
                      precision_of, replicas_of)
 
@@ -22,12 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def log(msg: str) -> None:
     print(f"[run_all {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------ systems
@@ -50,13 +44,13 @@ def engine_params(system: str, args) -> dict[str, str]:
 def run_engine(system: str, args, specs, clients) -> dict:
     """Our engine in this process, driven by the same closed-loop clients: the serving path's
     reference (what Triton, the tokenizing model, gRPC and the client process cost)."""
-    from splitfuse.config import EngineConfig
+    from splitfuse.config import split_parameters
     from splitfuse.engine.loop import EngineLoop
 
     params = engine_params(system, args)
-    config = EngineConfig.from_strings({"model": str(Path(args.model_dir).resolve()), **params})
+    config, server = split_parameters({"model": str(Path(args.model_dir).resolve()), **params})
     log(f"{system}: building the engine in this process ({params})")
-    loop = EngineLoop(config)
+    loop = EngineLoop(config, server=server)
     loop.start()
     try:
         res = _sweep(EngineDriver(loop), specs, clients, args, lambda: [])
@@ -182,7 +176,7 @@ def _reap_leftovers(workdir: Path) -> None:
 
 
 def run_vllm(system: str, args, specs, clients) -> dict:
-    port = _free_port()
+    port = free_port()
     py = Path(args.vllm_python)
     if not py.exists():
         raise FileNotFoundError(f"{py} not found: install vLLM-CPU first (see perf/README.md)")

@@ -40,7 +40,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -57,6 +56,7 @@ sys.path.insert(0, str(HERE))
 import closed_loop as cl  # noqa: E402
 import fastgen_metrics as fm  # noqa: E402
 import workload as wl  # noqa: E402
+from splitfuse.utils.ports import free_port  # noqa: E402
 from drivers import stream_sse  # noqa: E402
 from machine import cpu_flags, cpu_model, git_commit, mem_gib  # noqa: E402
 
@@ -274,12 +274,6 @@ def run_unshared(driver, specs: list[wl.RequestSpec], clients: int, timeout: flo
 
 
 # ---------------------------------------------------------------------------------- servers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def prom_sum(url: str, names: tuple[str, ...]) -> float:
     """Sum of the samples of the first metric family in `names` that the endpoint exposes."""
     with urllib.request.urlopen(url, timeout=10) as r:
@@ -331,7 +325,7 @@ class VLLM:
 
     def __enter__(self):
         a = self.args
-        port = _free_port()
+        port = free_port()
         cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(a.model_dir).resolve()),
                "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-model-len", str(a.max_model_len), "--enable-prefix-caching", "--enable-prompt-tokens-details"]

@@ -40,7 +40,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from splitfuse.config import EngineConfig
+from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.engine.llm_engine import EngineStats, LLMEngine, StepStats
 from splitfuse.errors import SERVER_BUSY, FatalEngineError, ServerBusyError
 from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams
@@ -75,8 +75,10 @@ class EngineFailedError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, config: EngineConfig, on_step: Callable[[StepStats], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, on_step: Callable[[StepStats], None] | None = None,
+                 server: ServerConfig | None = None) -> None:
         self.config = config
+        self.server = server if server is not None else ServerConfig()
         self.engine: LLMEngine | None = None
         self.on_step = on_step
         self._ready = threading.Event()
@@ -146,7 +148,7 @@ class EngineLoop:
         return self._queued_adds + self._engine_waiting
 
     def _check_room(self) -> None:
-        limit = self.config.max_waiting_requests
+        limit = self.server.max_waiting_requests
         waiting = self.num_waiting
         if limit and waiting >= limit:
             raise ServerBusyError(f"{SERVER_BUSY}: {waiting} requests are waiting (max_waiting_requests={limit}); "
@@ -270,8 +272,8 @@ class EngineLoop:
 
     def _expire_waiting(self) -> None:
         """max_queue_time_s: requests still not started past their deadline end "server busy"."""
-        if self.config.max_queue_time_s > 0 and self.engine.num_waiting:
-            for out in self.engine.expire_waiting(self.config.max_queue_time_s, time.monotonic()):
+        if self.server.max_queue_time_s > 0 and self.engine.num_waiting:
+            for out in self.engine.expire_waiting(self.server.max_queue_time_s, time.monotonic()):
                 self._deliver(out)
 
     def _fail_in_flight(self, error: str) -> None:
@@ -316,7 +318,7 @@ class EngineLoop:
         """`out` with the request's held deltas in front, or None while it carries fewer than
         stream_interval new tokens and its oldest token is younger than stream_interval_max_ms
         (a request's first output and its last go at once)."""
-        interval = self.config.stream_interval
+        interval = self.server.stream_interval
         if interval == 1:
             return out
         now = time.monotonic()
@@ -324,7 +326,7 @@ class EngineLoop:
         held = self._held.pop(out.request_id, None)
         if held is not None:
             out, since = out.after(held[0]), held[1]
-        max_wait = self.config.stream_interval_max_ms / 1e3
+        max_wait = self.server.stream_interval_max_ms / 1e3
         if (out.finished or out.is_first or len(out.delta_token_ids) >= interval
                 or (max_wait and now - since >= max_wait)):
             return out

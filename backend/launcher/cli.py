@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="address Triton's three endpoints and the OpenAI front bind to (default: loopback only; "
                         "0.0.0.0 exposes them on every interface)")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                   help="engine parameter (any EngineConfig field), repeatable")
+                   help="engine or server parameter (any EngineConfig or ServerConfig field), repeatable")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve a LoRA adapter (a PEFT folder) over the model under NAME, repeatable: requests pick it "
                         "with the lora_name input, OpenAI requests with model=NAME (engine parameter lora_modules; "

@@ -1,5 +1,5 @@
 """Rendering the model repository: the template with the checkpoint, the engine parameters
-(checked against EngineConfig before anything starts) and the instance counts filled in."""
+(checked against EngineConfig and ServerConfig before anything starts) and the instance counts filled in."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from splitfuse.config import EngineConfig
+from splitfuse.config import check_parameter_names, split_parameters
 from splitfuse.utils.cpu_budget import available_cpus
 from splitfuse.launcher.lora import LORA_MODULES, format_lora_modules, resolve_lora_modules
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
@@ -36,7 +36,7 @@ def default_template_dir() -> Path:
 
 
 def parse_params(items: list[str] | None) -> dict[str, str]:
-    """['a=1', 'b=x'] -> {'a': '1', 'b': 'x'}, checking names against EngineConfig."""
+    """['a=1', 'b=x'] -> {'a': '1', 'b': 'x'}, checking names against EngineConfig and ServerConfig."""
     out: dict[str, str] = {}
     for item in items or []:
         name, sep, value = item.partition("=")
@@ -44,7 +44,7 @@ def parse_params(items: list[str] | None) -> dict[str, str]:
         if not sep or not name:
             raise ValueError(f"--param expects NAME=VALUE, got {item!r}")
         out[name] = value
-    EngineConfig.check_names(out)
+    check_parameter_names(out)
     return out
 
 
@@ -59,8 +59,8 @@ def render_model_repository(
 ) -> Path:
     """Copy the template's models into `out_dir` with the checkpoint and engine parameters set.
 
-    `params` are EngineConfig fields (string values, as in config.pbtxt); they are validated
-    here by building the EngineConfig, so a typo fails before the server starts. `name_prefix`
+    `params` are EngineConfig and ServerConfig fields (string values, as in config.pbtxt); they
+    are validated here by building both, so a typo fails before the server starts. `name_prefix`
     goes before every model's name (`<prefix>llm`, `<prefix>preprocessing`, `<prefix>ensemble`,
     the ensemble's steps renamed with them), so several LLMs, or ours beside other models,
     share one repository. Only our models' folders in `out_dir` are replaced; anything else
@@ -98,7 +98,7 @@ def render_model_repository(
             cfg.parameters["num_threads"].string_value = str(replica_threads(instances))
         values = {k: v.string_value for k, v in cfg.parameters.items()}
         _check_filled(LLM_MODEL, values)
-        EngineConfig.from_strings(values)  # raises ValueError naming the bad field
+        split_parameters(values)  # raises ValueError naming the bad field
         _set_instances(cfg, instances)
 
     def edit_pre(cfg) -> None:
@@ -117,12 +117,12 @@ def render_model_repository(
 
 def _resolved(model: str | os.PathLike, params: Mapping[str, str] | None) -> tuple[Path, dict[str, str]]:
     """The checkpoint directory and the parameters with every path made absolute (the server
-    runs elsewhere), names checked against EngineConfig."""
+    runs elsewhere), names checked against EngineConfig and ServerConfig."""
     model_path = Path(prepare_checkpoint(model)).resolve()
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
     params = dict(params or {})
-    EngineConfig.check_names(params)
+    check_parameter_names(params)
     params["model"] = str(model_path)
     if params.get("tokenizer"):
         params["tokenizer"] = str(Path(prepare_checkpoint(params["tokenizer"])).resolve())

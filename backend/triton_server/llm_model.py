@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from splitfuse.config import EngineConfig
+from splitfuse.config import split_parameters
 from splitfuse.triton_server.control import Control
 from splitfuse.triton_server.live import Live
 from splitfuse.engine.loop import EngineLoop
@@ -60,12 +60,12 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("llm needs `model_transaction_policy { decoupled: true }`")
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-        config = EngineConfig.from_strings(params)
+        config, self.server = split_parameters(params)
         self.config = config
         self.model_name = args["model_name"]
         self.instance = args["model_instance_name"]
         self.recorder = MetricsRecorder()
-        self.loop = EngineLoop(config, on_step=self.recorder.step)
+        self.loop = EngineLoop(config, on_step=self.recorder.step, server=self.server)
         self.engine = self.loop.start()  # built on the engine's own thread
         self.tokenizer = self.engine.tokenizer
         self.lora_names = tuple(self.engine.lora_names())
@@ -79,7 +79,7 @@ class TritonPythonModel:
         # The launcher tells the OpenAI front (default max_tokens) what the KV cache allows.
         self.control.publish_limits(max_model_len=self.engine.max_model_len)
         self.balance = ReplicaBalance(self.control.model_dir / "load", self.instance,
-                                      config.replica_balance_max_wait_ms / 1e3)
+                                      self.server.replica_balance_max_wait_ms / 1e3)
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
@@ -89,7 +89,7 @@ class TritonPythonModel:
             f"dtype={str(runner.dtype).removeprefix('torch.')} attention_backend={runner.attention_backend} "
             f"linear_backend={runner.linear_backend} quantization={config.quantization} "
             f"weights={runner.weight_memory_summary()} threads={torch.get_num_threads()} "
-            f"decoder layers in {runner.decoder_layers}; {config}")
+            f"decoder layers in {runner.decoder_layers}; {config}; {self.server}")
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -133,7 +133,7 @@ class TritonPythonModel:
 
     # ---- requests ----------------------------------------------------------------------------
     def _start(self, request, sender) -> None:
-        parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()}, self.config.default_temperature)
+        parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()}, self.server.default_temperature)
         client_id = request.request_id() or ""
         if parsed.stop_request:
             self._stop(parsed.stop_handle, sender)
@@ -141,7 +141,7 @@ class TritonPythonModel:
         engine_id = f"{client_id}#{next(self.ids)}"
         if self.control.draining():  # the file itself, not the housekeeper's copy: no 10 ms window
             raise RuntimeError("the server is shutting down")
-        if parsed.return_num_cached_tokens and not (self.config.report_num_cached_tokens
+        if parsed.return_num_cached_tokens and not (self.server.report_num_cached_tokens
                                                      or parsed.params.cache_salt is not None):
             raise InputError("num_cached_tokens is reported only for requests with a cache_salt on this server "
                              "(it would tell whether another client sent the same prompt; the operator can allow "

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from splitfuse import LLM, SamplingParams
-from splitfuse.config import EngineConfig
+from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.engine.loop import EngineLoop
 
 PROMPT_LENGTHS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 64, 100, 130]
@@ -116,8 +116,8 @@ def test_streamed_through_engine_loop_matches_hf(case, cpu_path, stream_interval
     """The serving path: EngineLoop's per-request mailboxes (outputs merged while a delivery is
     in flight) and stream_interval; the streamed deltas, joined, are HF's tokens."""
     name, path, prompts, refs = case
-    loop = EngineLoop(EngineConfig(model=path, dtype="float32", token_budget=64, block_size=16,
-                                   stream_interval=stream_interval, **cpu_path))
+    loop = EngineLoop(EngineConfig(model=path, dtype="float32", token_budget=64, block_size=16, **cpu_path),
+                      server=ServerConfig(stream_interval=stream_interval))
     loop.start()
     streams: dict[int, list] = {i: [] for i in range(len(prompts))}
     done = threading.Semaphore(0)

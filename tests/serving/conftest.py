@@ -41,11 +41,12 @@ class Served:
 
 
 def engine_kwargs(model_dir: str, params: dict[str, str]) -> dict:
-    """A server's string engine parameters as LLM(...) keyword arguments."""
-    from splitfuse.config import EngineConfig
+    """A server's string engine parameters as LLM(...) keyword arguments (its server settings
+    have no offline meaning)."""
+    from splitfuse.config import split_parameters
 
-    cfg = EngineConfig.from_strings({"model": model_dir, **params})
-    return {k: getattr(cfg, k) for k in params}
+    cfg, _ = split_parameters({"model": model_dir, **params})
+    return {k: getattr(cfg, k) for k in params if hasattr(cfg, k)}
 
 
 def offline_greedy(model_dir: str, params: dict[str, str], prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

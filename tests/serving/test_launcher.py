@@ -21,7 +21,7 @@ from triton_helpers import GrpcStream, InferenceServerException
 from tritonclient.grpc import model_config_pb2
 
 from splitfuse.engine.block_manager import longest_sequence
-from splitfuse.config import EngineConfig
+from splitfuse.config import EngineConfig, parameter_names, split_parameters
 from splitfuse.kernels.toolchain import compiler
 from splitfuse.launcher import (
     build_backend_dir,
@@ -41,7 +41,7 @@ def _config(repo: Path, model: str):
 
 def test_template_parameters_are_engine_fields():
     cfg = _config(default_template_dir(), "llm")
-    assert set(cfg.parameters) <= set(EngineConfig.field_names())
+    assert set(cfg.parameters) <= set(parameter_names())
     assert cfg.model_transaction_policy.decoupled
 
 
@@ -52,7 +52,7 @@ def test_render_fills_model_params_and_instances(tiny_llama, tmp_path):
     params = {k: v.string_value for k, v in llm.parameters.items()}
     assert params["model"] == str(Path(tiny_llama).resolve())
     assert params["token_budget"] == "64" and params["num_kv_blocks"] == "32"
-    cfg = EngineConfig.from_strings(params)
+    cfg, _ = split_parameters(params)
     assert cfg.token_budget == 64 and cfg.tokenizer == cfg.model
     assert [g.count for g in llm.instance_group] == [2]
     pre = _config(repo, "preprocessing")

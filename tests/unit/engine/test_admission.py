@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from splitfuse.config import EngineConfig
+from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.engine.loop import EngineLoop
 from splitfuse.errors import SERVER_BUSY, ServerBusyError
 from splitfuse.engine.sequence import SamplingParams
@@ -41,7 +41,7 @@ class Collector:
 def _loop(tiny_llama, **kwargs) -> EngineLoop:
     # One sequence runs at a time: every other request waits.
     loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, max_num_seqs=1,
-                                   attention_backend="torch", **kwargs))
+                                   attention_backend="torch"), server=ServerConfig(**kwargs))
     loop.start()
     return loop
 
@@ -123,4 +123,4 @@ def test_requests_not_started_within_max_queue_time_end_busy(tiny_llama):
                                          ("max_queue_time_s", float("inf"))])
 def test_bad_admission_settings_are_refused(tiny_llama, field, value):
     with pytest.raises(ValueError, match=field):
-        EngineConfig(model=tiny_llama, **{field: value})
+        ServerConfig(**{field: value})

@@ -1,6 +1,6 @@
 import pytest
 
-from splitfuse.config import EngineConfig
+from splitfuse.config import EngineConfig, ServerConfig, split_parameters
 
 
 def test_from_strings_converts_by_field_type():
@@ -28,8 +28,6 @@ def test_prefix_caching_is_on_by_default_and_parsed_as_a_bool():
     ({"model": "/m", "dtype": "int8"}, "dtype"),
     ({"model": "/m", "kv_cache_dtype": "int8"}, "kv_cache_dtype"),
     ({"model": "/m", "kv_watermark": "1.5"}, "kv_watermark"),
-    ({"model": "/m", "default_temperature": "-0.5"}, "default_temperature"),
-    ({"model": "/m", "default_temperature": "nan"}, "default_temperature"),
     ({"model": "/m", "first_token_deadline_tokens_per_s": "0"}, "first_token_deadline_tokens_per_s"),
     ({"model": "/m", "prompt_order": "sjf"}, "prompt_order"),
     ({"model": "/m", "prompt_order": "goodput", "scheduler_policy": "orca"}, "prompt_order"),
@@ -44,6 +42,28 @@ def test_every_field_is_a_known_name():
     assert names[0] == "model" and "token_budget" in names and "scheduler_policy" in names
 
 
+@pytest.mark.parametrize("values,field", [
+    ({"default_temperature": "-0.5"}, "default_temperature"),
+    ({"default_temperature": "nan"}, "default_temperature"),
+    ({"stream_interval": "0"}, "stream_interval"),
+    ({"max_waiting_requests": "-1"}, "max_waiting_requests"),
+    ({"replica_balance_max_wait_ms": "-1"}, "replica_balance_max_wait_ms"),
+])
+def test_bad_server_values_name_the_field(values, field):
+    with pytest.raises(ValueError, match=field):
+        split_parameters({"model": "/m", **values})
+
+
 def test_default_temperature_is_greedy_and_parsed():
-    assert EngineConfig(model="/m").default_temperature == 0.0
-    assert EngineConfig.from_strings({"model": "/m", "default_temperature": "1.0"}).default_temperature == 1.0
+    assert ServerConfig().default_temperature == 0.0
+    assert split_parameters({"model": "/m", "default_temperature": "1.0"})[1].default_temperature == 1.0
+
+
+def test_parameters_split_one_to_one_and_unknown_names_fail():
+    engine, server = split_parameters({"model": "/m", "token_budget": "64", "stream_interval": "2"})
+    assert (engine.token_budget, server.stream_interval) == (64, 2)
+    assert not set(EngineConfig.field_names()) & set(ServerConfig.field_names())
+    with pytest.raises(ValueError, match="unknown engine parameter.*stream_intervall"):
+        split_parameters({"model": "/m", "stream_intervall": "2"})
+    with pytest.raises(TypeError, match="stream_interval"):  # a server setting is not an engine knob
+        EngineConfig(model="/m", stream_interval=2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from splitfuse import LLM, EngineConfig, SamplingParams
+from splitfuse.config import ServerConfig
 from splitfuse.engine.llm_engine import LLMEngine
 from splitfuse.engine.loop import EngineLoop
 
@@ -284,8 +285,8 @@ def test_engine_loop_hands_a_steps_outputs_out_as_the_next_forward_pass_starts(t
     """Between scheduling (S) and the forward pass (F) of the next step, not right after their own
     step: the delivery threads' Python then runs while the engine thread is in the kernels. The
     last step's outputs go at once, as no step follows."""
-    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4,
-                                   stream_interval=1))  # the delivery path itself, one output per step
+    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4),
+                      server=ServerConfig(stream_interval=1))  # the delivery path itself, one output per step
     engine = loop.start()
     events: list[str] = []
     schedule, execute, post = engine.scheduler.schedule, engine.runner.execute, loop._post
@@ -347,8 +348,8 @@ def test_stream_interval_holds_a_token_at_most_stream_interval_max_ms(tiny_llama
     greedy = dict(ignore_eos=True, temperature=0.0)
     streams = {}
     for bound in (0, 1):
-        loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, stream_interval=1000,
-                                       stream_interval_max_ms=bound))
+        loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4),
+                          server=ServerConfig(stream_interval=1000, stream_interval_max_ms=bound))
         loop.on_step = lambda *args: time.sleep(0.02)
         loop.start()
         try:
@@ -370,8 +371,8 @@ def test_stream_interval_groups_tokens_but_not_the_first_or_last(tiny_llama):
               "c": SamplingParams(max_tokens=1, **greedy)}
     streams = {}
     for interval in (1, 3):
-        loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4, stream_interval=interval,
-                                       stream_interval_max_ms=0))
+        loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4),
+                          server=ServerConfig(stream_interval=interval, stream_interval_max_ms=0))
         loop.start()
         try:
             streams[interval] = _stream(loop, params)
@@ -407,8 +408,8 @@ def test_stream_interval_groups_tokens_but_not_the_first_or_last(tiny_llama):
 def test_slow_consumer_gets_merged_outputs_and_does_not_hold_the_engine(tiny_llama):
     """A request's outputs that arrive while its callback is busy wait in its mailbox and go out
     merged, in order, the final one last; the other requests and the engine do not wait."""
-    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4,
-                                   stream_interval=1))  # the delivery path itself, one output per step
+    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4),
+                      server=ServerConfig(stream_interval=1))  # the delivery path itself, one output per step
     loop.start()
     slow, fast = [], []
     slow_done, fast_done = threading.Event(), threading.Event()
@@ -441,8 +442,8 @@ def test_slow_consumer_gets_merged_outputs_and_does_not_hold_the_engine(tiny_lla
 def test_request_id_reused_while_its_last_output_is_going_out(tiny_llama):
     """A request id reused as soon as its request finished, while that final output is still
     being delivered: each request's outputs reach its own callback."""
-    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4,
-                                   stream_interval=1))  # the delivery path itself, one output per step
+    loop = EngineLoop(EngineConfig(model=tiny_llama, token_budget=16, block_size=4),
+                      server=ServerConfig(stream_interval=1))  # the delivery path itself, one output per step
     loop.start()
     first, second = [], []
     first_final_started, release, second_done = threading.Event(), threading.Event(), threading.Event()

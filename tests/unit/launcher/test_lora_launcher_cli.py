@@ -99,12 +99,12 @@ def test_the_llm_template_has_a_parameter_for_every_engine_field():
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    from splitfuse.config import EngineConfig
+    from splitfuse.config import EngineConfig, parameter_names
     from splitfuse.launcher.repository import default_template_dir
 
     text = (default_template_dir() / "llm" / "config.pbtxt").read_text()
     cfg = text_format.Parse(text, model_config_pb2.ModelConfig())
-    assert sorted(cfg.parameters) == sorted(EngineConfig.field_names())
+    assert sorted(cfg.parameters) == sorted(parameter_names())  # every parameter, each once
     defaults = EngineConfig(model="/m")
     for name in ("lora_modules", "max_loras", "max_lora_rank"):  # the template's values are the defaults
         assert cfg.parameters[name].string_value == str(getattr(defaults, name))

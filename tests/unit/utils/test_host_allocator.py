@@ -52,7 +52,8 @@ def test_freed_buffers_are_reused_without_page_faults():
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt is Linux-only")
 def test_cpu_engine_start_applies_it(tiny_llama, monkeypatch):
-    from splitfuse import LLM, host_allocator
+    from splitfuse import LLM
+    from splitfuse.utils import host_allocator
 
     monkeypatch.setattr(host_allocator, "_applied", None)
     LLM(tiny_llama, device="cpu")
