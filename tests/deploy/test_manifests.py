@@ -380,7 +380,7 @@ def test_servicemonitor_selects_the_service_metrics_port(rendered, overlay):
 
 
 def _exported_metrics() -> str:
-    return (ROOT / "backend" / "triton" / "metrics.py").read_text()
+    return (ROOT / "backend" / "triton_server" / "metrics.py").read_text()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
