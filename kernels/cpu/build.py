@@ -193,6 +193,14 @@ def library() -> ctypes.CDLL | None:
 T = TypeVar("T")
 
 
+def bind(lib: ctypes.CDLL, name: str, restype: type | None, *argtypes: type) -> ctypes._CFuncPtr:
+    """`lib`'s entry point `name` with its C signature set (see csrc/sf_api.h); AttributeError
+    when the library lacks it. restype None: a void function."""
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
 class Entries(Generic[T]):
     """The entry points one source file adds to the library, looked up once on first use (which
     builds the library): `lookup(lib)` finds them and sets their signatures. `get()` returns what
@@ -239,7 +247,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         reason = str(e).splitlines()[0]
         log.warning("splitfuse: C++ CPU kernels unavailable, using the torch path: %s", reason)
         return None, reason
-    lib.sf_build_isa.argtypes, lib.sf_build_isa.restype = [], ctypes.c_int
+    bind(lib, "sf_build_isa", ctypes.c_int)
     log.info("splitfuse: C++ CPU kernels loaded (built for %s on a %s CPU, %s)", _isa_name(lib.sf_build_isa()),
              isa(), path.name)
     return lib, ""
@@ -254,8 +262,7 @@ def vector_width() -> int:
     lib = library()
     if lib is None:
         raise RuntimeError(f"the C++ CPU kernels are not available: {unavailable_reason()}")
-    lib.sf_ew_vector_width.restype = ctypes.c_int
-    return int(lib.sf_ew_vector_width())
+    return int(bind(lib, "sf_ew_vector_width", ctypes.c_int)())
 
 
 def _isa_name(bits: int) -> str:

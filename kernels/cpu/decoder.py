@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import Entries
+from .build import Entries, bind
 from .linear import PackedInt8Weight, PackedWeight
 from .paged_attention import K_TRANSPOSED, window_arg
 from .quant4 import KINDS as GGUF_KINDS
@@ -51,13 +51,11 @@ _ERRORS = {-100: "a position is outside the rotary tables", -101: "bad layer cou
 
 
 def _lookup(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
-    lib.sf_dec_layout.argtypes, lib.sf_dec_layout.restype = [ctypes.c_int], ctypes.c_int
-    if [lib.sf_dec_layout(i) for i in range(6)] != [_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS, _LORA_FIELDS,
-                                                    _LP_FIELDS, _LQ_FIELDS]:
+    layout = bind(lib, "sf_dec_layout", ctypes.c_int, ctypes.c_int)
+    if [layout(i) for i in range(6)] != [_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS, _LORA_FIELDS,
+                                         _LP_FIELDS, _LQ_FIELDS]:
         raise AttributeError("decoder.cpp's argument layout differs from this wrapper's")
-    fn = lib.sf_dec_forward
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int
-    return fn
+    return bind(lib, "sf_dec_forward", ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
 
 
 _entries = Entries("decoder", _lookup)

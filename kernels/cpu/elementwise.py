@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import Entries, vector_width
+from .build import Entries, bind, vector_width
 
 __all__ = ["apply_rotary", "available", "dequantize_rows", "get_parallel_threshold", "quantize_rows", "rms_norm",
            "set_parallel_threshold", "silu_and_mul", "vector_width"]
@@ -58,21 +58,19 @@ class _Kernels:
         return (self.f32 if dtype is _F32 else self.bf16)[key]
 
 
+_F32_NAMES = {"rms": "sf_ew_rms_norm_f32_packed", "rot": "sf_ew_rotary_f32_packed",
+              "silu": "sf_ew_silu_and_mul_f32_packed", "quant": "sf_ew_quantize_rows_u8_packed",
+              "dequant": "sf_ew_dequantize_rows_f32_packed"}
+_BF16_NAMES = {"rms": "sf_ew_rms_norm_bf16_packed", "rot": "sf_ew_rotary_bf16_packed",
+               "silu": "sf_ew_silu_and_mul_bf16_packed", "quant": "sf_ew_quantize_rows_u8_bf16_packed",
+               "dequant": "sf_ew_dequantize_rows_bf16_packed"}
+
+
 def _lookup(lib: ctypes.CDLL) -> _Kernels:
-    f32 = {"rms": lib.sf_ew_rms_norm_f32_packed, "rot": lib.sf_ew_rotary_f32_packed,
-           "silu": lib.sf_ew_silu_and_mul_f32_packed, "quant": lib.sf_ew_quantize_rows_u8_packed,
-           "dequant": lib.sf_ew_dequantize_rows_f32_packed}
-    bf16 = {"rms": lib.sf_ew_rms_norm_bf16_packed, "rot": lib.sf_ew_rotary_bf16_packed,
-            "silu": lib.sf_ew_silu_and_mul_bf16_packed, "quant": lib.sf_ew_quantize_rows_u8_bf16_packed,
-            "dequant": lib.sf_ew_dequantize_rows_bf16_packed}
-    for table in (f32, bf16):
-        for key, f in table.items():
-            f.argtypes = [ctypes.c_char_p]
-            f.restype = ctypes.c_int64 if key == "rot" else None
-    lib.sf_ew_set_parallel_threshold.argtypes = [ctypes.c_int64]
-    lib.sf_ew_set_parallel_threshold.restype = None
-    lib.sf_ew_get_parallel_threshold.argtypes = []
-    lib.sf_ew_get_parallel_threshold.restype = ctypes.c_int64
+    f32, bf16 = ({key: bind(lib, name, ctypes.c_int64 if key == "rot" else None, ctypes.c_char_p)
+                  for key, name in names.items()} for names in (_F32_NAMES, _BF16_NAMES))
+    bind(lib, "sf_ew_set_parallel_threshold", None, ctypes.c_int64)
+    bind(lib, "sf_ew_get_parallel_threshold", ctypes.c_int64)
     return _Kernels(lib, f32, bf16)
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import Entries
+from .build import Entries, bind
 
 __all__ = ["PackedInt8Weight", "PackedWeight", "available", "block_width", "has_int8", "int8_products", "linear",
            "linear_int8", "native_bf16", "pack_int8_weight", "pack_weight"]
@@ -61,23 +61,20 @@ class _Kernels:
     i8_fns: dict[tuple[torch.dtype, bool], ctypes._CFuncPtr]  # (output dtype, gated); empty without an int8 path
 
 
+def _forms(lib: ctypes.CDLL, prefix: str) -> dict[tuple[torch.dtype, bool], ctypes._CFuncPtr]:
+    """The (dtype, gated) entry points sf_lin_linear_{prefix}[silu_mul_]{f32,bf16}_packed."""
+    return {(dtype, gated): bind(lib, f"sf_lin_linear_{prefix}{'silu_mul_' if gated else ''}{suffix}_packed",
+                                 None, ctypes.c_char_p)
+            for dtype, suffix in zip(_DTYPES, ("f32", "bf16")) for gated in (False, True)}
+
+
 def _lookup(lib: ctypes.CDLL) -> _Kernels:
-    fns = {(torch.float32, False): lib.sf_lin_linear_f32_packed,
-           (torch.bfloat16, False): lib.sf_lin_linear_bf16_packed,
-           (torch.float32, True): lib.sf_lin_linear_silu_mul_f32_packed,
-           (torch.bfloat16, True): lib.sf_lin_linear_silu_mul_bf16_packed}
-    i8_fns = {(torch.float32, False): lib.sf_lin_linear_i8_f32_packed,
-              (torch.bfloat16, False): lib.sf_lin_linear_i8_bf16_packed,
-              (torch.float32, True): lib.sf_lin_linear_i8_silu_mul_f32_packed,
-              (torch.bfloat16, True): lib.sf_lin_linear_i8_silu_mul_bf16_packed}
-    for f in (lib.sf_lin_block_width, lib.sf_lin_native_bf16, lib.sf_lin_has_int8, lib.sf_lin_int8_products):
-        f.argtypes, f.restype = [], ctypes.c_int
-    for f in (*fns.values(), *i8_fns.values()):
-        f.argtypes, f.restype = [ctypes.c_char_p], None
-    addend = lib.sf_lin_linear_addend_packed
-    addend.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
-    addend.restype = None
-    return _Kernels(lib, fns, addend, i8_fns if lib.sf_lin_has_int8() else {})
+    for name in ("sf_lin_block_width", "sf_lin_native_bf16", "sf_lin_has_int8", "sf_lin_int8_products"):
+        bind(lib, name, ctypes.c_int)
+    addend = bind(lib, "sf_lin_linear_addend_packed", None, ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_void_p, ctypes.c_int64)
+    i8_fns = _forms(lib, "i8_")
+    return _Kernels(lib, _forms(lib, ""), addend, i8_fns if lib.sf_lin_has_int8() else {})
 
 
 _entries = Entries("linear", _lookup)
@@ -194,6 +191,18 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated
     return PackedWeight(data, n // 2 if gated else n, k, _per_column(bias, order), gated)
 
 
+def _input(name: str, x: torch.Tensor, dtype: torch.dtype, in_features: int) -> int:
+    """x's row count, once x is checked: a `dtype` CPU matrix [M, in_features], last dim contiguous."""
+    if x.dtype is not dtype or not x.is_cpu or x.dim() != 2:
+        raise ValueError(f"{name}: x must be a {dtype} CPU matrix, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    m, k = x.shape
+    if k != in_features:
+        raise ValueError(f"{name}: x has {k} columns, the weight {in_features}")
+    if x.stride(1) != 1 and k > 1:
+        raise ValueError(f"{name}: x needs a contiguous last dimension (strides {x.stride()})")
+    return m
+
+
 def _output(name: str, out: torch.Tensor | None, m: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """`out` [m, n] of `dtype` and its row stride: a new contiguous tensor, or the given one checked."""
     if out is None:
@@ -213,19 +222,12 @@ def linear(x: torch.Tensor, weight: PackedWeight, *, out: torch.Tensor | None = 
     contiguous) is added to the sums before they are stored, as `x @ W^T + b + addend` in x's
     dtype would round it, and for a gated weight before SwiGLU."""
     kernels = _entries.need()
-    fn = kernels.fns.get((x.dtype, weight.gated))
-    if fn is None or x.dtype is not weight.dtype or not x.is_cpu or x.dim() != 2:
-        raise ValueError(f"linear: x must be a {weight.dtype} CPU matrix, got {x.dtype} {tuple(x.shape)} on {x.device}")
-    m, k = x.shape
-    n = weight.out_features
-    if k != weight.in_features:
-        raise ValueError(f"linear: x has {k} columns, the weight {weight.in_features}")
-    sx = x.stride(0)
-    if x.stride(1) != 1 and k > 1:
-        raise ValueError(f"linear: x needs a contiguous last dimension (strides {x.stride()})")
+    m = _input("linear", x, weight.dtype, weight.in_features)
+    fn = kernels.fns[(x.dtype, weight.gated)]  # x.dtype is weight.dtype: float32 or bfloat16 (pack_weight)
+    n, k = weight.out_features, weight.in_features
     out, so = _output("linear", out, m, n, x.dtype)
     bias = weight.bias
-    args = _ARGS.pack(x.data_ptr(), sx, weight.data.data_ptr(), n, k, 0 if bias is None else bias.data_ptr(),
+    args = _ARGS.pack(x.data_ptr(), x.stride(0), weight.data.data_ptr(), n, k, 0 if bias is None else bias.data_ptr(),
                       out.data_ptr(), so, m)
     if addend is None:
         fn(args)

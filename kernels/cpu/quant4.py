@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import Entries
-from .linear import _column_order, _per_column
+from .build import Entries, bind
+from .linear import _column_order, _input, _output, _per_column
 
 __all__ = ["BLOCK_BYTES", "FORMS", "KINDS", "PackedQuantWeight", "available", "dequantize", "dot_products",
            "dot_reference", "linear", "lookup_rows", "can_lookup", "pack_quantized", "quantize"]
@@ -61,19 +61,13 @@ class _Kernels:
 
 
 def _lookup(lib: ctypes.CDLL) -> _Kernels:
-    lib.sf_q4_block_width.argtypes, lib.sf_q4_block_width.restype = [], ctypes.c_int
-    lib.sf_q4_record_bytes.argtypes, lib.sf_q4_record_bytes.restype = [ctypes.c_int], ctypes.c_int64
-    lib.sf_q4_dot_products.argtypes, lib.sf_q4_dot_products.restype = [], ctypes.c_int
-    dot = int(lib.sf_q4_dot_products())
-    fns = {}
-    for kind in KINDS:
-        for gated in (False, True):
-            mid = "silu_mul_" if gated else ""
-            fns[("float", kind, gated)] = getattr(lib, f"sf_q4_linear_{mid}{kind.lower()}")
-            if dot:
-                fns[("dot", kind, gated)] = getattr(lib, f"sf_q4_dot_{mid}{kind.lower()}")
-    for f in fns.values():
-        f.argtypes, f.restype = [ctypes.c_char_p], None
+    bind(lib, "sf_q4_block_width", ctypes.c_int)
+    bind(lib, "sf_q4_record_bytes", ctypes.c_int64, ctypes.c_int)
+    dot = int(bind(lib, "sf_q4_dot_products", ctypes.c_int)())
+    forms = (("float", "linear"), ("dot", "dot")) if dot else (("float", "linear"),)
+    fns = {(form, kind, gated): bind(lib, f"sf_q4_{stem}_{'silu_mul_' if gated else ''}{kind.lower()}",
+                                     None, ctypes.c_char_p)
+           for form, stem in forms for kind in KINDS for gated in (False, True)}
     return _Kernels(lib, fns, dot)
 
 
@@ -260,20 +254,10 @@ def linear(x: torch.Tensor, weight: PackedQuantWeight, *, out: torch.Tensor | No
     weight: writes and returns `out` [M, out_features] (default a new tensor; a given one may
     have strided rows and must not overlap x)."""
     fn = _entries.need().fns[(weight.form, weight.kind, weight.gated)]
-    if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2:
-        raise ValueError(f"linear: x must be a float32 CPU matrix, got {x.dtype} {tuple(x.shape)} on {x.device}")
-    m, k = x.shape
-    n = weight.out_features
-    if k != weight.in_features:
-        raise ValueError(f"linear: x has {k} columns, the weight {weight.in_features}")
-    if x.stride(1) != 1 and k > 1:
-        raise ValueError(f"linear: x needs a contiguous last dimension (strides {x.stride()})")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    elif out.dtype is not torch.float32 or out.shape != (m, n) or (out.stride(1) != 1 and n > 1):
-        raise ValueError(f"linear: out must be a float32 [{m}, {n}] with a contiguous last dimension, got "
-                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    m = _input("linear", x, torch.float32, weight.in_features)
+    n, k = weight.out_features, weight.in_features
+    out, so = _output("linear", out, m, n, torch.float32)
     bias = weight.bias
     fn(_ARGS.pack(x.data_ptr(), x.stride(0), weight.data.data_ptr(), n, k, 0 if bias is None else bias.data_ptr(),
-                  out.data_ptr(), out.stride(0), m))
+                  out.data_ptr(), so, m))
     return out
