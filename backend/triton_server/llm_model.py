@@ -30,7 +30,8 @@ from splitfuse.engine.sequence import RequestOutput
 from splitfuse.triton_server.metrics import MetricsRecorder, TritonMetrics
 from splitfuse.utils.orphan_guard import exit_with_parent
 from splitfuse.triton_server.replica_balance import NOT_TAKING, ReplicaBalance
-from splitfuse.triton_server.request import InputError, parse_request
+from splitfuse.inputs import InputError
+from splitfuse.triton_server.request import parse_request
 from splitfuse.triton_server.response import response_arrays, stop_ack_arrays
 
 log = logging.getLogger("splitfuse.triton_server.llm")

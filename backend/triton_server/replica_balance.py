@@ -7,7 +7,7 @@ holding most of them while the other runs dry. Each replica therefore posts how 
 holds in a small file of the instances' shared board (`Control.model_dir`), and one that holds
 more than the least loaded of its peers waits in execute() before taking more, so that Triton
 hands the next requests to the others. The least loaded replica never waits, so requests never
-stall in Triton's queue; a wait is capped (`EngineConfig.replica_balance_max_wait_ms`), and a
+stall in Triton's queue; a wait is capped (`ServerConfig.replica_balance_max_wait_ms`), and a
 peer that stopped writing (a dead or frozen process) or takes no requests (a failed engine) is
 left out.
 """

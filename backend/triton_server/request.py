@@ -163,7 +163,7 @@ def _sampling_kwargs(request: Mapping[str, np.ndarray], default_temperature: flo
 def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0) -> Parsed:
     """Input tensors by name -> prompt + SamplingParams, raising InputError/ValueError.
 
-    A request without `temperature` gets `default_temperature` (EngineConfig's; 0 = greedy)."""
+    A request without `temperature` gets `default_temperature` (ServerConfig's; 0 = greedy)."""
     batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
              if a is not None and a.ndim > 0]
     bad = [b for b in batch if b != 1]

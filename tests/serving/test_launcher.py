@@ -39,9 +39,10 @@ def _config(repo: Path, model: str):
     return text_format.Parse((repo / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
 
 
-def test_template_parameters_are_engine_fields():
+def test_template_parameters_are_the_engine_and_server_fields():
+    """One to one: every EngineConfig and ServerConfig field, once, and nothing else."""
     cfg = _config(default_template_dir(), "llm")
-    assert set(cfg.parameters) <= set(parameter_names())
+    assert sorted(cfg.parameters) == sorted(parameter_names())
     assert cfg.model_transaction_policy.decoupled
 
 
@@ -86,6 +87,12 @@ def test_render_rejects_bad_parameters(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="NAME=VALUE"):
         parse_params(["token_budget"])
     assert parse_params(["token_budget=64", "dtype=float32"]) == {"token_budget": "64", "dtype": "float32"}
+    # Server settings (ServerConfig) go through --param alike; a typo names itself.
+    assert parse_params(["stream_interval=2"]) == {"stream_interval": "2"}
+    with pytest.raises(ValueError, match="stream_intervall"):
+        parse_params(["stream_intervall=2"])
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        render_model_repository(tmp_path / "e", tiny_llama, {"max_waiting_requests": "-1"})
 
 
 def test_backend_dir_links_the_stub_for_this_python(tmp_path):
