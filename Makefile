@@ -64,7 +64,7 @@ serve: install kernels
 # (git-ignored; see perf/README.md). `make test` runs the genai-perf test with them; when the
 # set-up cannot fetch them, that test skips and says why.
 perf-tools:
-	-perf/setup_genai_perf.sh
+	-perf/load/setup_genai_perf.sh
 
 test: install kernels perf-tools
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
@@ -76,7 +76,7 @@ test-fast: install kernels
 	$(PY) -m pytest -q -rs --timeout=300 -m "not serving and not slow" $(PYTEST_ARGS) $(FAST_TESTS)
 
 bench: install
-	$(PY) perf/bench_engine.py
+	$(PY) perf/engine/bench_engine.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info models

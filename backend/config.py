@@ -287,7 +287,7 @@ class ServerConfig(_FromStrings):
     round trip to the server process (~1 ms on 2 busy cores): larger values send fewer responses
     per token under load, the tokens arriving in groups. 1 sends every step's tokens. The default
     4 served 9-22% more requests per second than 1 at 16-128 clients, and the best effective
-    throughput (perf/results/fastgen-avx512-s30-si*)."""
+    throughput (perf/results/2026-11-27-served-stream-interval-*)."""
     stream_interval_max_ms: float = 50.0
     """The longest a token waits for stream_interval's group: it goes out with the first step
     that ends this many milliseconds after it was made, however few tokens are held then (under

@@ -141,7 +141,7 @@ class ModelRunner:
                         "per token in int8 raised a trained model's perplexity over float32 by about 3% with "
                         "the C++ kernel (AVX-512 VNNI; 8-bit activations on every ISA) and 9% through oneDNN's 7-bit "
                         "activations on AVX2, and its greedy answers "
-                        "leave float32's within a few tokens (perf/results/perplexity/); dtype=bfloat16 alone "
+                        "leave float32's within a few tokens (perf/results/2026-11-27-perplexity/); dtype=bfloat16 alone "
                         "costs under 0.1%")
         inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, self.max_model_len)

@@ -142,7 +142,7 @@ def cpu_linear_preferred(device: torch.device, dtype: torch.dtype, quantization:
         return False, why
     if cpu_linear.block_width() != _FAST_CPU_WIDTH:
         # Below AVX-512 (AVX2: Zen 3) only where oneDNN is slow or absent. AVX2 build forced on a
-        # Zen 5 (perf/results/avx2-lowp/), bench model, 16 requests of 128 + 128 tokens, one thread:
+        # Zen 5 (perf/results/2026-11-27-avx2-lowp/), bench model, 16 requests of 128 + 128 tokens, one thread:
         # fp32 (oneDNN) 4.41 s; bf16 here 3.44 s, through F.linear 21.05 s (oneDNN has no bf16
         # without AVX-512 / AVX-NE-CONVERT); int8 here 2.60 s, through oneDNN 3.09 s.
         if quantization == "int8" and cpu_int8_supported(dtype):

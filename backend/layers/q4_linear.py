@@ -18,7 +18,7 @@ widened in registers as each call reads them. Two forms of the kernel:
   group to int8 in each call, multiplied exactly against the blocks' integers, each group's sum
   scaled (a quarter of the float form's multiply instructions). Outputs differ from the
   dequantized float32 model's by the activations' rounding: greedy agreement is reported
-  (perf/results/q4/), not equality. Builds with neither run the float form.
+  (perf/results/2026-11-27-q4/), not equality. Builds with neither run the float form.
 * `gguf-exact`: the blocks widened to float32 in registers exactly as the `gguf` package
   dequantizes them and summed in the float32 kernel's order: a projection's output equals the
   float32 model's (the same file dequantized) bit for bit. Faster than float32 where the weight's

@@ -299,7 +299,7 @@ def _serve(conn: Connection, memory_limit: int, test_seams: bool) -> int:
     # The parent caches by guide text; xgrammar's own cache would only grow toward the limit here.
     # One thread at a lower priority: the engine's threads own the cores; xgrammar's default of
     # eight threads made a 0.3 s compile take 12 s and slowed the engine's steps eightfold on two
-    # busy cores (perf/structured_bench.py).
+    # busy cores (perf/served/structured_bench.py).
     os.nice(COMPILER_NICENESS)
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))

@@ -21,7 +21,7 @@ New token i of sequence b sits at position seq_lens[b] - q_len_b + i and sees ke
 Cache layout (`cache_shape`): [num_blocks, Hkv, block_size * D], one flat tile per (block, kv
 head); the same shape for the K and the V tensor. The V tile is row-major [block_size, D]; the K
 tile is stored transposed, [D, block_size], so Q.K^T loads 16 keys of one head dimension as one
-vector (two on AVX2) and needs no horizontal sums. Measured (perf/bench_cpu_attention.py
+vector (two on AVX2) and needs no horizontal sums. Measured (perf/kernels/bench_cpu_attention.py
 --layouts, 2 threads, AVX2, Hq 8 / Hkv 4 / D 64 / block 16) against a row-major K tile that the
 kernel transposes into L1 per 16 keys: write + attend per layer 1.36 vs 1.54 ms (16 decodes),
 2.70 vs 3.30 ms (32 decodes), 2.68 vs 3.09 ms (a 128-token chunk + 16 decodes); 512-token chunks
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import Entries, vector_width
+from .build import Entries, bind, vector_width
 
 __all__ = ["K_ROW_MAJOR", "K_TRANSPOSED", "allocate_cache", "available", "bf16_products", "cache_shape",
            "from_reference_layout",
@@ -80,13 +80,11 @@ class _Kernels:
 
 
 def _lookup(lib: ctypes.CDLL) -> _Kernels:
-    attn = lib.sf_attn_paged_attention_f32_packed
-    attn.argtypes, attn.restype = [ctypes.c_void_p, ctypes.c_float], ctypes.c_int
-    for fn in (lib.sf_attn_write_kv_f32_packed, lib.sf_attn_write_kv_bf16_packed):
-        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_int
-    lib.sf_attn_bf16_products.argtypes, lib.sf_attn_bf16_products.restype = [], ctypes.c_int
-    return _Kernels(attn, lib.sf_attn_write_kv_f32_packed, lib.sf_attn_write_kv_bf16_packed,
-                    bool(lib.sf_attn_bf16_products()))
+    i32, ptr = ctypes.c_int, ctypes.c_void_p
+    return _Kernels(bind(lib, "sf_attn_paged_attention_f32_packed", i32, ptr, ctypes.c_float),
+                    bind(lib, "sf_attn_write_kv_f32_packed", i32, ptr),
+                    bind(lib, "sf_attn_write_kv_bf16_packed", i32, ptr),
+                    bool(bind(lib, "sf_attn_bf16_products", i32)()))
 
 
 _entries = Entries("attention", _lookup)
@@ -154,8 +152,8 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
     nbytes = numel * item // huge * huge
     if nbytes:
         try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            madvise = bind(ctypes.CDLL(None, use_errno=True), "madvise", ctypes.c_int,
+                           ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             madvise(t.data_ptr(), nbytes, 14)  # MADV_HUGEPAGE; an error just leaves 4 KiB pages
         except (OSError, AttributeError):
             pass

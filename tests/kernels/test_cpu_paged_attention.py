@@ -215,7 +215,7 @@ def test_write_kv_cache(block_size, pattern):
 @pytest.mark.parametrize("block_size,head_dim", [(8, 72), (16, 64), (32, 36)])
 def test_k_row_major_layout(block_size, head_dim):
     # The alternative layout (K tiles like V, transposed into L1 by the kernel), kept for the
-    # layout measurement in perf/bench_cpu_attention.py: same results through both functions.
+    # layout measurement in perf/kernels/bench_cpu_attention.py: same results through both functions.
     b = Batch(MIXED, num_kv_heads=2, group=2, head_dim=head_dim, block_size=block_size, seed=13)
     k, v = cpu_pa.from_reference_layout(b.k_ref, b.v_ref, k_layout=cpu_pa.K_ROW_MAJOR)
     out = cpu_pa.paged_attention(b.q, k, v, b.qsl, b.seq_lens, b.block_tables, b.scale, k_layout=cpu_pa.K_ROW_MAJOR)

@@ -6,7 +6,7 @@ gguf-exact widens the blocks as the gguf package dequantizes them and sums in th
 kernel's order: greedy tokens identical, logits of the projections bit for bit (the decoder
 layers run in one C++ call, kernels/cpu/decoder.py, with the blocks' kernel). gguf quantizes activations per 32-k group
 (llama.cpp's arithmetic): its greedy agreement with float32 is measured and bounded here and
-reported in perf/results/q4/. Both keep the projections' weights at the file's Q4_1 size.
+reported in perf/results/2026-11-27-q4/. Both keep the projections' weights at the file's Q4_1 size.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_integer_form_agrees_with_float32(trained_model, trained_reference, fp32
         common = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         prefixes.append(common)
     # int8 activations move near-tied logits, so answers part from float32's after a few tokens
-    # (perf/results/q4/summary.md; the perplexity in perf/results/perplexity is the quality
+    # (perf/results/2026-11-27-q4/summary.md; the perplexity in perf/results/2026-11-27-perplexity is the quality
     # measure). Bounded loosely here: a broken kernel agrees nowhere.
     assert sum(prefixes) / len(prefixes) >= 4, prefixes
     assert max(prefixes) >= 16, prefixes

@@ -1,4 +1,4 @@
-"""The FastGen metrics and SLA math of perf/fastgen_metrics.py, on synthetic arrival times."""
+"""The FastGen metrics and SLA math of perf/served/fastgen_metrics.py, on synthetic arrival times."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `perf` is a package
 
-import fastgen_metrics as fm  # noqa: E402
-import workload  # noqa: E402
+from perf.served import fastgen_metrics as fm  # noqa: E402
+from perf.common import workload  # noqa: E402
 
 
 def rec(start, arrivals, prompt=512, gen=None, idx=0, error=None):

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-PERF = Path(__file__).resolve().parents[2] / "perf"
-sys.path.insert(0, str(PERF))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root: `perf` is a package
 
-import closed_loop  # noqa: E402
-import drivers  # noqa: E402
-import fastgen_metrics as fm  # noqa: E402
-import workload  # noqa: E402
-import fastgen_report  # noqa: E402
-import machine  # noqa: E402
+from perf.served import closed_loop  # noqa: E402
+from perf.served import drivers  # noqa: E402
+from perf.served import fastgen_metrics as fm  # noqa: E402
+from perf.common import workload  # noqa: E402
+from perf.served import fastgen_report  # noqa: E402
+from perf.common import machine  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------- workload
@@ -193,7 +193,7 @@ def test_cpu_model_names_the_family_of_a_generic_model_name(tmp_path):
 
 
 def test_system_names_carry_budget_and_precision():
-    import systems
+    from perf.common import systems
 
     s = "splitfuse@256:bf16"
     assert (systems.base_of(s), systems.budget_of(s), systems.precision_of(s)) == ("splitfuse", 256, "bf16")
@@ -228,8 +228,8 @@ def test_replicated_systems_serve_with_instances_on_a_share_of_the_cores():
     import argparse
     import os
 
-    import fastgen_servers
-    import systems
+    from perf.served import fastgen_servers
+    from perf.common import systems
 
     s = "splitfuse_r2@256:bf16"
     assert (systems.base_of(s), systems.budget_of(s), systems.precision_of(s)) == ("splitfuse_r2", 256, "bf16")
@@ -254,7 +254,7 @@ def test_a_stopped_server_leaves_no_process_of_its_session_behind():
     start while they still run, and what is left after the timeout is killed."""
     import subprocess
 
-    import fastgen_servers
+    from perf.served import fastgen_servers
 
     lead = subprocess.Popen(["bash", "-c", "sleep 1.5 & exit 0"], start_new_session=True)
     lead.wait()
@@ -356,7 +356,7 @@ def test_tiny_sweep_against_in_process_engine(tiny_llama):
 
 
 def test_engine_closed_loop_runs_every_request_to_its_length(tiny_llama):
-    from engine_closed_loop import run
+    from perf.engine.engine_closed_loop import run
 
     result = run(tiny_llama, {"token_budget": "64", "enable_prefix_caching": "false"}, clients=3, num_requests=7,
                  prompt_mean=40, gen_mean=6, seed=1, timeout_s=120)
@@ -368,7 +368,7 @@ def test_engine_closed_loop_runs_every_request_to_its_length(tiny_llama):
 
 
 def test_cpu_split_takes_each_llm_stubs_busiest_thread_as_its_engine():
-    import served_cpu_split
+    from perf.served import served_cpu_split
 
     before = {("llm stub", 10, 10): 1.0, ("llm stub", 10, 11): 5.0, ("llm stub", 10, 12): 0.5,
               ("llm stub", 20, 21): 2.0, ("llm stub", 20, 22): 0.0,
@@ -389,7 +389,7 @@ def test_burst_ttft_counts_the_opening_burst(tmp_path, capsys, monkeypatch):
     """Three requests start together (512-token prompts: first token due in 1 s), one later."""
     import gzip
 
-    import burst_ttft
+    from perf.served import burst_ttft
 
     def rec(idx, start, first, prompt=512):
         chunks = [(start + first, 1)] + [(start + first + 0.1 * k, 1) for k in range(1, 4)]

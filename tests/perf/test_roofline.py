@@ -1,4 +1,4 @@
-"""The counts behind the floors (perf/roofline.py, used by offline_compare.py and run_all.py): the
+"""The counts behind the floors (perf/common/roofline.py, used by offline_compare.py and run_all.py): the
 decode share of the attention FLOPs and the K/V bytes the decodes read, against a token-by-token
 count; how the strict and additive floors combine them; and the record of the best rates seen on a
 machine, which keeps one noisy run from lowering a floor."""
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-PERF = Path(__file__).resolve().parents[2] / "perf"
-sys.path.insert(0, str(PERF))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root: `perf` is a package
 
-import roofline as oc  # noqa: E402
+from perf.common import roofline as oc  # noqa: E402
 
 
 @pytest.fixture
@@ -203,7 +203,7 @@ def test_malformed_figure_on_record_is_ignored_and_replaced(machine, tmp_path):
 
 
 def test_report_gives_each_system_its_share_of_both_floors_and_names_the_recorded_rates():
-    import fastgen_report
+    from perf.served import fastgen_report
 
     machine = {"cpu": "Test CPU (family 1, model 2)", "cpu_flags": "avx2 fma"}
     best = {"vllm_2c": {"max_throughput": 2.0}, "vllm_2c:bf16": {"max_throughput": 3.0}}

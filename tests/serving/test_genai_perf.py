@@ -1,6 +1,6 @@
 """genai-perf (NVIDIA's LLM benchmark client) profiles the real server as a user would run it:
-perf/genai_perf_sweep.py on a tiny workload, every request succeeding. Skips, saying how to set
-it up, when perf/setup_genai_perf.sh has not been run (genai-perf lives in its own venv)."""
+perf/load/genai_perf_sweep.py on a tiny workload, every request succeeding. Skips, saying how to set
+it up, when perf/load/setup_genai_perf.sh has not been run (genai-perf lives in its own venv)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from triton_helpers import metric_sum, wait_for
 
-PERF = Path(__file__).resolve().parents[2] / "perf"
-sys.path.insert(0, str(PERF))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root: `perf` is a package
 
-import genai_perf_sweep  # noqa: E402
+from perf.load import genai_perf_sweep  # noqa: E402
 
 pytestmark = pytest.mark.serving
 

@@ -29,7 +29,7 @@ static inline uint16_t from_f32(float v) {
 // 16 bf16 (in a register, or at p) as 16 floats: one vpmovzxwd and a shift. GCC compiles the
 // generic vector-extension widening to two 8-lane halves and an insert (Zen 4, 2 threads: bf16
 // rms_norm of 256 x 512 37 -> 30 us, silu_and_mul of 256 x 2 x 1536 160 -> 146-151 us; attention
-// over a bf16 cache, perf/bench_cpu_attention.py --bf16: decode32 0.78-0.80 -> 0.71-0.73 ms).
+// over a bf16 cache, perf/kernels/bench_cpu_attention.py --bf16: decode32 0.78-0.80 -> 0.71-0.73 ms).
 static inline __m512 widen16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }

@@ -670,7 +670,7 @@ static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, si
     // transposed); otherwise it is gathered (and widened) into the L1 buffers Kt, Vt.
     // Below AVX-512, a bf16 tile that more than two strips read (a prompt chunk) is widened once
     // into the L1 buffers rather than by every strip (vpmovzxwd + vpslld per load): AVX2 build
-    // forced on a 2-core Zen 5, perf/bench_cpu_attention.py --bf16, bf16 cache against fp32:
+    // forced on a 2-core Zen 5, perf/kernels/bench_cpu_attention.py --bf16, bf16 cache against fp32:
     // prefill512@0 x0.79 -> x0.91, prefill512@512 x0.78 -> x0.91; decodes (one strip) stay in
     // place, x2.0.
     const bool widen_once = SF_ATTN_WIDTH < 16 && c.kv_bf16 && R > 2 * MR;

@@ -11,7 +11,8 @@ import pytest
 
 from splitfuse.launcher.cli import main
 from splitfuse.launcher.lora import lora_params, resolve_lora_modules
-from splitfuse.triton_server.request import InputError, parse_request
+from splitfuse.inputs import InputError
+from splitfuse.triton_server.request import parse_request
 
 
 def _adapter(folder: Path) -> Path:

@@ -5,7 +5,8 @@ import pytest
 
 from splitfuse.triton_server import control
 from splitfuse.triton_server.control import Control
-from splitfuse.triton_server.request import InputError, parse_request
+from splitfuse.inputs import InputError
+from splitfuse.triton_server.request import parse_request
 
 
 def t(value, dtype):

@@ -1,0 +1,1 @@
+"""Load generators from NVIDIA: perf_analyzer and genai-perf against our server."""

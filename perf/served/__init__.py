@@ -1,0 +1,1 @@
+"""Served benchmarks: closed-loop streaming clients against real servers (FastGen method), their reports."""
