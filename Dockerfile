@@ -7,14 +7,16 @@
 # TRITON_IMAGE picks another release (25.07 or later). The CPU image: Dockerfile.cpu.
 #
 #   docker build -t splitfuse-triton:gpu .
-#   docker run --gpus all --shm-size 1g -p 8000-8003:8000-8003 -p 9000:9000 splitfuse-triton:gpu
-#   docker run --gpus all --shm-size 1g -p 8000-8003:8000-8003 -p 9000:9000 \
+#   docker run --gpus all --shm-size 1g -p 8002-8003:8002-8003 -p 9000:9000 splitfuse-triton:gpu
+#   docker run --gpus all --shm-size 1g -p 8002-8003:8002-8003 -p 9000:9000 \
 #       -v /path/to/ckpt:/models/ckpt:ro -e SPLITFUSE_API_KEY splitfuse-triton:gpu \
 #       --model /models/ckpt --param dtype=bfloat16 --admin-key-file /run/secrets/admin-key
 #   Read-only:  docker run --read-only --tmpfs /tmp --tmpfs /cache:uid=1000,gid=1000 ...
 #
-# Ports: 8000 HTTP, 8001 gRPC, 8002 metrics (Triton), 9000 the OpenAI-compatible front, 8003 the
-# launcher's /live and /ready. deploy/docker/entrypoint.sh holds those defaults; the arguments
+# Ports: 9000 the OpenAI-compatible front (API key), 8002 Triton's metrics, 8003 the launcher's
+# /live and /ready; Triton's 8000 HTTP and 8001 gRPC only on the container's loopback (no
+# authentication: `--triton-proxy` serves the HTTP API through 9000 behind the key; see
+# docs/security.md). deploy/docker/entrypoint.sh holds those defaults; the arguments
 # given (or CMD) follow them. Under tini (PID 1) SIGTERM reaches the launcher, which lets
 # in-flight generations finish for --drain-timeout seconds (30) before stopping Triton (10 s):
 # `docker stop -t 60`.
@@ -83,7 +85,9 @@ ENV SPLITFUSE_TRITON_ROOT=/opt/tritonserver \
 # uid 1000: triton-server, the non-root user of NVIDIA's Triton images.
 USER 1000:1000
 WORKDIR /tmp
-EXPOSE 8000 8001 8002 8003 9000
+# The public ports only: Triton's 8000 (HTTP) and 8001 (gRPC) listen on the container's loopback
+# (deploy/docker/entrypoint.sh); 9000 forwards Triton's HTTP API with --triton-proxy.
+EXPOSE 8002 8003 9000
 # The launcher's /ready: Triton's llm model ready (503 while a crashed server is being restarted).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8003/ready', timeout=4)"]

@@ -2,7 +2,7 @@
 
     python -m splitfuse.launcher --model DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
         [--param NAME=VALUE ...] [--lora NAME=PATH ...] [--instances N] [--model-repository-out DIR]
-        [--openai-port 9000]
+        [--openai-port 9000] [--host 127.0.0.1] [--triton-host 127.0.0.1] [--triton-proxy]
 
 Renders the repository, starts tritonserver in the foreground, prints where it listens once
 ready (with --openai-port, starts the OpenAI-compatible front beside it, `splitfuse.openai_api`),
@@ -22,16 +22,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitfuse.launcher import hidden_args
 from splitfuse.launcher.default_model import RANDOM_WARNING, is_random_demo
 from splitfuse.launcher.health import HealthServer
 from splitfuse.launcher.lora import lora_params
 from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import ADMIN_APIS, ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
-from splitfuse.launcher.supervisor import RestartBudget, Watchdog, exit_description
+from splitfuse.launcher.supervisor import FrontWatch, RestartBudget, Watchdog, exit_description
 from splitfuse.launcher.repository import LLM_MODEL, TEMPLATE_ENV, parse_params, render_model_repository
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
-from splitfuse.openai_api.config import key_from
+from splitfuse.openai_api.config import API_KEY_ENV, key_from
 from splitfuse.triton_server.control import read_limits, write_faults
 
 
@@ -46,8 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--host", default="127.0.0.1",
-                   help="address Triton's three endpoints and the OpenAI front bind to (default: loopback only; "
-                        "0.0.0.0 exposes them on every interface)")
+                   help="address the public endpoints bind to: the OpenAI front, Triton's metrics and the health "
+                        "port (default: loopback only; 0.0.0.0 exposes them on every interface)")
+    p.add_argument("--triton-host", default="127.0.0.1",
+                   help="address Triton's HTTP and gRPC inference endpoints bind to (default: loopback only). They "
+                        "have no authentication: whoever reaches them runs any request, regex and grammar guides "
+                        "included; see --triton-proxy for an authenticated path")
+    p.add_argument("--triton-proxy", action="store_true",
+                   help="the OpenAI front also forwards Triton's HTTP API (/v2/...) to Triton's HTTP endpoint, "
+                        f"behind its API key (needs --openai-port and ${API_KEY_ENV})")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="engine or server parameter (any EngineConfig or ServerConfig field), repeatable")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
@@ -102,8 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only and not args.model_repository_out:
         print("error: --render-only needs --model-repository-out", file=sys.stderr)
         return 2
+    if args.triton_proxy and not args.openai_port:
+        print("error: --triton-proxy needs --openai-port (the front forwards it)", file=sys.stderr)
+        return 2
     try:
         admin_key = key_from(args.admin_key_file, ADMIN_KEY_ENV)
+        if admin_key is not None:
+            hidden_args.check_secret(f"the admin key from {args.admin_key_file or '$' + ADMIN_KEY_ENV}", admin_key)
+        if args.triton_proxy and key_from(None, API_KEY_ENV) is None:
+            raise ValueError(f"--triton-proxy needs an API key (${API_KEY_ENV}): without one it would open "
+                             "Triton's unauthenticated API on the front's port")
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -125,24 +141,35 @@ def main(argv: list[str] | None = None) -> int:
         backend_dir = build_backend_dir(work / "backends", install)
         server = TritonServer(
             model_repository=repo, backend_dir=backend_dir, http_port=args.http_port, grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port, host=args.host, install=install, log_file=None,
+            metrics_port=args.metrics_port, host=args.host, inference_host=args.triton_host, install=install,
+            log_file=None,
             control_dir=work / "control", llm_instances=args.instances, drain_timeout_s=args.drain_timeout,
             exit_timeout_s=args.exit_timeout, log_verbose=args.log_verbose, extra_args=args.triton_args,
             admin_key=admin_key, restrict_admin_apis=not args.open_admin_apis,
         )
         front = None
         if args.openai_port:
-            front = OpenAIFront(model, f"127.0.0.1:{args.grpc_port}", args.host, args.openai_port, params,
-                                triton_model=args.model_name_prefix + LLM_MODEL)
+            front = OpenAIFront(model, server.grpc_url, args.host, args.openai_port, params,
+                                triton_model=args.model_name_prefix + LLM_MODEL,
+                                triton_http_url=server.http_url if args.triton_proxy else None)
         healing = Healing(Watchdog(server.control_dir, args.step_timeout),
                           RestartBudget(args.max_restarts, args.restart_window))
+        # The front's restarts: bounded as the server's, in a budget of their own.
+        front_watch = None if front is None else FrontWatch(front, RestartBudget(args.max_restarts,
+                                                                                 args.restart_window))
         health = None
         if args.health_port:
-            health = HealthServer(args.host, args.health_port, ready=lambda: server.running() and server.is_ready(),
+            health = HealthServer(args.host, args.health_port,
+                                  ready=lambda: (server.running() and server.is_ready()
+                                                 and (front_watch is None or front_watch.up)),
                                   restarts=lambda: healing.restarts)
             health.start()
         try:
-            return _run_foreground(server, args.ready_timeout, front, healing)
+            return _run_foreground(server, args.ready_timeout, front, healing, front_watch)
+        except StopNow:
+            _kill_now(server, front)  # again: a restart under way may have started one since
+            print("splitfuse.launcher: killed at the second signal", file=sys.stderr, flush=True)
+            return 1
         finally:
             if health is not None:
                 health.stop()
@@ -197,8 +224,19 @@ class Healing:
         return None
 
 
+class StopNow(Exception):
+    """The second Ctrl-C/SIGTERM: raised in the signal handler, so it ends whatever the launcher
+    was doing (a drain, a restart, waiting for ports) at once."""
+
+
+def _kill_now(server: TritonServer, front: OpenAIFront | None) -> None:
+    server.kill()
+    if front is not None:
+        front.kill()
+
+
 def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIFront | None = None,
-                    healing: Healing | None = None) -> int:
+                    healing: Healing | None = None, front_watch: FrontWatch | None = None) -> int:
     signals: list[int] = []
 
     def on_signal(signum: int, _frame) -> None:
@@ -207,8 +245,11 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
             print(f"\nsplitfuse.launcher: {signal.Signals(signum).name}: stopping (in-flight generations get "
                   f"{server.drain_timeout_s:g}s to finish, then are aborted; signal again to kill now)",
                   file=sys.stderr, flush=True)
-        else:  # a second Ctrl-C: no drain
-            server.kill()
+            return
+        # A second Ctrl-C: no drain, no restart; every child killed, the launcher leaves now.
+        _kill_now(server, front)
+        if len(signals) == 2:
+            raise StopNow()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -230,25 +271,29 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
             if not front.wait_ready():
                 print(f"splitfuse.launcher: the OpenAI front did not come up on {front.url}", file=sys.stderr)
                 signals.append(signal.SIGTERM)
+            elif front_watch is not None:
+                front_watch.started()
         if not signals:
             print(
-                f"splitfuse.launcher: ready (listening on {server.host})\n"
+                f"splitfuse.launcher: ready (Triton's HTTP and gRPC on {server.bind_inference}; metrics"
+                f"{', OpenAI' if front else ''} and health on {server.host})\n"
                 f"  HTTP    http://{server.http_url}  (POST /v2/models/ensemble/generate_stream)\n"
                 f"  gRPC    {server.grpc_url}\n"
                 f"  metrics {server.metrics_url}\n"
                 + (f"  OpenAI  {front.url}/v1  (chat/completions, completions, models)\n" if front else "")
+                + (f"  Triton  {front.url}/v2  (Triton's HTTP API through the front, behind its API key)\n"
+                   if front and front.triton_http_url else "")
                 + f"  models  {server.model_repository}",
                 flush=True,
             )
-        front_lost = False
         gave_up = None
         if healing is not None and not signals:
             healing.publish(server)
         while not signals:
-            if front is not None and not front_lost and not front.running():
-                front_lost = True  # Triton keeps serving; only the OpenAI front is gone
-                print(f"splitfuse.launcher: the OpenAI front exited with code {front.process.returncode}",
-                      file=sys.stderr, flush=True)
+            if front_watch is not None:  # Triton keeps serving while the front restarts
+                gave_up = front_watch.poll()
+                if gave_up is not None:
+                    break
             fault = None
             if not server.running():
                 fault = f"tritonserver died while serving ({exit_description(server.process.returncode)})"
@@ -262,7 +307,10 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
             time.sleep(0.2)
     finally:
         # Also on an unexpected error here: never leave a tritonserver (or the front) behind.
-        _shutdown(server, front)
+        if len(signals) > 1:
+            _kill_now(server, front)
+        else:
+            _shutdown(server, front)
     if gave_up is not None:
         # Nobody asked it to stop: a supervisor must restart the whole server.
         print(f"splitfuse.launcher: {gave_up}; the OpenAI front is stopped, exiting 1", file=sys.stderr, flush=True)

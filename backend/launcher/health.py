@@ -5,24 +5,64 @@ Triton's /v2/health/live answers nothing while the launcher restarts the server 
 
     GET /live   200 while the launcher runs: it serves, or is healing within its restart budget
                 (when the budget is used up the launcher exits, and the probe fails)
-    GET /ready  200 when Triton's llm model is ready, 503 while no replica can serve (restarting)
+    GET /ready  200 when Triton's llm model is ready (and the OpenAI front answers, when there is
+                one), 503 while no replica can serve (restarting) or the front is down
 
 Both answer JSON: {"ready": bool, "restarts": n}.
+
+A probe port must not be held by idle clients: a connection that sends no request within
+SOCKET_TIMEOUT_S is closed, and at most MAX_CONNECTIONS are served at once (one thread each);
+beyond that a new connection is closed at once rather than queued.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+# Seconds a connection may stay silent (no request, or a slow one) before it is closed.
+SOCKET_TIMEOUT_S = 5.0
+# Connections served at once (a thread each): probes need a few.
+MAX_CONNECTIONS = 16
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` of them."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: socket.socket, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # every slot taken: refuse now, no thread queued
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
 
 class HealthServer:
-    def __init__(self, host: str, port: int, ready: Callable[[], bool], restarts: Callable[[], int]) -> None:
+    def __init__(self, host: str, port: int, ready: Callable[[], bool], restarts: Callable[[], int],
+                 socket_timeout_s: float = SOCKET_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = socket_timeout_s  # socketserver sets it on the connection: idle ones end
+
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
                 if self.path not in ("/live", "/ready"):
                     self._answer(404, {"error": "unknown path: /live or /ready"})
@@ -43,8 +83,7 @@ class HealthServer:
                 pass
 
         self.ready, self.restarts = ready, restarts
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _BoundedHTTPServer((host, port), Handler, max_connections)
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="splitfuse-health", daemon=True)
 
     @property

@@ -26,6 +26,23 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "argv_secrets.cpp"
 ENV_PREFIX = "SPLITFUSE_SECRET_"
 PRELOAD_BEFORE = "SPLITFUSE_LD_PRELOAD_BEFORE"
 PREBUILT_ENV = "SPLITFUSE_ARGV_SHIM"  # the path of a library built ahead, used as it is
+# A secret's characters: visible ASCII, what an HTTP header and gRPC metadata carry unchanged
+# (the admin key is sent as one) and an argument holds without quoting; and a bound on its length.
+SECRET_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
+MAX_SECRET_CHARS = 1024
+
+
+def check_secret(what: str, value: str) -> None:
+    """A ValueError naming `what` and the rule unless `value` keeps it (the value is not shown)."""
+    if not value:
+        raise ValueError(f"{what} is empty")
+    if len(value) > MAX_SECRET_CHARS:
+        raise ValueError(f"{what} has {len(value)} characters; at most {MAX_SECRET_CHARS} are allowed")
+    bad = next((i for i, ch in enumerate(value) if ch not in SECRET_CHARS), None)
+    if bad is not None:
+        raise ValueError(f"{what} has a character that is not visible ASCII (at position {bad + 1}): only "
+                         "'!' to '~' are allowed, no spaces, control characters or non-ASCII letters, since "
+                         "it travels as an HTTP header and gRPC metadata value")
 
 
 def placeholder(name: str) -> str:
@@ -64,8 +81,7 @@ def environment(secrets: dict[str, str], library: Path, base: dict[str, str]) ->
     """`base` plus what the preloaded `library` needs to fill in `secrets` (name -> value)."""
     env = dict(base)
     for name, value in secrets.items():
-        if not value:
-            raise ValueError(f"secret {name} is empty")
+        check_secret(f"secret {name}", value)
         env[ENV_PREFIX + name] = value
     before = env.get("LD_PRELOAD", "")
     env[PRELOAD_BEFORE] = before

@@ -56,6 +56,10 @@ class TritonServer:
     grpc_port: int
     metrics_port: int
     host: str = "127.0.0.1"
+    """Where the metrics endpoint binds (and the inference endpoints, unless `inference_host`)."""
+    inference_host: str | None = None
+    """Where Triton's HTTP and gRPC endpoints bind; None: `host`. Separate because they have no
+    authentication (the launcher keeps them on loopback while metrics may be public)."""
     install: TritonInstall | None = None
     log_file: Path | None = None
     """Server output goes here; None inherits the caller's stdout/stderr."""
@@ -79,20 +83,29 @@ class TritonServer:
     _shim: Path | None = field(default=None, repr=False)
 
     @property
-    def _client_host(self) -> str:
-        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+    def bind_inference(self) -> str:
+        return self.host if self.inference_host is None else self.inference_host
+
+    def _bindings(self) -> list[tuple[int, str]]:
+        """(port, address) of each listener."""
+        return [(self.http_port, self.bind_inference), (self.grpc_port, self.bind_inference),
+                (self.metrics_port, self.host)]
+
+    @staticmethod
+    def _client_host(bound: str) -> str:
+        return "127.0.0.1" if bound in ("0.0.0.0", "") else bound
 
     @property
     def http_url(self) -> str:
-        return f"{self._client_host}:{self.http_port}"
+        return f"{self._client_host(self.bind_inference)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{self._client_host}:{self.grpc_port}"
+        return f"{self._client_host(self.bind_inference)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self._client_host}:{self.metrics_port}/metrics"
+        return f"http://{self._client_host(self.host)}:{self.metrics_port}/metrics"
 
     def command(self) -> list[str]:
         install = self.install or find_tritonserver()
@@ -100,9 +113,9 @@ class TritonServer:
             str(install.binary),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={self.backend_dir}",
-            f"--http-address={self.host}",
+            f"--http-address={self.bind_inference}",
             f"--http-port={self.http_port}",
-            f"--grpc-address={self.host}",
+            f"--grpc-address={self.bind_inference}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
@@ -158,9 +171,9 @@ class TritonServer:
         if self.process is not None:
             raise RuntimeError("server already started")
         # A port taken by another server would make our readiness check talk to that one.
-        for port in (self.http_port, self.grpc_port, self.metrics_port):
-            if not port_is_free(port, self.host):
-                raise OSError(f"port {port} is already in use on {self.host or '0.0.0.0'}")
+        for port, address in self._bindings():
+            if not port_is_free(port, address):
+                raise OSError(f"port {port} is already in use on {address or '0.0.0.0'}")
         env = self._prepare_secrets(server_env())
         if self.control_dir is not None:
             shutil.rmtree(self.control_dir, ignore_errors=True)
@@ -269,7 +282,7 @@ class TritonServer:
             self.process.wait()
             self.process = None
         deadline = time.monotonic() + ports_timeout_s
-        while not all(port_is_free(p, self.host) for p in (self.http_port, self.grpc_port, self.metrics_port)):
+        while not all(port_is_free(p, address) for p, address in self._bindings()):
             if time.monotonic() > deadline:
                 raise OSError(f"the ports of the killed server are still taken after {ports_timeout_s:.0f}s")
             time.sleep(0.1)

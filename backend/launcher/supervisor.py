@@ -10,15 +10,21 @@ that a dead stub will never release. So the launcher treats any replica fault (a
 replica stopped or hung, tritonserver gone) the same way: it kills the whole server, which ends
 every request still in flight with an error, and starts it again on the same ports, within a
 restart budget; past the budget it exits non-zero for an orchestrator to restart the pod.
+
+The OpenAI front is a child of its own (FrontWatch): when it exits it is started again, after a
+back-off that grows with its recent restarts, within a budget of its own; past that budget the
+launcher exits non-zero too. The health port's /ready says 503 from its exit until it answers.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from splitfuse.triton_server import control
 
@@ -50,6 +56,10 @@ class RestartBudget:
 
     max_restarts: int = 5
     window_s: float = 600.0
+    backoff_s: float = 1.0
+    """The wait before the second restart within the window; it doubles for each one after
+    (the first waits nothing: a single crash heals at once)."""
+    max_backoff_s: float = 30.0
     _times: deque = field(default_factory=deque, repr=False)
 
     def take(self, now: float) -> bool:
@@ -60,6 +70,82 @@ class RestartBudget:
             return False
         self._times.append(now)
         return True
+
+    def delay(self) -> float:
+        """How long to wait before the restart just taken: 0, then backoff_s, doubling."""
+        recent = len(self._times)
+        return 0.0 if recent <= 1 else min(self.max_backoff_s, self.backoff_s * 2 ** (recent - 2))
+
+
+class Child(Protocol):
+    """What FrontWatch needs of the process it keeps (OpenAIFront)."""
+
+    def running(self) -> bool: ...
+
+    def returncode(self) -> int | None: ...
+
+    def restart(self) -> None: ...
+
+    def answers(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+
+@dataclass
+class FrontWatch:
+    """Keeps the OpenAI front running: `poll` (every launcher loop turn) finds it gone, spends a
+    restart of `budget`, waits its back-off, starts it again, and says it is `up` once it
+    answers HTTP again; a restart that does not answer within `start_timeout_s` is killed."""
+
+    front: Child
+    budget: RestartBudget
+    start_timeout_s: float = 120.0
+    """A restarted front that does not answer within this is killed (and counts as one more exit)."""
+    up: bool = False
+    """The front answers: the health port's /ready needs it."""
+    restarts: int = 0
+    _restart_at: float | None = field(default=None, repr=False)
+    _starting: float | None = field(default=None, repr=False)
+    """When the restart under way began."""
+
+    def started(self) -> None:
+        """The launcher saw the first start answer: the front is up."""
+        self.up = True
+
+    def poll(self, now: float | None = None) -> str | None:
+        """One look; why the launcher must give up (the budget is spent), else None."""
+        now = time.monotonic() if now is None else now
+        if self._starting is not None:
+            if self.front.running() and now - self._starting > self.start_timeout_s:
+                _say(f"the restarted OpenAI front did not answer within {self.start_timeout_s:g}s: killing it")
+                self.front.kill()
+            if self.front.running():
+                if self.front.answers():
+                    self._starting, self.up = None, True
+                    _say(f"the OpenAI front serves again (restart {self.restarts})")
+                return None
+            self._starting = None  # died (or was killed) while starting: one more exit, below
+        if self._restart_at is None:
+            if self.front.running():
+                return None
+            self.up = False
+            how = exit_description(self.front.returncode())
+            if not self.budget.take(now):
+                return (f"the OpenAI front exited ({how}); {self.restarts} restarts already within "
+                        f"{self.budget.window_s:g}s (--max-restarts {self.budget.max_restarts}): giving up")
+            wait = self.budget.delay()
+            self._restart_at = now + wait
+            _say(f"the OpenAI front exited ({how}); restarting it" + (f" in {wait:g}s" if wait else ""))
+        if now >= self._restart_at:
+            self._restart_at = None
+            self.restarts += 1
+            self.front.restart()
+            self._starting = now
+        return None
+
+
+def _say(message: str) -> None:
+    print(f"splitfuse.launcher: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass

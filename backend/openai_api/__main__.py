@@ -1,5 +1,5 @@
 """python -m splitfuse.openai_api --model DIR [--triton-grpc-url HOST:PORT] [--host H] [--port P]
-    [--max-body-bytes N]"""
+    [--max-body-bytes N] [--triton-http-proxy HOST:PORT]"""
 
 from __future__ import annotations
 
@@ -29,9 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-body-bytes", type=int, default=None,
                     help="largest request body taken, 413 beyond (default: 4 MiB, or more when a prompt as long as "
                          "the context accepts needs more)")
+    ap.add_argument("--max-logprob-entries", type=int, default=ApiConfig.max_logprob_entries,
+                    help="most log-probability entries one request may ask for, n x max_tokens x (top_logprobs + 1); "
+                         "400 beyond (default: %(default)s)")
     ap.add_argument("--api-key-file", default=None,
                     help=f"file whose first line is the API key clients must send as a Bearer token (default: "
                          f"${API_KEY_ENV}; neither: no key is asked)")
+    ap.add_argument("--triton-http-proxy", default=None, metavar="HOST:PORT",
+                    help="forward Triton's HTTP API (/v2/...) to this Triton HTTP endpoint, behind the API key "
+                         "(default: not forwarded; needs a key)")
     a = ap.parse_args(argv)
     try:
         api_key = key_from(a.api_key_file)
@@ -40,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
                            host=a.host, port=a.port,
                            served_model_name=a.served_model_name, tokenizer=a.tokenizer,
                            max_model_len=a.max_model_len, log_level=a.log_level, api_key=api_key,
-                           max_body_bytes=a.max_body_bytes, lora_adapters=adapters)
+                           max_body_bytes=a.max_body_bytes, lora_adapters=adapters,
+                           max_logprob_entries=a.max_logprob_entries,
+                           triton_http_proxy=a.triton_http_proxy)
     except (OSError, ValueError) as e:
         ap.error(str(e))
     run(config)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,9 +30,12 @@ from starlette.requests import ClientDisconnect
 
 from splitfuse.openai_api import openapi
 from splitfuse.openai_api import responses as R
+from splitfuse.openai_api import triton_proxy
+from splitfuse.openai_api.auth import ApiKeyMiddleware
 from splitfuse.openai_api.body import decode_json, default_body_limit, read_body
 from splitfuse.openai_api.choice_output import ChatChoiceOutput, CompletionChoiceOutput
 from splitfuse.openai_api.choices import run_choices
+from splitfuse.openai_api.logprobs import check_budget as check_logprob_budget
 from splitfuse.openai_api.config import ApiConfig
 from splitfuse.openai_api.prompts import Prompts
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
@@ -168,8 +170,8 @@ class OpenAIServer:
     def model_card(self, name: str) -> dict:
         base = self.config.served_model_name
         if name == base:
-            return R.model_card(base, self.created, self.config.model_dir, self.max_model_len)
-        return R.model_card(name, self.created, self.config.lora_adapters[name], self.max_model_len, parent=base)
+            return R.model_card(base, self.created, self.max_model_len)
+        return R.model_card(name, self.created, self.max_model_len, parent=base)
 
     def default_max_tokens(self, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len
@@ -189,9 +191,11 @@ class OpenAIServer:
             raise ApiError(400, "echo with logprobs is not supported (prompt log-probabilities are not "
                                 "computed)", param="echo")
         echo = text if req.echo else ""
+        max_tokens = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        if want_lp:
+            check_logprob_budget(req.n, max_tokens, req.logprobs or 0, self.config.max_logprob_entries, "logprobs")
         return Job(chat=False, meta=R.Meta(R.new_id("cmpl"), req.model), prompt_ids=ids,
-                   inputs={**sampling_inputs(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, want_lp,
-                                             req.logprobs or 0), **model},
+                   inputs={**sampling_inputs(req, max_tokens, want_lp, req.logprobs or 0), **model},
                    stream=req.stream,
                    include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n,
                    new_output=lambda i: CompletionChoiceOutput(i, req.logprobs, echo, self.prompts.token_strings))
@@ -204,6 +208,8 @@ class OpenAIServer:
         ids = self.prompts.chat(req)
         max_tokens = req.max_new_tokens() or self.default_max_tokens(len(ids))
         top = (req.top_logprobs or 0) if req.logprobs else 0
+        if req.logprobs:
+            check_logprob_budget(req.n, max_tokens, top, self.config.max_logprob_entries, "top_logprobs")
         inputs = {**sampling_inputs(req, max_tokens, req.logprobs, top), **model}
         guide = req.guide()
         if guide is not None:
@@ -304,10 +310,12 @@ def _error_response(err: ApiError) -> JSONResponse:
 
 
 def generation_http_error(e: GenerationError, guide_param: str | None = None) -> ApiError:
-    """How a Triton error reaches the HTTP client: 429 when the engine is too busy to take the
-    request now (OpenAI's rate-limit answer, which its SDK retries after Retry-After), 400 for
-    what the request asked, 503 when the server is unavailable or shutting down. A guide `llm`
-    refused (a schema xgrammar does not compile) names the parameter it came from."""
+    """How a Triton error reaches the HTTP client, by its gRPC status (not its words): 429 when
+    the engine is too busy to take the request now (OpenAI's rate-limit answer), 400 for what the
+    request asked (INVALID_ARGUMENT), 503 for everything else: the server's own faults, its
+    shutdown, a model not loaded. Both with Retry-After, which OpenAI's SDKs honour when they
+    retry (they retry 429 and 5xx, never 400). A guide `llm` refused (a schema xgrammar does
+    not compile) names the parameter it came from."""
     if e.is_busy:
         return ApiError(429, e.message, type_="rate_limit_error", code="rate_limit_exceeded",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -315,7 +323,7 @@ def generation_http_error(e: GenerationError, guide_param: str | None = None) ->
         if guide_param is not None and "guided_decoding_guide" in e.message:
             return ApiError(400, f"{guide_param}: the schema was refused: {e.message}", param=guide_param)
         return ApiError(400, e.message)
-    return ApiError(503, e.message, type_="server_error")
+    return ApiError(503, e.message, type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _install_errors(app: FastAPI) -> None:
@@ -332,20 +340,6 @@ def _install_errors(app: FastAPI) -> None:
         message = (f"invalid URL ({request.method} {request.url.path})" if exc.status_code == 404
                    else f"{exc.detail} ({request.method} {request.url.path})")
         return _error_response(ApiError(exc.status_code, message, headers=exc.headers))
-
-
-def _install_api_key(app: FastAPI, api_key: str) -> None:
-    """Every /v1 route needs `Authorization: Bearer <api_key>`; /health stays open for probes."""
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
-        if request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return _error_response(ApiError(401, "a valid API key is required: send the header "
-                                                     "'Authorization: Bearer <key>'", code="invalid_api_key"))
-        return await call_next(request)
 
 
 def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
@@ -382,7 +376,9 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
 
     _install_errors(app)
     if config.api_key is not None:
-        _install_api_key(app, config.api_key)
+        # Around the whole app: guards every route, those mounted later too (auth.OPEN_PATHS aside).
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    triton_proxy.install(app, config, server.max_body_bytes)  # off unless --triton-http-proxy
 
     @app.get("/v1/models", **openapi.MODELS_ROUTE)
     async def models() -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from splitfuse.openai_api.logprobs import TokenLogprobs, TokenStrings, chat_logprobs, completion_logprobs
+from splitfuse.openai_api.logprobs import ChatLogprobs, CompletionLogprobs, TokenLogprobs, TokenStrings
 from splitfuse.openai_api.tool_parser import ParsedCall, ToolCallParser, parse_call
 from splitfuse.openai_api.tools import new_call_id
 from splitfuse.openai_api.triton_llm import Step
@@ -20,23 +20,16 @@ ToolMode = Literal["none", "auto", "forced"]
 
 
 class _Tokens:
-    """A choice's token counts and log-probs, over all its steps."""
+    """A choice's output token count over all its steps."""
 
     def __init__(self) -> None:
         self.num_output = 0
-        self.all = TokenLogprobs([], [], None, None)
 
     def add(self, step: Step) -> TokenLogprobs:
-        """This step's tokens (and the running totals)."""
+        """This step's tokens and log-probs (the running count updated)."""
         self.num_output = step.num_output_tokens if step.num_output_tokens is not None else (
             self.num_output + len(step.token_ids))
-        lp = TokenLogprobs(step.token_ids, list(step.logprobs or []), step.top_ids, step.top_logprobs)
-        self.all.ids += lp.ids
-        self.all.logprobs += lp.logprobs
-        if lp.top_ids is not None and lp.top_logprobs is not None:
-            self.all.top_ids = (self.all.top_ids or []) + lp.top_ids
-            self.all.top_logprobs = (self.all.top_logprobs or []) + lp.top_logprobs
-        return lp
+        return TokenLogprobs(step.token_ids, list(step.logprobs or []), step.top_ids, step.top_logprobs)
 
 
 class ChatChoiceOutput:
@@ -46,6 +39,7 @@ class ChatChoiceOutput:
         self.logprobs = logprobs
         self.strings = strings
         self.tokens = _Tokens()
+        self.lp_log = ChatLogprobs()
         self._parser = ToolCallParser() if tool_mode == "auto" else None
         self._forced_text = ""
         self._content: list[str] = []
@@ -91,7 +85,7 @@ class ChatChoiceOutput:
         if step.final:
             reason = step.finish_reason
             self.finish_reason = "tool_calls" if self._calls and reason == "stop" else reason
-        logprobs = chat_logprobs(lp, self.strings) if self.logprobs and lp.ids else None
+        logprobs = self.lp_log.add(lp, self.strings) if self.logprobs and lp.ids else None
         if not delta and logprobs is None and not step.final:
             return None
         return {"index": self.index, "delta": delta, "logprobs": logprobs,
@@ -104,7 +98,7 @@ class ChatChoiceOutput:
         if self._calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self._calls]
         return {"index": self.index, "message": message,
-                "logprobs": chat_logprobs(self.tokens.all, self.strings) if self.logprobs else None,
+                "logprobs": self.lp_log.whole() if self.logprobs else None,
                 "finish_reason": self.finish_reason}
 
 
@@ -115,6 +109,7 @@ class CompletionChoiceOutput:
         self.echo = echo
         self.strings = strings
         self.tokens = _Tokens()
+        self.lp_log = CompletionLogprobs(want_top=bool(logprobs))
         self._text: list[str] = []
         self._offset = len(echo)
         self.finish_reason: str | None = None
@@ -125,10 +120,6 @@ class CompletionChoiceOutput:
             return None
         return {"index": self.index, "text": self.echo, "logprobs": None, "finish_reason": None}
 
-    def _logprobs(self, lp: TokenLogprobs, start: int) -> dict | None:
-        if self.logprobs is None:
-            return None
-        return completion_logprobs(lp, self.strings, start, want_top=self.logprobs > 0)
 
     def step(self, step: Step) -> dict | None:
         lp = self.tokens.add(step)
@@ -136,7 +127,7 @@ class CompletionChoiceOutput:
             self.finish_reason = step.finish_reason
         if not (step.text or step.token_ids or step.final):
             return None
-        logprobs = self._logprobs(lp, self._offset)
+        logprobs = None if self.logprobs is None else self.lp_log.add(lp, self.strings, self._offset)
         self._text.append(step.text)
         self._offset += len(step.text)
         return {"index": self.index, "text": step.text, "logprobs": logprobs,
@@ -144,4 +135,5 @@ class CompletionChoiceOutput:
 
     def whole(self) -> dict:
         return {"index": self.index, "text": self.echo + "".join(self._text),
-                "logprobs": self._logprobs(self.tokens.all, len(self.echo)), "finish_reason": self.finish_reason}
+                "logprobs": None if self.logprobs is None else self.lp_log.whole(),
+                "finish_reason": self.finish_reason}

@@ -31,12 +31,19 @@ class ApiConfig:
     max_body_bytes: int | None = None
     """The largest request body taken (413 beyond). None: 4 MiB, or what a prompt as long as the
     context accepts may need as JSON when that is more (body.default_body_limit)."""
+    max_logprob_entries: int = 200_000
+    """The most log-probability entries one request may ask for: n x max_tokens x (top_logprobs
+    + 1), counted when it arrives (400 beyond). Each entry holds ~360 bytes of the front's memory
+    until the answer is sent: ~70 MiB at this default."""
     lora_adapters: dict[str, str] = field(default_factory=dict)
     """LoRA adapters the server serves (its lora_modules): name -> PEFT folder. A request whose
     `model` is an adapter's name is served by that adapter; /v1/models lists them."""
     api_key: str | None = field(default=None, repr=False)
     """Clients must send `Authorization: Bearer <api_key>` on every /v1 route (None: no check).
     Read from $SPLITFUSE_API_KEY or a file (`key_from`), never taken from a command line."""
+    triton_http_proxy: str | None = None
+    """host:port of Triton's HTTP endpoint: the front then forwards Triton's HTTP API (/v2/...)
+    there, behind `api_key` (triton_proxy.py). None: not forwarded."""
 
     def __post_init__(self) -> None:
         self.model_dir = prepare_checkpoint(self.model_dir)  # a GGUF file: its converted directory
@@ -46,6 +53,10 @@ class ApiConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.served_model_name in self.lora_adapters:  # one name, two models
             raise ValueError(f"LoRA adapter name {self.served_model_name!r} is the served model's name")
+        if self.triton_http_proxy and self.api_key is None:  # it would be Triton's open API on our port
+            raise ValueError("forwarding Triton's HTTP API (--triton-http-proxy) needs an API key")
+        if self.max_logprob_entries < 1:
+            raise ValueError(f"max_logprob_entries must be positive, got {self.max_logprob_entries}")
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
 

@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
+from splitfuse.openai_api.auth import OPEN_PATHS
 from splitfuse.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
@@ -163,6 +164,7 @@ class ModelCard(_Answer):
     created: int
     owned_by: str
     root: str
+    """The served name (never a folder of the server)."""
     parent: str | None
     """A LoRA adapter's base model (null for the base model itself)."""
     max_model_len: int
@@ -194,13 +196,15 @@ def _json(model: type[BaseModel], description: str) -> dict:
 
 
 ERRORS = {
-    400: "a parameter that is invalid or not supported (named in `param`), a body that is not JSON, or a "
-         "request the engine refuses (e.g. prompt + max_tokens beyond max_model_len)",
+    400: "a parameter that is invalid or not supported (named in `param`), a body that is not JSON, a request "
+         "asking for more log-prob entries than --max-logprob-entries, or a request the engine refuses (e.g. "
+         "prompt + max_tokens beyond max_model_len)",
     401: "no valid API key (only when the server has one: `Authorization: Bearer <key>`)",
     404: "no such model",
     413: "the request body is larger than --max-body-bytes",
     429: "the server is busy (the engine's waiting queue is full): retry after `Retry-After` seconds",
-    503: "Triton's llm model is unavailable or the server is shutting down",
+    503: "a fault of the server, not of the request (Triton's llm model unavailable or not loaded, the server "
+         "restarting or shutting down, its engine broken): retry after `Retry-After` seconds",
 }
 
 
@@ -253,7 +257,7 @@ def _drop_validation_errors(doc: dict[str, Any]) -> None:
 
 def install(app: FastAPI, api_key: bool) -> None:
     """Serve the document with the models' schemas as components (and, with an API key, the
-    bearer scheme every /v1 route asks for)."""
+    bearer scheme every route but auth.OPEN_PATHS asks for)."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -263,7 +267,7 @@ def install(app: FastAPI, api_key: bool) -> None:
             if api_key:
                 components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
                 for path, operations in doc["paths"].items():
-                    if path.startswith("/v1"):
+                    if path not in OPEN_PATHS:
                         for operation in operations.values():
                             operation["security"] = [{"bearer": []}]
             app.openapi_schema = doc

@@ -69,8 +69,9 @@ def chat_usage_chunk(meta: Meta, use: dict) -> dict:
 # ---- /v1/models -----------------------------------------------------------------------------
 
 
-def model_card(name: str, created: int, root: str, max_model_len: int, parent: str | None = None) -> dict:
+def model_card(name: str, created: int, max_model_len: int, parent: str | None = None) -> dict:
     """As vLLM's, with the longest prompt + generation the engine takes; a LoRA adapter's has its
-    base model's name as `parent` and its folder as `root`."""
-    return {"id": name, "object": "model", "created": created, "owned_by": "splitfuse", "root": root,
+    base model's name as `parent`. `root` is the served name, never a folder of the server:
+    the card must not show clients the server's file system."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "splitfuse", "root": name,
             "parent": parent, "max_model_len": max_model_len}

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
@@ -35,20 +36,21 @@ INPUT_DTYPES = {
 }
 
 
-
-
-# Words of the messages of the server's own faults and shutdown (llm: INTERNAL or UNAVAILABLE;
-# the engine: a failed step, or broken for good; gRPC: the server gone).
-SERVER_FAULTS = ("internal error", "shutting down", "unavailable", "not ready", "failed to connect",
-                 "connection refused", "engine step failed", "engine failed")
+# Sent with every stream: Triton then ends a stream whose request failed with the error's gRPC
+# status (INVALID_ARGUMENT, UNAVAILABLE, INTERNAL, ...) instead of a bare message.
+STATUS_HEADERS = {"triton_grpc_error": "true"}
+# The status of what the request itself asked wrong (the llm model's TritonError.INVALID_ARG).
+CLIENT_ERROR_CODES = frozenset({"INVALID_ARGUMENT"})
 
 
 class GenerationError(Exception):
-    """Triton answered a request with an error."""
+    """Triton answered a request with an error; `code` is its gRPC status name (None: an error
+    Triton reports before any model sees the request, e.g. the model is not loaded)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.code = code
 
     @property
     def is_busy(self) -> bool:
@@ -57,9 +59,9 @@ class GenerationError(Exception):
 
     @property
     def is_client_error(self) -> bool:
-        """The `llm` model marks its own faults, load and shutdown; everything else is the request's."""
-        lowered = self.message.lower()
-        return not self.is_busy and not any(w in lowered for w in SERVER_FAULTS)
+        """Only what `llm` refused as INVALID_ARG is the request's fault; every other status, and an
+        error without one, is the server's (faults, shutdown, the model gone)."""
+        return not self.is_busy and self.code in CLIENT_ERROR_CODES
 
 
 @dataclass
@@ -77,6 +79,11 @@ class Step:
     """With return_top_log_probs=k: per token, the k most likely token ids (most likely first)."""
     top_logprobs: list[list[float]] | None = None
     """Their log-probabilities, as top_ids."""
+
+
+def _code_name(status: str | None) -> str | None:
+    """tritonclient's status text ("StatusCode.INVALID_ARGUMENT") as the bare name."""
+    return None if not status else status.removeprefix("StatusCode.")
 
 
 def build_inputs(values: dict[str, Any]) -> list:
@@ -160,13 +167,13 @@ class TritonLLM:
             yield request
             await finished.wait()  # keep the stream open until the final response is in
 
-        call = self.client.stream_infer(requests())
+        call = self.client.stream_infer(requests(), headers=STATUS_HEADERS)
         complete = False
         try:
             async for result, error in call:
                 if error is not None:
                     complete = True
-                    raise GenerationError(error.message() or str(error))
+                    raise GenerationError(error.message() or str(error), _code_name(error.status()))
                 step = parse_step(result)
                 if step.final:
                     complete = True
@@ -176,7 +183,10 @@ class TritonLLM:
             raise GenerationError("unavailable: Triton closed the stream before the final response")
         except GenerationError:
             raise
-        except Exception as e:  # grpc errors: server gone, stream broken
+        except grpc.aio.AioRpcError as e:  # the request failed (STATUS_HEADERS), or the server is gone
+            complete = True
+            raise GenerationError(e.details() or str(e), e.code().name) from None
+        except Exception as e:  # the stream broken some other way
             raise GenerationError(f"unavailable: {type(e).__name__}: {e}") from None
         finally:
             finished.set()

@@ -7,12 +7,15 @@
 # The container defaults come first, then the arguments given (`docker run IMAGE ARGS...`, the
 # Kubernetes container's args, or the image's CMD `--model /opt/splitfuse/models/demo`); a flag
 # given again overrides its default (argparse: the last one wins).
-#   --host 0.0.0.0     the container's own interface (the launcher's default is loopback only)
-#   8000 http, 8001 grpc, 8002 metrics: Triton; 9000: the OpenAI-compatible front (`--openai-port 0`
-#   turns it off; its bearer key comes from env SPLITFUSE_API_KEY); 8003: the launcher's /live and
-#   /ready (the HEALTHCHECK asks /ready).
+#   --host 0.0.0.0     the public ports on the container's own interface: 9000 the OpenAI-compatible
+#                      front (its bearer key from env SPLITFUSE_API_KEY; `--openai-port 0` turns it
+#                      off), 8002 Triton's metrics, 8003 the launcher's /live and /ready (HEALTHCHECK)
+#   --triton-host 127.0.0.1   Triton's HTTP (8000) and gRPC (8001) ports stay on the container's
+#                      loopback: they have no authentication, and reach every guide the engine has.
+#                      `--triton-proxy` serves Triton's HTTP API through 9000 behind the API key;
+#                      `--triton-host 0.0.0.0` opens both ports (only behind a network policy).
 set -eu
 exec python3 -m splitfuse.launcher \
-    --host 0.0.0.0 --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
+    --host 0.0.0.0 --triton-host 127.0.0.1 --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
     --openai-port 9000 --health-port 8003 \
     "$@"

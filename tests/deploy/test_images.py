@@ -33,8 +33,12 @@ ENTRYPOINT_SCRIPT = ROOT / "deploy" / "docker" / "entrypoint.sh"
 IMAGE_ENTRYPOINT = "/opt/splitfuse/entrypoint.sh"
 DEMO_MODEL = "/opt/splitfuse/models/demo"  # CMD's model; the k8s init container copies it too
 PORTS = {8000, 8001, 8002, 8003, 9000}
+# What the images expose: not Triton's HTTP and gRPC ports (8000, 8001), which have no
+# authentication and stay on the container's loopback.
+EXPOSED = {8002, 8003, 9000}
 # What deploy/k8s (and tests/deploy/test_manifests.py) assume the image's entrypoint passes.
-MANIFEST_DEFAULTS = ["--host", "0.0.0.0", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]
+MANIFEST_DEFAULTS = ["--host", "0.0.0.0", "--triton-host", "127.0.0.1", "--http-port", "8000", "--grpc-port", "8001",
+                     "--metrics-port", "8002"]
 MIN_TRITON = (25, 7)  # NVIDIA's August 2025 security fixes
 
 
@@ -289,7 +293,7 @@ def test_image_runtime_stage(image):
     assert DEMO_MODEL in k8s
 
     exposed = {int(p.split("/")[0]) for p in _one(runtime, "EXPOSE").split()}
-    assert exposed == PORTS, exposed
+    assert exposed == EXPOSED, exposed
     health = _one(runtime, "HEALTHCHECK")
     m = re.match(r"((?:--\S+\s+)*)CMD\s+(\[.*\])\s*$", health)
     assert m, health
@@ -420,6 +424,7 @@ def test_entrypoint_execs_the_launcher_with_the_defaults_then_the_arguments(shel
 
     args = _parser().parse_args(argv[2:])
     assert (args.host, args.http_port, args.grpc_port, args.metrics_port) == ("0.0.0.0", 8000, 8001, 8002)
+    assert args.triton_host == "127.0.0.1", "Triton's unauthenticated ports stay on the container's loopback"
     assert args.openai_port == 9001 and args.health_port == 8003, "a given flag overrides its default"
     assert args.model == "/models/x" and args.param == ["dtype=auto"] and args.triton_args == ["--log-info=true"]
     assert {args.http_port, args.grpc_port, args.metrics_port, args.health_port, 9000} == PORTS

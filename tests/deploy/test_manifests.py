@@ -5,16 +5,17 @@ kubernetes-client 1.20 embeds kustomize v2.0.3, which reads neither `components`
 in `resources`; a standalone `kustomize` >= v4 does too), every rendered object is validated
 against the Kubernetes API schemas of kubernetes-validate (strict: unknown fields are errors), and
 the deployment's invariants are checked on the rendered objects: probes, /dev/shm, requests ==
-limits, the grace period against the drain, the Service's ports, secrets kept off command lines.
-The launcher's arguments are parsed with the launcher's own parser. Custom resources
+limits, the grace period against the drain, the Service's ports, secrets kept off command lines,
+Triton's unauthenticated ports kept on the pod's loopback unless components/triton-ports opens
+them behind a NetworkPolicy. The launcher's arguments are parsed with the launcher's own parser. Custom resources
 (ServiceMonitor, KServe) have no schema there: their required fields are checked by hand.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,11 @@ DRAIN_TIMEOUT_DEFAULT = 30.0
 EXIT_TIMEOUT_DEFAULT = 10
 STARTUP_WINDOW_S = 600  # model load: at least --ready-timeout's default
 SECRET_NAME = "splitfuse-triton-keys"
-SERVICE_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 9000}
+SERVICE_PORTS = {"metrics": 8002, "openai": 9000}
+# Triton's own ports (no authentication): on the Service only with components/triton-ports.
+TRITON_PORTS = {"http": 8000, "grpc": 8001}
+TRITON_CLIENT_LABEL = "splitfuse-triton/triton-client"
+LOOPBACK = "127.0.0.1"
 CUSTOM_KINDS = {"ServiceMonitor", "ServingRuntime", "InferenceService"}
 
 kubernetes_validate = pytest.importorskip(
@@ -97,25 +102,28 @@ def _render(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
-    """overlay -> its objects; "<overlay>+components": the overlay with every optional component,
-    through a kustomization beside the overlays in a copy of deploy/k8s (kustomize takes no
-    absolute paths, and the tree stays untouched)."""
+    """overlay -> its objects; "<overlay>+components": the overlay with every optional component
+    but triton-ports, "<overlay>+triton-ports": with that one alone, each through a kustomization
+    beside the overlays in a copy of deploy/k8s (kustomize takes no absolute paths, and the tree
+    stays untouched)."""
     out = {ov: _render(K8S / "overlays" / ov) for ov in OVERLAYS}
     copy = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(K8S, copy)
     for ov in OVERLAYS:
-        d = copy / "overlays" / f"{ov}-with-components"
-        d.mkdir()
-        (d / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [f"../{ov}"],
-            "components": [f"../../components/{c}" for c in COMPONENTS],
-        }))
-        out[f"{ov}+components"] = _render(d)
+        for suffix, components in (("components", COMPONENTS), ("triton-ports", ["triton-ports"])):
+            d = copy / "overlays" / f"{ov}-with-{suffix}"
+            d.mkdir()
+            (d / "kustomization.yaml").write_text(yaml.safe_dump({
+                "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                "resources": [f"../{ov}"],
+                "components": [f"../../components/{c}" for c in components],
+            }))
+            out[f"{ov}+{suffix}"] = _render(d)
     return out
 
 
-ALL = OVERLAYS + [f"{ov}+components" for ov in OVERLAYS]
+ALL = OVERLAYS + [f"{ov}+components" for ov in OVERLAYS] + [f"{ov}+triton-ports" for ov in OVERLAYS]
+DEFAULT = OVERLAYS + [f"{ov}+components" for ov in OVERLAYS]  # Triton's ports closed
 
 
 def _one(objs: list[dict], kind: str) -> dict:
@@ -159,17 +167,15 @@ def _launcher_parser():
     return _parser()
 
 
+@cache
 def _entrypoint_args() -> list[str]:
-    """The image ENTRYPOINT's launcher flags (after `-m splitfuse.launcher`), from the Dockerfile."""
-    for line in (ROOT / "Dockerfile").read_text().splitlines():
-        if line.startswith("ENTRYPOINT"):
-            try:
-                argv = json.loads(line.split(None, 1)[1])
-            except (IndexError, json.JSONDecodeError):
-                break
-            if "splitfuse.launcher" in argv:
-                return argv[argv.index("splitfuse.launcher") + 1:]
-    return ["--host", "0.0.0.0", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]
+    """The launcher flags the images' entrypoint (deploy/docker/entrypoint.sh) passes before the
+    container's args: its `exec python3 -m splitfuse.launcher ... "$@"` line."""
+    script = (ROOT / "deploy" / "docker" / "entrypoint.sh").read_text().replace("\\\n", " ")
+    line = next(ln for ln in script.splitlines() if ln.strip().startswith("exec ") and "splitfuse.launcher" in ln)
+    argv = shlex.split(line)
+    assert argv[-1] == "$@", f"the entrypoint must pass its arguments last: {line}"
+    return argv[argv.index("splitfuse.launcher") + 1:-1]
 
 
 def _expand(arg: str, env: dict[str, str]) -> str:
@@ -218,6 +224,8 @@ def test_launcher_arguments_and_probes(rendered, overlay):
     c = _server(pod)
     args = _launcher_args(c)
     assert args.host == "0.0.0.0", "the kubelet and the Service reach the pod's IP, not its loopback"
+    # Triton's unauthenticated ports leave the pod's loopback only with components/triton-ports.
+    assert args.triton_host == ("0.0.0.0" if overlay.endswith("+triton-ports") else LOOPBACK), args.triton_host
     assert args.model.startswith("/models/"), args.model
     assert (args.http_port, args.grpc_port, args.metrics_port, args.openai_port) == (8000, 8001, 8002, 9000)
     assert args.health_port, "the launcher's health endpoints (--health-port) carry the probes"
@@ -226,15 +234,19 @@ def test_launcher_arguments_and_probes(rendered, overlay):
     path, port, _ = _probe(c, "livenessProbe")
     # Not Triton's /v2/health/live: it answers nothing while the launcher heals a crashed server.
     assert (path, port) == ("/live", args.health_port)
+    # Triton's /v2/health/ready only where the kubelet can reach it (not on the pod's loopback).
+    probes = {("/ready", args.health_port)} | (set() if args.triton_host == LOOPBACK
+                                                else {("/v2/health/ready", args.http_port)})
     path, port, _ = _probe(c, "readinessProbe")
-    assert (path, port) in {("/ready", args.health_port), ("/v2/health/ready", args.http_port)}
+    assert (path, port) in probes
     path, port, startup = _probe(c, "startupProbe")
-    assert (path, port) in {("/ready", args.health_port), ("/v2/health/ready", args.http_port)}
+    assert (path, port) in probes
     window = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
     assert window >= max(STARTUP_WINDOW_S, args.ready_timeout), f"startup window {window}s is too short for model load"
 
     declared = {p["containerPort"] for p in c["ports"]}
-    assert {8000, 8001, 8002, 9000, args.health_port} <= declared, declared
+    assert {8002, 9000, args.health_port} <= declared, declared
+    assert (set(TRITON_PORTS.values()) <= declared) == (args.triton_host != LOOPBACK), declared
 
     # The model comes from the PVC, prepared by an init container that mounts it too.
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
@@ -348,7 +360,7 @@ def test_secrets_come_from_secrets_never_from_command_lines(rendered, overlay):
 
 
 @pytest.mark.parametrize("overlay", ALL)
-def test_service_exposes_every_port_and_metrics_are_scraped(rendered, overlay):
+def test_service_exposes_the_public_ports_and_metrics_are_scraped(rendered, overlay):
     objs = rendered[overlay]
     pod = _pod(objs)
     c = _server(pod)
@@ -356,12 +368,63 @@ def test_service_exposes_every_port_and_metrics_are_scraped(rendered, overlay):
     labels = pod["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items(), "the Service must select the pods"
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
-    for name, number in SERVICE_PORTS.items():
+    opened = overlay.endswith("+triton-ports")
+    want = {**SERVICE_PORTS, **(TRITON_PORTS if opened else {})}
+    assert {p["port"] for p in ports.values()} == set(want.values()), f"Service ports: {ports}"
+    for name, number in want.items():
         assert name in ports and ports[name]["port"] == number, f"Service port {name} {number}: {ports}"
         assert _port(c, ports[name].get("targetPort", number)) == number
     ann = pod["metadata"].get("annotations", {})
     assert ann.get("prometheus.io/scrape") == "true" and ann.get("prometheus.io/port") == "8002", ann
     assert ann.get("prometheus.io/path", "/metrics") == "/metrics"
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton's own ports: closed by default, opened by components/triton-ports behind a NetworkPolicy
+
+@pytest.mark.parametrize("overlay", DEFAULT)
+def test_tritons_ports_are_closed_by_default(rendered, overlay):
+    objs = rendered[overlay]
+    svc_ports = {p["port"] for p in _one(objs, "Service")["spec"]["ports"]}
+    c = _server(_pod(objs))
+    declared = {p["containerPort"] for p in c["ports"]}
+    assert not (svc_ports | declared) & set(TRITON_PORTS.values()), (svc_ports, declared)
+    assert _launcher_args(c).triton_host == LOOPBACK
+    assert not [o for o in objs if o["kind"] == "NetworkPolicy"]
+
+
+def _policy_rules(policy: dict, port: int) -> list[dict]:
+    return [r for r in policy["spec"].get("ingress", [])
+            if any(p.get("port") == port for p in r.get("ports", []))]
+
+
+def _check_triton_policy(policy: dict, pod_labels: dict, triton_ports: set[int], public_ports: set[int]) -> None:
+    """The policy selects the pods; Triton's ports only from labelled clients; the public ports from anywhere."""
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items(), "it must select the pods"
+    for port in triton_ports:
+        rules = _policy_rules(policy, port)
+        assert rules, f"port {port}: no rule (the pods' clients could not reach it)"
+        for rule in rules:
+            sources = rule.get("from")
+            assert sources, f"port {port} open to every source: {rule}"
+            assert all(s.get("podSelector", {}).get("matchLabels", {}).get(TRITON_CLIENT_LABEL) == "true"
+                       or "namespaceSelector" in s for s in sources), sources
+    for port in public_ports:
+        assert any(not r.get("from") for r in _policy_rules(policy, port)), f"public port {port} is not open"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_triton_ports_component_opens_them_behind_a_network_policy(rendered, overlay):
+    objs = rendered[f"{overlay}+triton-ports"]
+    pod = _pod(objs)
+    c = _server(pod)
+    args = _launcher_args(c)
+    svc_ports = {p["port"] for p in _one(objs, "Service")["spec"]["ports"]}
+    assert set(TRITON_PORTS.values()) <= svc_ports and args.triton_host == "0.0.0.0"
+    policy = _one(objs, "NetworkPolicy")
+    _check_triton_policy(policy, pod["metadata"]["labels"], {args.http_port, args.grpc_port},
+                         {args.openai_port, args.metrics_port, args.health_port})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,6 +512,19 @@ def test_kserve_serving_runtime():
     assert volumes[key["name"]]["secret"]["secretName"] == SECRET_NAME
     line = " ".join(c.get("args", []))
     assert not re.search(r"--(admin|api)[-_]key(=|\s|$)", line)
+    # KServe reaches Triton's v2 HTTP itself: off loopback, so a NetworkPolicy limits who reaches it.
+    assert args.triton_host == "0.0.0.0"
+
+
+def test_kserve_network_policy_limits_tritons_ports():
+    objs = _kserve_objects()
+    isvc = _one(objs, "InferenceService")
+    args = _launcher_args(_one(objs, "ServingRuntime")["spec"]["containers"][0])
+    policy = _one(objs, "NetworkPolicy")
+    _validate(policy)
+    # KServe labels the predictor's pods with their InferenceService's name.
+    labels = {"serving.kserve.io/inferenceservice": isvc["metadata"]["name"]}
+    _check_triton_policy(policy, labels, {args.http_port, args.grpc_port}, {args.health_port})
 
 
 def test_kserve_inference_service_uses_the_runtime():

@@ -19,6 +19,8 @@ import pytest
 from openai_helpers import start_api, stop_api
 from triton_helpers import abort_and_length_ends, metric_sum, settled, wait_for
 
+from splitfuse.utils.ports import free_port
+
 openai = pytest.importorskip("openai", reason="the openai SDK is in the dev extra")
 pytest.importorskip("fastapi", reason="fastapi/uvicorn are in the serve extra")
 
@@ -52,10 +54,14 @@ def _ended(served) -> tuple[float, float]:
 # ---- happy paths ----------------------------------------------------------------------------
 
 
-def test_models_lists_the_served_model(api):
+def test_models_lists_the_served_model(api, served):
     models = api.client().models.list()
     assert [m.id for m in models.data] == [api.model]
-    assert api.client().models.retrieve(api.model).id == api.model
+    card = api.client().models.retrieve(api.model)
+    assert card.id == api.model
+    # The cards name the model, never a folder of the server.
+    text = json.dumps([m.to_dict() for m in models.data] + [card.to_dict()])
+    assert card.to_dict()["root"] == api.model and served.model_dir not in text and "/" not in text, text
 
 
 def test_completion_greedy_matches_the_engine_and_streams_the_same_text(api, offline_llm):
@@ -320,7 +326,14 @@ def test_streaming_client_that_disconnects_frees_its_kv_blocks(api, served):
     pytest.fail(f"the generation ran on after the client left, {len(outcomes)} times: {outcomes}")
 
 
-def test_waiting_client_that_disconnects_frees_its_kv_blocks(api, served):
+# How soon a waiting client's generation must end once it left: the 1 s the front owes, plus
+# the 0.5 s between the server's metric publications, plus 1 s for a loaded 2-core machine.
+CANCEL_BOUND_S = 2.5
+
+
+def _waiting_client_leaves(api, served, key: str | None = None) -> None:
+    """A non-streamed request whose client leaves before its first token: the generation must end
+    as aborted (not run to its length) and its KV blocks be freed, within CANCEL_BOUND_S."""
     assert wait_for(lambda: _used_blocks(served) == 0), "blocks still in use from an earlier test"
     aborted, completed = settled(lambda: _ended(served))
     host, port = api.base_url.removeprefix("http://").rsplit(":", 1)
@@ -329,16 +342,34 @@ def test_waiting_client_that_disconnects_frees_its_kv_blocks(api, served):
     # before the API noticed the disconnect (it polls for one every 0.1 s).
     body = json.dumps({"model": api.model, "prompt": PROMPT, "max_tokens": LONG["max_tokens"], "temperature": 0,
                        "ignore_eos": True}).encode()
+    auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n" + auth
+                 + b"Content-Length: %d\r\n\r\n" % len(body) + body)
     time.sleep(0.2)
     sock.close()
-    assert wait_for(lambda: _used_blocks(served) == 0, timeout=10.0), "KV blocks not freed after disconnect"
-    assert wait_for(lambda: _ended(served) == (aborted + 1, completed)), \
+    left = time.monotonic()
+    assert wait_for(lambda: _ended(served) != (aborted, completed), timeout=CANCEL_BOUND_S + 10)
+    took = time.monotonic() - left
+    assert _ended(served) == (aborted + 1, completed), \
         f"the generation ran on after the client left: {_ended(served)} against {(aborted, completed)}"
-    ok = api.client().completions.create(model=api.model, prompt=PROMPT, max_tokens=3, temperature=0)
-    assert ok.usage.completion_tokens == 3
+    assert wait_for(lambda: _used_blocks(served) == 0, timeout=2.0), "KV blocks not freed after disconnect"
+    print(f"\n[disconnect] generation aborted {took:.2f}s after the client left (key: {bool(key)})")
+    assert took < CANCEL_BOUND_S, f"the abort took {took:.2f}s"
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    status, ok = _status(api.base_url + "/v1/completions", headers,
+                         {"model": api.model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    assert status == 200 and ok["usage"]["completion_tokens"] == 3
+
+
+def test_waiting_client_that_disconnects_frees_its_kv_blocks(api, served):
+    _waiting_client_leaves(api, served)
+
+
+def test_with_an_api_key_a_waiting_client_that_disconnects_is_cancelled(keyed, served):
+    """The key check must not hide the client's disconnect from the route (as Starlette's
+    BaseHTTPMiddleware did: the generation then ran to its end)."""
+    _waiting_client_leaves(keyed, served, key=keyed.key)
 
 
 def test_launcher_entry_point_is_importable():
@@ -361,31 +392,109 @@ def _status(url: str, headers: dict[str, str] | None = None, body: dict | None =
         return e.code, json.loads(e.read())
 
 
-def test_an_api_key_guards_every_v1_route_but_health(served, tmp_path):
+@pytest.fixture(scope="module")
+def keyed(served, tmp_path_factory):
+    """A front that asks for an API key (`keyed.key`)."""
     key = "sk-test-" + os.urandom(8).hex()
-    keyed = start_api(served.model_dir, served.grpc_url, tmp_path, "keyed", "--max-model-len", str(MAX_MODEL_LEN),
-                      env={"SPLITFUSE_API_KEY": key})
-    try:
-        chat = {"model": keyed.model, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
-            for path, body in (("/v1/models", None), ("/v1/chat/completions", chat),
-                               ("/v1/chat/completions", {**chat, "stream": True})):
-                status, answer = _status(keyed.base_url + path, headers, body)
-                assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, headers, answer)
-        assert _status(keyed.base_url + "/health")[0] == 200
-        client = keyed.client(api_key=key)
-        assert [m.id for m in client.models.list().data] == [keyed.model]
-        whole = client.chat.completions.create(**chat)
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
-                           if c.choices)
-        assert whole.choices[0].message.content == streamed
-        with pytest.raises(openai.AuthenticationError):
-            keyed.client(api_key="wrong").chat.completions.create(**chat)
-    finally:
-        stop_api(keyed)
+    a = start_api(served.model_dir, served.grpc_url, tmp_path_factory.mktemp("openai-keyed"), "keyed",
+                  "--max-model-len", str(MAX_MODEL_LEN), env={"SPLITFUSE_API_KEY": key})
+    a.key = key
+    yield a
+    stop_api(a)
+
+
+def test_an_api_key_guards_every_route_but_health(keyed, served, tmp_path):
+    key = keyed.key
+    chat = {"model": keyed.model, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key},
+                    {"Authorization": f"Bearer {key}x"}, {"Authorization": f"bearer {key}"}):
+        # Every route, unknown paths too: a route mounted later is guarded without being listed.
+        for path, body in (("/v1/models", None), ("/v1/chat/completions", chat),
+                           ("/v1/chat/completions", {**chat, "stream": True}), ("/v2/models/llm", None),
+                           ("/anything", None)):
+            status, answer = _status(keyed.base_url + path, headers, body)
+            assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, headers, answer)
+    assert _status(keyed.base_url + "/health")[0] == 200
+    assert _status(keyed.base_url + "/openapi.json")[0] == 200
+    client = keyed.client(api_key=key)
+    assert [m.id for m in client.models.list().data] == [keyed.model]
+    whole = client.chat.completions.create(**chat)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
+                       if c.choices)
+    assert whole.choices[0].message.content == streamed
+    with pytest.raises(openai.AuthenticationError):
+        keyed.client(api_key="wrong").chat.completions.create(**chat)
     # An empty key would look protected and let everyone in: the front refuses to start.
     empty = tmp_path / "empty-key"
     empty.write_text("\n")
     run = subprocess.run([sys.executable, "-m", "splitfuse.openai_api", "--model", served.model_dir,
                           "--api-key-file", str(empty)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "is empty" in run.stderr, run.stderr[-2000:]
+
+
+# ---- log-prob budget --------------------------------------------------------------------------
+
+
+def test_a_request_over_the_logprob_budget_is_400_naming_the_limit(api):
+    """Chat without max_tokens generates up to the rest of the context: with n=16 and
+    top_logprobs=20 that is 16 x ~2,000 x 21 entries, over the default 200,000."""
+    client = api.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=api.model, messages=MESSAGES, n=16, logprobs=True, top_logprobs=20)
+    err = e.value.body
+    assert err["param"] == "top_logprobs" and err["code"] == "logprobs_limit_exceeded", err
+    assert "200000" in err["message"] and "--max-logprob-entries" in err["message"], err
+    with pytest.raises(openai.BadRequestError, match="max-logprob-entries"):
+        client.completions.create(model=api.model, prompt=PROMPT, n=16, logprobs=5, max_tokens=6000)
+    # Within the budget: every choice gets its tokens' entries, each with its alternatives.
+    r = client.chat.completions.create(model=api.model, messages=MESSAGES, n=2, max_tokens=6, logprobs=True,
+                                       top_logprobs=5, temperature=0)
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        content = choice.logprobs.content
+        assert len(content) == 6 and all(len(c.top_logprobs) == 5 for c in content)
+
+
+# ---- server faults are 503 --------------------------------------------------------------------
+
+
+def test_a_server_fault_is_503_with_retry_after_and_a_bad_request_stays_400(api, served, tmp_path):
+    """A front whose `llm` model is not loaded in the server (as after the model unloaded itself):
+    Triton refuses with no status, a server fault, so the SDK gets a 503 (which it would retry),
+    not a 400. A request the engine refuses (INVALID_ARGUMENT) stays a 400."""
+    port = free_port()
+    log = tmp_path / "unloaded.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "splitfuse.openai_api", "--model", served.model_dir,
+                                 "--triton-grpc-url", served.grpc_url, "--triton-model", "llm_not_loaded",
+                                 "--port", str(port), "--log-level", "warning"],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        # Up, but not ready: its /health asks for the model and answers 503.
+        assert wait_for(lambda: _answers(base + "/health") == 503 or proc.poll() is not None, timeout=180), \
+            log.read_text()[-2000:]
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        name = Path(served.model_dir).name
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model=name, prompt=PROMPT, max_tokens=2, stream=stream)
+            assert e.value.status_code == 503 and e.value.response.headers.get("retry-after") == "1"
+            assert e.value.body["type"] == "server_error" and "llm_not_loaded" in e.value.body["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.client().completions.create(model=api.model, prompt=PROMPT, max_tokens=100_000)
+    assert bad.value.status_code == 400 and "max_model_len" in bad.value.body["message"]
+
+
+def _answers(url: str) -> int:
+    """The HTTP status `url` answers (0: none)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0

@@ -26,8 +26,10 @@ constexpr char kPreloadBefore[] = "SPLITFUSE_LD_PRELOAD_BEFORE";
 bool fill(const char* arg, std::string& out) {
   out.assign(arg);
   bool changed = false;
-  size_t at;
-  while ((at = out.find(kOpen)) != std::string::npos) {
+  size_t at, from = 0;
+  // The search goes on after each value put in: a value holding a placeholder is not expanded
+  // again (it would be forever when it holds its own).
+  while ((at = out.find(kOpen, from)) != std::string::npos) {
     const size_t name_at = at + sizeof(kOpen) - 1;
     const size_t end = out.find('}', name_at);
     if (end == std::string::npos) break;
@@ -38,6 +40,7 @@ bool fill(const char* arg, std::string& out) {
       _exit(2);
     }
     out.replace(at, end - at + 1, value);
+    from = at + strlen(value);
     changed = true;
   }
   return changed;

@@ -103,33 +103,45 @@ def test_sampling_inputs_always_carry_openai_defaults():
     assert tensors["seed"].datatype() == "UINT64" and tensors["stop_words"].datatype() == "BYTES"
 
 
-def test_engine_errors_split_into_client_and_server_faults():
-    assert GenerationError("prompt (3 tokens) + max_tokens (9) exceeds max_model_len").is_client_error
-    assert not GenerationError("internal error: RuntimeError: boom").is_client_error
-    assert not GenerationError("unavailable: the server is shutting down").is_client_error
+BAD = "INVALID_ARGUMENT"  # the gRPC status of what llm refuses as TritonError.INVALID_ARG
 
 
-def test_a_busy_engine_is_429_with_retry_after_and_other_unavailable_stays_503():
+def test_engine_errors_split_by_status_not_by_words():
+    assert GenerationError("prompt (3 tokens) + max_tokens (9) exceeds max_model_len", BAD).is_client_error
+    # The status decides, whatever the words: a refusal that quotes "internal error" is the
+    # request's; a fault whose words sound like a bad request is the server's.
+    assert GenerationError("stop string 'internal error' is too long", BAD).is_client_error
+    assert not GenerationError("invalid input: the stub is not healthy", "INTERNAL").is_client_error
+    assert not GenerationError("the server is shutting down", "UNAVAILABLE").is_client_error
+    # No status: Triton refused before any model saw the request (the model is not loaded).
+    assert not GenerationError("Request for unknown model: 'llm' is not found").is_client_error
+
+
+def test_a_busy_engine_is_429_server_faults_503_with_retry_after_and_bad_requests_400():
     busy = generation_http_error(GenerationError(
-        "server busy: 8 requests are waiting (max_waiting_requests=8); retry later"))
+        "server busy: 8 requests are waiting (max_waiting_requests=8); retry later", "UNAVAILABLE"))
     assert busy.status == 429 and busy.headers == {"Retry-After": "1"}
     assert busy.body()["error"] == {"message": "server busy: 8 requests are waiting (max_waiting_requests=8); "
                                                "retry later", "type": "rate_limit_error", "param": None,
                                     "code": "rate_limit_exceeded"}
-    for message in ("the server is shutting down", "the engine failed and serves no more requests: RuntimeError: boom",
-                    "engine step failed: RuntimeError: boom", "internal error: ValueError: x",
-                    "unavailable: AioRpcError: failed to connect"):
-        down = generation_http_error(GenerationError(message))
-        assert (down.status, down.type, down.headers) == (503, "server_error", {}), message
-    refused = generation_http_error(GenerationError("prompt (3 tokens) + max_tokens (9) exceeds max_model_len"))
-    assert (refused.status, refused.type) == (400, "invalid_request_error")
+    for message, code in (("the server is shutting down", "UNAVAILABLE"),
+                          ("the engine failed and serves no more requests: RuntimeError: boom", "UNAVAILABLE"),
+                          ("engine step failed: RuntimeError: boom", "INTERNAL"),
+                          ("Stub process 'llm_0_0' is not healthy.", None),
+                          ("Request for unknown model: 'llm' has no available versions", None),
+                          ("failed to connect to all addresses", "UNAVAILABLE")):
+        down = generation_http_error(GenerationError(message, code))
+        assert (down.status, down.type, down.headers) == (503, "server_error", {"Retry-After": "1"}), message
+    refused = generation_http_error(GenerationError("prompt (3 tokens) + max_tokens (9) exceeds max_model_len", BAD))
+    assert (refused.status, refused.type, refused.headers) == (400, "invalid_request_error", {})
     # Only a message that starts so: a prompt quoting the words is the request's own problem.
-    quoted = generation_http_error(GenerationError("stop string 'server busy: ' is too long"))
+    quoted = generation_http_error(GenerationError("stop string 'server busy: ' is too long", BAD))
     assert quoted.status == 400
     # A guide llm could not compile: named by the parameter it came from.
-    guide = generation_http_error(GenerationError("guided_decoding_guide (json_schema) does not compile: x"), "tools")
+    guide = generation_http_error(GenerationError("guided_decoding_guide (json_schema) does not compile: x", BAD),
+                                  "tools")
     assert (guide.status, guide.param) == (400, "tools") and "does not compile" in guide.message
-    assert generation_http_error(GenerationError("prompt too long"), "tools").param is None
+    assert generation_http_error(GenerationError("prompt too long", BAD), "tools").param is None
 
 
 @pytest.mark.parametrize("raw, words", [
