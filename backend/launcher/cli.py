@@ -274,37 +274,12 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
             elif front_watch is not None:
                 front_watch.started()
         if not signals:
-            print(
-                f"splitfuse.launcher: ready (Triton's HTTP and gRPC on {server.bind_inference}; metrics"
-                f"{', OpenAI' if front else ''} and health on {server.host})\n"
-                f"  HTTP    http://{server.http_url}  (POST /v2/models/ensemble/generate_stream)\n"
-                f"  gRPC    {server.grpc_url}\n"
-                f"  metrics {server.metrics_url}\n"
-                + (f"  OpenAI  {front.url}/v1  (chat/completions, completions, models)\n" if front else "")
-                + (f"  Triton  {front.url}/v2  (Triton's HTTP API through the front, behind its API key)\n"
-                   if front and front.triton_http_url else "")
-                + f"  models  {server.model_repository}",
-                flush=True,
-            )
+            print(_ready_banner(server, front), flush=True)
         gave_up = None
         if healing is not None and not signals:
             healing.publish(server)
-        while not signals:
-            if front_watch is not None:  # Triton keeps serving while the front restarts
-                gave_up = front_watch.poll()
-                if gave_up is not None:
-                    break
-            fault = None
-            if not server.running():
-                fault = f"tritonserver died while serving ({exit_description(server.process.returncode)})"
-            elif healing is not None:
-                fault = healing.watchdog.fault(server.process.pid)
-            if fault is not None:
-                gave_up = fault if healing is None else healing.heal(server, fault, ready_timeout_s, signals)
-                if gave_up is not None:
-                    server.kill()  # a hung replica would hold up the drain: nothing is left to save
-                    break
-            time.sleep(0.2)
+        if not signals:
+            gave_up = _serve(server, ready_timeout_s, healing, front_watch, signals)
     finally:
         # Also on an unexpected error here: never leave a tritonserver (or the front) behind.
         if len(signals) > 1:
@@ -324,6 +299,42 @@ def _run_foreground(server: TritonServer, ready_timeout_s: float, front: OpenAIF
               "unload a model in time (see README: known limitations)", file=sys.stderr)
         return 0
     return 0 if code in (0, -signal.SIGTERM) else 1
+
+
+def _ready_banner(server: TritonServer, front: OpenAIFront | None) -> str:
+    return (
+        f"splitfuse.launcher: ready (Triton's HTTP and gRPC on {server.bind_inference}; metrics"
+        f"{', OpenAI' if front else ''} and health on {server.host})\n"
+        f"  HTTP    http://{server.http_url}  (POST /v2/models/ensemble/generate_stream)\n"
+        f"  gRPC    {server.grpc_url}\n"
+        f"  metrics {server.metrics_url}\n"
+        + (f"  OpenAI  {front.url}/v1  (chat/completions, completions, models)\n" if front else "")
+        + (f"  Triton  {front.url}/v2  (Triton's HTTP API through the front, behind its API key)\n"
+           if front and front.triton_http_url else "")
+        + f"  models  {server.model_repository}"
+    )
+
+
+def _serve(server: TritonServer, ready_timeout_s: float, healing: Healing | None, front_watch: FrontWatch | None,
+           signals: list[int]) -> str | None:
+    """Watches the children until a signal (None) or a fault that cannot be healed (why)."""
+    while not signals:
+        if front_watch is not None:  # Triton keeps serving while the front restarts
+            gave_up = front_watch.poll()
+            if gave_up is not None:
+                return gave_up
+        fault = None
+        if not server.running():
+            fault = f"tritonserver died while serving ({exit_description(server.process.returncode)})"
+        elif healing is not None:
+            fault = healing.watchdog.fault(server.process.pid)
+        if fault is not None:
+            gave_up = fault if healing is None else healing.heal(server, fault, ready_timeout_s, signals)
+            if gave_up is not None:
+                server.kill()  # a hung replica would hold up the drain: nothing is left to save
+                return gave_up
+        time.sleep(0.2)
+    return None
 
 
 def _shutdown(server: TritonServer, front: OpenAIFront | None) -> None:

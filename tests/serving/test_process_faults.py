@@ -383,7 +383,9 @@ def test_tritonserver_dying_with_no_restart_allowed_exits_1(launch):
 
 
 def _bind(sock: socket.socket, port: int) -> bool:
-    """Listen on `port` with `sock` (False while it is taken)."""
+    """Listen on `port` with `sock` (False while it is taken). SO_REUSEADDR as servers bind: the
+    killed server's closed connections (TIME_WAIT) do not take the port, a listener does."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(("127.0.0.1", port))
     except OSError:
