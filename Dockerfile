@@ -63,10 +63,10 @@ FROM base
 RUN apt-get update && apt-get install -y --no-install-recommends tini && rm -rf /var/lib/apt/lists/*
 # The `serve` extra without nvidia-pytriton (this image has its own tritonserver, newer than the
 # wheel's 2.51): tritonclient for the model configs and the OpenAI front's client, fastapi and
-# uvicorn for the front; `triton` (triton-lang) for the GPU kernels.
+# uvicorn for the front, aiohttp and yarl for its --triton-proxy; `triton` (triton-lang) for the GPU kernels.
 COPY --from=build /wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir "$(ls /tmp/wheels/splitfuse_triton-*.whl)[triton]" \
-        "tritonclient[all]" fastapi uvicorn \
+        "tritonclient[all]" fastapi uvicorn aiohttp yarl \
     && rm -rf /tmp/wheels
 ARG SPLITFUSE_CPU_ISA=avx2
 COPY --from=build /opt/splitfuse/ /opt/splitfuse/

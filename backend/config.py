@@ -155,6 +155,17 @@ class EngineConfig(_FromStrings):
     engine within about this long instead of wedging it."""
     seed: int = 0
     """Seed for requests that give none."""
+    guide_compile_timeout_s: float = 30.0
+    """Longest one guide (structured output) may compile; past it the compiler process is killed
+    and restarted, and the request fails naming this parameter."""
+    grammar_cache_mb: float = 512.0
+    """Budget (MiB) of compiled grammars kept for reuse, least recently used evicted first."""
+    max_pending_guides: int = 16
+    """Most distinct guides waiting for the (one, per replica) grammar compiler; past it a request
+    with a new guide is refused at once as busy."""
+    grammar_step_budget_ms: float = 1000.0
+    """Longest one constrained request's grammar work (masks, checks) may take in one step; past
+    it that request ends alone with an error naming this parameter."""
     lora_modules: str = ""
     """LoRA adapters served over the base model: "name=path[,name=path...]", each path a PEFT
     folder (adapter_config.json + adapter_model.safetensors), all read and checked at start. A
@@ -216,6 +227,11 @@ class EngineConfig(_FromStrings):
         if not (isinstance(self.tensor_parallel_timeout_s, (int, float)) and 0 < self.tensor_parallel_timeout_s < 1e6):
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got "
                              f"{self.tensor_parallel_timeout_s!r}")
+        _check_positive("max_pending_guides", self.max_pending_guides)
+        for name in ("guide_compile_timeout_s", "grammar_cache_mb", "grammar_step_budget_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
         self._check_lora()
 
     def _check_lora(self) -> None:

@@ -82,9 +82,11 @@ class LLMEngine:
                                    prompt_order=config.prompt_order,
                                    first_token_deadline_tokens_per_s=config.first_token_deadline_tokens_per_s)
         self._lora_requests: dict[str, int] = {name: 0 for name in self.lora_names()}
-        self.masking = GrammarMasking(self.tokenizer, self.vocab_size)
+        self.masking = GrammarMasking(self.tokenizer, self.vocab_size, int(config.grammar_cache_mb * (1 << 20)),
+                                      config.guide_compile_timeout_s, config.grammar_step_budget_ms / 1e3,
+                                      config.max_pending_guides)
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len,
-                                          self._lora_requests, self.masking.grammars)
+                                          self._lora_requests)
         self.speculation = make_speculative_decoder(config, self.max_model_len, self.vocab_size)
         eos = eos_token_ids(config.model, self.runner.args.eos_token_ids, self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len)
@@ -120,10 +122,11 @@ class LLMEngine:
         self.add_prepared(request_id, self.prepare_prompt(prompt, params), params)
 
     def add_prepared(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                     arrival_time: float | None = None) -> None:
+                     arrival_time: float | None = None, grammar: Any = None) -> None:
         """Add a request whose prompt `prepare_prompt` validated. All or nothing: when it raises,
         the engine keeps no trace of the request. `arrival_time` (time.monotonic()) is when a
-        server took it, if earlier than now."""
+        server took it, if earlier than now; `grammar` its guide's compiled grammar, when a
+        server compiled it ahead (else it is compiled here, waited for)."""
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # Not validated again, but the adapter counts below are keyed by served names: an unknown
@@ -133,7 +136,7 @@ class LLMEngine:
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         detokenizer = IncrementalDetokenizer(self.tokenizer, params, token_ids)
-        matcher = self.masking.new_matcher(params.guide) if params.guide is not None else None
+        matcher = self.masking.new_matcher(params.guide, grammar) if params.guide is not None else None
         self._seqs[request_id] = seq
         self._detokenizers[request_id] = detokenizer
         try:
@@ -244,11 +247,14 @@ class LLMEngine:
         their grammar."""
         rows = sampling_rows(sampling)
         unmasked = []
+        failed: dict[int, Exception] = {}  # rows whose grammar failed: their requests end alone
         if self.masking.active:
             mask_start = time.perf_counter()
-            unmasked = self.masking.mask(logits, sampling)
+            unmasked = self.masking.mask(logits, sampling, failed)
             tally.grammar_mask_s = time.perf_counter() - mask_start
         sampled, scores = sample_isolated(self.sampler, logits, rows) if rows else ([], [])
+        for row, error in failed.items():
+            sampled[row] = error
         if unmasked:
             mask_start = time.perf_counter()
             self.masking.repick(scores, sampled, unmasked)

@@ -18,6 +18,12 @@ more OpenMP threads than cores, libgomp stops spinning between regions and puts 
 sleep: building the engine on the caller's thread and stepping it on this one doubled a
 single-sequence decode step on 2 cores (11 -> 24 ms on the benchmark model).
 
+A request with a guide (structured output) is admitted first (it counts as waiting at once),
+then held here until its grammar compiles in the replica's compiler process, and only then
+enters the engine: the engine thread and plain requests never wait behind a compile. Aborting
+it meanwhile ends it at once ("abort"); a guide that fails ends it with an error starting
+GUIDE_REFUSED.
+
 Failures are contained at the smallest scope that explains them:
 - one request (its sampling, stop check or text; its add or abort): that request ends with
   finish_reason "error" and its KV blocks are freed, the others go on (the engine does the
@@ -37,7 +43,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from splitfuse.config import EngineConfig, ServerConfig
@@ -53,6 +59,8 @@ OutputCallback = Callable[[RequestOutput], None]
 # process (~1 ms on 2 busy cores, mostly waiting); 16 threads did no better than 4 (the server
 # process takes the responses one at a time).
 DELIVERY_THREADS = 4
+GUIDE_REFUSED = "guided_decoding_guide refused"
+"""How the error of a request whose guide did not compile starts (servers: an invalid argument)."""
 
 
 class _Mailbox:
@@ -90,7 +98,8 @@ class EngineLoop:
         self.steps = 0
         """Engine steps taken (engine thread): a watchdog that sees it stuck with work pending
         knows the engine hangs."""
-        self._queued_adds = 0  # "add" commands in the inbox (under _lock)
+        self._queued_adds = 0  # "add" commands in the inbox, and requests compiling (under _lock)
+        self._compiling: dict[str, tuple] = {}  # request id -> its "add" command, until its grammar is ready
         self._engine_waiting = 0  # the engine's num_waiting after its last step (engine thread)
         self._failure: str | None = None
         self._delivery_pool: ThreadPoolExecutor | None = None
@@ -122,13 +131,20 @@ class EngineLoop:
         return self._failure
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               on_output: OutputCallback) -> None:
-        """Validate (raising ValueError in the caller's thread) and enqueue a request.
-        Raises EngineFailedError once the engine is broken, RuntimeError while shutting down."""
+               on_output: OutputCallback) -> Future | None:
+        """Validate (raising ValueError in the caller's thread) and enqueue a request; returns
+        the future of its guide's grammar (None without a guide). Raises EngineFailedError once
+        the engine is broken, RuntimeError while shutting down, ServerBusyError when full."""
         self._raise_if_failed()
         arrival = time.monotonic()
         self._check_room()  # before tokenizing: a refusal must cost the busy server nothing
         token_ids = self.engine.prepare_prompt(prompt, params)
+        command = ("add", request_id, token_ids, params, arrival)
+        # max_pending_guides: ServerBusyError before anything is held. Outside the lock: the first
+        # guide builds the grammar cache (seconds), which the engine thread must not wait for.
+        grammar = self.engine.grammars().compile_async(params.guide) if params.guide is not None else None
+        if grammar is not None and grammar.done() and grammar.exception() is not None:
+            raise ValueError(str(grammar.exception()))  # a remembered failure: refused at once
         with self._lock:
             self._raise_if_failed()
             if self._stopping:
@@ -137,8 +153,25 @@ class EngineLoop:
             if request_id in self._callbacks:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._callbacks[request_id] = on_output
-            self._inbox.append(("add", request_id, token_ids, params, arrival))
             self._queued_adds += 1
+            if grammar is None:
+                self._inbox.append(command)
+                self._lock.notify()
+                return None
+            self._compiling[request_id] = command
+        grammar.add_done_callback(lambda future: self._grammar_ready(request_id, command, future))
+        return grammar
+
+    def _grammar_ready(self, request_id: str, command: tuple, grammar: Future) -> None:
+        """The compile of a held request's guide ended (compiler's thread, or the caller's when it
+        was done already): the request goes to the engine, or is refused."""
+        error = grammar.exception()
+        with self._lock:
+            if self._compiling.get(request_id) is not command:  # aborted, or the engine failed
+                return
+            del self._compiling[request_id]
+            self._inbox.append((*command, grammar.result()) if error is None
+                               else ("refuse", request_id, f"{GUIDE_REFUSED}: {error}"))
             self._lock.notify()
 
     @property
@@ -156,7 +189,8 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            held = self._compiling.pop(request_id, None)
+            self._inbox.append(("abort", request_id) if held is None else ("cancel", request_id, held[2]))
             self._lock.notify()
 
     def stats(self) -> EngineStats:
@@ -213,11 +247,15 @@ class EngineLoop:
                 self._apply(command)
             self._expire_waiting()
             with self._lock:
-                self._queued_adds -= sum(command[0] == "add" for command in commands)
+                self._queued_adds -= sum(command[0] in _ADDS for command in commands)
                 self._engine_waiting = self.engine.num_waiting
             if stopping:
                 with self._lock:
-                    left = list(self._callbacks)
+                    held, self._compiling = self._compiling, {}
+                    self._queued_adds -= len(held)
+                    left = [request_id for request_id in self._callbacks if request_id not in held]
+                for request_id, command in held.items():
+                    self._apply(("cancel", request_id, command[2]))
                 for request_id in left:
                     self._apply(("abort", request_id))
                 return
@@ -257,7 +295,15 @@ class EngineLoop:
         kind, request_id = command[0], command[1]
         try:
             if kind == "add":
-                self.engine.add_prepared(request_id, command[2], command[3], arrival_time=command[4])
+                grammar = command[5] if len(command) > 5 else None
+                self.engine.add_prepared(request_id, command[2], command[3], arrival_time=command[4], grammar=grammar)
+                return
+            if kind == "refuse":
+                self._fail_request(request_id, command[2])
+                return
+            if kind == "cancel":  # aborted while its guide compiled: the engine never had it
+                self._deliver(RequestOutput(request_id=request_id, prompt_token_ids=command[2], delta_token_ids=[],
+                                            delta_text="", finished=True, finish_reason=FinishReason.ABORT.value))
                 return
             out = self.engine.abort_request(request_id)
         except Exception as e:
@@ -279,7 +325,7 @@ class EngineLoop:
     def _fail_in_flight(self, error: str) -> None:
         with self._lock:
             # Not the requests submitted since the step began: they were not part of it.
-            queued = {c[1] for c in self._inbox if c[0] == "add"}
+            queued = {c[1] for c in self._inbox if c[0] in _ADDS} | set(self._compiling)
             in_flight = [request_id for request_id in self._callbacks if request_id not in queued]
         for request_id in in_flight:
             self._fail_request(request_id, error, check=False)
@@ -298,6 +344,7 @@ class EngineLoop:
             self._failure = reason
             callbacks, self._callbacks = self._callbacks, {}
             self._inbox.clear()
+            self._compiling.clear()
             self._queued_adds = 0
         error = f"the engine failed and serves no more requests: {reason}"
         for request_id, callback in callbacks.items():
@@ -365,6 +412,9 @@ class EngineLoop:
                         self._mailboxes.pop(box.key, None)
                     return
                 out, box.pending = box.pending, None
+
+
+_ADDS = ("add", "refuse", "cancel")  # commands that each end one request counted in _queued_adds
 
 
 def _root_cause(e: BaseException, limit: int = 300) -> str:

@@ -22,6 +22,9 @@ MAX_STOP_TOKEN_IDS = 1024
 # OpenAI's range for the presence and frequency penalties, on every path.
 MAX_PENALTY = 2.0
 MAX_CACHE_SALT_LENGTH = 256
+# Above 2 a penalty only wrecks the text (HF/vLLM set no ceiling; common values are 1.0-1.5), and
+# a huge one turns every seen token's logit to +-inf.
+MAX_REPETITION_PENALTY = 2.0
 # OpenAI's bound on top_logprobs: every alternative is a row of the response per output token.
 MAX_TOP_LOGPROBS = 20
 
@@ -93,8 +96,9 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
+                             f"{self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_float(name, value)

@@ -1,26 +1,24 @@
 """A request checked once, where it enters the engine (`LLMEngine.prepare_prompt`): its sampling
-parameters, its adapter, its prompt (tokenized here) and its guide (compiled here, on the
-caller's thread, so the engine thread finds it cached). What passes is added as it is."""
+parameters, its adapter and its prompt (tokenized here). What passes is added as it is. A guide
+is compiled later: by the server's loop after admission (EngineLoop), or when added directly
+(`LLMEngine.add_request`, on the caller's thread)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 from splitfuse.engine.sequence import SamplingParams
 from splitfuse.inputs import PromptLimit
-from splitfuse.structured.grammars import GrammarCache
 
 
 class RequestValidator:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, lora_names: Collection[str],
-                 grammars: Callable[[], GrammarCache]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, lora_names: Collection[str]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.prompt_limit = PromptLimit(tokenizer, max_model_len)
         self._lora_names = lora_names
-        self._grammars = grammars
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids; ValueError naming the field that is wrong. Thread-safe."""
@@ -29,8 +27,6 @@ class RequestValidator:
         params.validate()  # again: a caller may have changed a field since it was built
         self.check_lora(params)
         token_ids = self._token_ids(prompt)
-        if params.guide is not None:
-            self._grammars().compile(params.guide)  # cached by text
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -2,7 +2,8 @@
 
     python -m splitfuse.launcher --model DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
         [--param NAME=VALUE ...] [--lora NAME=PATH ...] [--instances N] [--model-repository-out DIR]
-        [--openai-port 9000] [--host 127.0.0.1] [--triton-host 127.0.0.1] [--triton-proxy]
+        [--openai-port 9000 [--served-model-name NAME] [--max-logprob-entries N]]
+        [--host 127.0.0.1] [--triton-host 127.0.0.1] [--triton-proxy]
 
 Renders the repository, starts tritonserver in the foreground, prints where it listens once
 ready (with --openai-port, starts the OpenAI-compatible front beside it, `splitfuse.openai_api`),
@@ -25,14 +26,14 @@ from pathlib import Path
 from splitfuse.launcher import hidden_args
 from splitfuse.launcher.default_model import RANDOM_WARNING, is_random_demo
 from splitfuse.launcher.health import HealthServer
-from splitfuse.launcher.lora import lora_params
+from splitfuse.launcher.lora import LORA_MODULES, lora_params, resolve_lora_modules
 from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import ADMIN_APIS, ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
 from splitfuse.launcher.supervisor import FrontWatch, RestartBudget, Watchdog, exit_description
 from splitfuse.launcher.repository import LLM_MODEL, TEMPLATE_ENV, parse_params, render_model_repository
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
-from splitfuse.openai_api.config import API_KEY_ENV, key_from
+from splitfuse.openai_api.config import API_KEY_ENV, ApiConfig, check_served_model_name, key_from
 from splitfuse.triton_server.control import read_limits, write_faults
 
 
@@ -65,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--instances", type=int, default=1, help="llm instance_group count (engine replicas)")
     p.add_argument("--openai-port", type=int, default=0,
                    help="also serve the OpenAI-compatible API on this port (0: not started)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name the OpenAI front lists and accepts, the only one for the base model "
+                        "(default: the checkpoint directory's name; needs --openai-port)")
+    p.add_argument("--max-logprob-entries", type=int, default=None, metavar="N",
+                   help="the OpenAI front's bound on log-probability entries per request (default: the front's, "
+                        f"{ApiConfig.max_logprob_entries}; needs --openai-port)")
     p.add_argument("--preprocessing-instances", type=int, default=1)
     p.add_argument("--model-name-prefix", default="",
                    help="put before our three models' names (<prefix>ensemble, <prefix>llm, <prefix>preprocessing), "
@@ -107,19 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.render_only and not args.model_repository_out:
-        print("error: --render-only needs --model-repository-out", file=sys.stderr)
-        return 2
-    if args.triton_proxy and not args.openai_port:
-        print("error: --triton-proxy needs --openai-port (the front forwards it)", file=sys.stderr)
+    options_error = _options_error(args, params)
+    if options_error:
+        print(f"error: {options_error}", file=sys.stderr)
         return 2
     try:
-        admin_key = key_from(args.admin_key_file, ADMIN_KEY_ENV)
-        if admin_key is not None:
-            hidden_args.check_secret(f"the admin key from {args.admin_key_file or '$' + ADMIN_KEY_ENV}", admin_key)
-        if args.triton_proxy and key_from(None, API_KEY_ENV) is None:
-            raise ValueError(f"--triton-proxy needs an API key (${API_KEY_ENV}): without one it would open "
-                             "Triton's unauthenticated API on the front's port")
+        admin_key = _admin_key(args)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.openai_port:
             front = OpenAIFront(model, server.grpc_url, args.host, args.openai_port, params,
                                 triton_model=args.model_name_prefix + LLM_MODEL,
-                                triton_http_url=server.http_url if args.triton_proxy else None)
+                                triton_http_url=server.http_url if args.triton_proxy else None,
+                                served_model_name=args.served_model_name,
+                                max_logprob_entries=args.max_logprob_entries)
         healing = Healing(Watchdog(server.control_dir, args.step_timeout),
                           RestartBudget(args.max_restarts, args.restart_window))
         # The front's restarts: bounded as the server's, in a budget of their own.
@@ -178,6 +180,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _options_error(args: argparse.Namespace, params: dict) -> str | None:
+    """Why these options cannot go together (checked before anything starts)."""
+    if args.render_only and not args.model_repository_out:
+        return "--render-only needs --model-repository-out"
+    if args.triton_proxy and not args.openai_port:
+        return "--triton-proxy needs --openai-port (the front forwards it)"
+    return _front_options_error(args, params)
+
+
+def _admin_key(args: argparse.Namespace) -> str | None:
+    """The admin key, its characters checked; also refuses --triton-proxy without an API key."""
+    admin_key = key_from(args.admin_key_file, ADMIN_KEY_ENV)
+    if admin_key is not None:
+        hidden_args.check_secret(f"the admin key from {args.admin_key_file or '$' + ADMIN_KEY_ENV}", admin_key)
+    if args.triton_proxy and key_from(None, API_KEY_ENV) is None:
+        raise ValueError(f"--triton-proxy needs an API key (${API_KEY_ENV}): without one it would open "
+                         "Triton's unauthenticated API on the front's port")
+    return admin_key
 
 
 @dataclass
@@ -227,6 +249,25 @@ class Healing:
 class StopNow(Exception):
     """The second Ctrl-C/SIGTERM: raised in the signal handler, so it ends whatever the launcher
     was doing (a drain, a restart, waiting for ports) at once."""
+
+
+def _front_options_error(args: argparse.Namespace, params: dict[str, str]) -> str | None:
+    """What is wrong with the OpenAI front's options, checked before anything starts (else the
+    front would refuse them only once Triton is up)."""
+    given = [flag for flag, value in (("--served-model-name", args.served_model_name),
+                                      ("--max-logprob-entries", args.max_logprob_entries)) if value is not None]
+    if given and not args.openai_port:
+        return f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --openai-port (options of the OpenAI front)"
+    try:
+        if args.served_model_name is not None:
+            check_served_model_name(args.served_model_name)
+            if args.served_model_name in resolve_lora_modules(params.get(LORA_MODULES, "")):
+                return f"LoRA adapter name {args.served_model_name!r} is the served model's name"
+    except ValueError as e:
+        return str(e)
+    if args.max_logprob_entries is not None and args.max_logprob_entries < 1:
+        return f"--max-logprob-entries must be positive, got {args.max_logprob_entries}"
+    return None
 
 
 def _kill_now(server: TritonServer, front: OpenAIFront | None) -> None:

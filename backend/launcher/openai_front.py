@@ -22,13 +22,19 @@ from splitfuse.launcher.lora import LORA_MODULES, resolve_lora_modules
 
 class OpenAIFront:
     def __init__(self, model: str, grpc_url: str, host: str, port: int, params: Mapping[str, str],
-                 triton_model: str = "llm", triton_http_url: str | None = None) -> None:
+                 triton_model: str = "llm", triton_http_url: str | None = None,
+                 served_model_name: str | None = None, max_logprob_entries: int | None = None) -> None:
         self.host, self.port, self.triton_model = host, port, triton_model
         self.triton_http_url = triton_http_url
         self.command = [sys.executable, "-m", "splitfuse.openai_api", "--model", model, "--triton-grpc-url", grpc_url,
                         "--triton-model", triton_model, "--host", host, "--port", str(port), "--log-level", "warning"]
         if triton_http_url:  # forward Triton's HTTP API behind the front's key (--triton-proxy)
             self.command += ["--triton-http-proxy", triton_http_url]
+        # The front's own options, when the launcher was given them (else the front's defaults).
+        if served_model_name is not None:
+            self.command += ["--served-model-name", served_model_name]
+        if max_logprob_entries is not None:
+            self.command += ["--max-logprob-entries", str(max_logprob_entries)]
         # The engine settings the front must agree with (its tokenizer, the default max_tokens).
         if params.get("tokenizer"):
             self.command += ["--tokenizer", params["tokenizer"]]

@@ -21,7 +21,7 @@ The converted directory records its source file (`splitfuse_gguf.json`): with
 blocks from it (`gguf_source`, `GGUFSource.blocks`) and the engine multiplies them packed
 (layers/q4_linear.py).
 
-Dense Llama-family architectures (llama, mistral, qwen2) are taken; any other architecture, a
+Dense Llama-family architectures (llama, mistral, qwen2, qwen3) are taken; any other architecture, a
 mixture-of-experts file, a tensor type `gguf` cannot dequantize, or a file that is not GGUF or is
 cut short raises GGUFError naming what is wrong. Conversion time and peak memory are logged.
 """
@@ -43,8 +43,8 @@ from splitfuse.utils.cache_dir import cache_dir as splitfuse_cache_dir
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-# llama.cpp's converter interleaves the rotary halves of q/k for these (not for qwen2).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp's converter interleaves the rotary halves of q/k for these (not for qwen2, qwen3).
 _PERMUTED_QK = ("llama", "mistral")
 _CACHE_ENV = "SPLITFUSE_GGUF_CACHE"
 _MARKER = "splitfuse_gguf.json"  # written last: a directory without it is not a finished conversion
@@ -59,6 +59,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head norms
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -142,9 +144,13 @@ def _field(reader, name: str):
     return None if field is None else field.contents()
 
 
-def _unpermute_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order (per head: pairs interleaved) into Hugging Face's (halves)."""
+def _unpermute_rotary(w: torch.Tensor, heads: int, name: str, field: str) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (per head: pairs interleaved) into Hugging Face's (halves).
+    `field` is the metadata key `heads` came from, named when the two disagree."""
     rows = w.shape[0]
+    if heads <= 0 or rows % (2 * heads):
+        raise GGUFError(f"tensor {name!r} has {rows} rows, which {field} = {heads} does not split into heads of "
+                        f"an even number of rows: the file's metadata and tensors disagree")
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -189,11 +195,28 @@ def _tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> tuple[dict
         except (ValueError, IndexError, RuntimeError) as e:  # a short data region
             raise GGUFError(f"tensor {t.name!r} ({kind.name}, shape {shape}) could not be read: {e}") from e
         if arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            tensor = _unpermute_rotary(tensor, num_heads)
+            tensor = _unpermute_rotary(tensor, num_heads, t.name, f"{arch}.attention.head_count")
         elif arch in _PERMUTED_QK and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            tensor = _unpermute_rotary(tensor, num_kv_heads)
+            tensor = _unpermute_rotary(tensor, num_kv_heads, t.name, f"{arch}.attention.head_count_kv")
         out[name] = tensor.contiguous()
     return out, types
+
+
+def _qwen3_head_dim(reader, file_name: str, config) -> int:
+    """Qwen3's head size from `qwen3.attention.key_length` (llama.cpp's default where absent:
+    hidden / heads). transformers' GGUF reader leaves it at Qwen3Config's default (128), which is
+    wrong for any other model."""
+    key = _field(reader, "qwen3.attention.key_length")
+    head_dim = int(key) if key is not None else config.hidden_size // config.num_attention_heads
+    value = _field(reader, "qwen3.attention.value_length")
+    if value is not None and int(value) != head_dim:
+        raise GGUFError(f"{file_name}: qwen3.attention.value_length = {value} differs from the key length "
+                        f"{head_dim}: not supported")
+    rotary = _field(reader, "qwen3.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise GGUFError(f"{file_name}: qwen3.rope.dimension_count = {rotary} (rotary on part of each head) "
+                        f"differs from the head size {head_dim}: not supported")
+    return head_dim
 
 
 def _checkpoint_dtype(tensors: dict[str, torch.Tensor]) -> str:
@@ -222,6 +245,8 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     except Exception as e:
         raise GGUFError(f"{gguf_file.name}: its metadata gives no usable config or tokenizer "
                         f"({type(e).__name__}: {e})") from e
+    if arch == "qwen3":
+        config.head_dim = _qwen3_head_dim(reader, gguf_file.name, config)
     tensors, types = _tensors(reader, arch, config.num_attention_heads, config.num_key_value_heads)
     del reader
     config.tie_word_embeddings = "lm_head.weight" not in tensors
@@ -306,9 +331,9 @@ class GGUFSource:
             rows = torch.from_numpy(t.data.copy()).view(torch.uint8)
             rows = rows.reshape(int(t.shape[-1]), -1)  # GGUF lists dimensions innermost first
             if self._arch in _PERMUTED_QK and t.name.endswith("attn_q.weight"):
-                rows = _unpermute_rotary(rows, self._heads)
+                rows = _unpermute_rotary(rows, self._heads, t.name, f"{self._arch}.attention.head_count")
             elif self._arch in _PERMUTED_QK and t.name.endswith("attn_k.weight"):
-                rows = _unpermute_rotary(rows, self._kv_heads)
+                rows = _unpermute_rotary(rows, self._kv_heads, t.name, f"{self._arch}.attention.head_count_kv")
             parts.append(rows)
         if len(kinds) != 1:
             return None

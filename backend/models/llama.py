@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Mixtral), chosen by the checkpoint's config.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 dense, Mixtral), chosen by the checkpoint's config.
 
 Module names follow the HF checkpoints except for two fusions that save matmuls:
 q/k/v -> `qkv_proj` and gate/up -> `gate_up_proj` (the loader concatenates them).
+Qwen3 adds a per-head RMSNorm on q and on k before rotary (`q_norm`, `k_norm`, ModelArgs.qk_norm).
 Mixtral differs only in its MLP: a sparse mixture of experts (`layers.moe`) under the
 name `mlp`, with the experts' weights stacked.
 """
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 # Rows to keep after the last layer's K/V write, and the attention metadata of those rows alone.
 Keep = tuple[torch.Tensor, AttentionMetadata]
 
-_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
 
 
 @dataclass
@@ -58,6 +59,7 @@ class ModelArgs:
     checkpoint_dtype: str | None
     num_experts: int = 0  # 0: dense MLP; else a sparse MoE MLP (Mixtral)
     num_experts_per_tok: int = 0
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and of k, before rotary
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
@@ -102,17 +104,20 @@ class ModelArgs:
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             num_experts=num_experts,
             num_experts_per_tok=top_k,
+            qk_norm=model_type == "qwen3",
         )
 
 
 def _sliding_windows(cfg: dict, model_type: str, num_layers: int) -> list[int | None]:
     window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None  # as transformers' Qwen2/Qwen3 configs: the window only counts when switched on
     layer_types = cfg.get("layer_types")
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
     if model_type in ("mistral", "mixtral"):  # every layer; HF's default window is None
         return [window] * num_layers
-    if model_type == "qwen2" and cfg.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         first = cfg.get("max_window_layers", num_layers)
         return [window if i >= first else None for i in range(num_layers)]
     return [None] * num_layers
@@ -139,6 +144,10 @@ class Attention(nn.Module):
         self.kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        # Per-head norms (Qwen3): one weight of head_dim, shared by all heads, so tensor-parallel
+        # ranks hold it whole.
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops) if args.qk_norm else None
         self.scale = args.head_dim**-0.5
         self.sliding_window = args.sliding_windows[layer_idx]
         self.ops = ops
@@ -153,6 +162,9 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(tokens, self.num_kv_heads, self.head_dim)
         q, k = self.ops.apply_rotary(q, k, positions, cos, sin)
         attn = self.ops.attention
         attn.write_kv(k, v, k_cache, v_cache, meta)
@@ -306,6 +318,8 @@ class LlamaForCausalLM(nn.Module):
             return "attention or the elementwise ops are not the C++ CPU kernels"
         if self.args.num_experts:
             return "a mixture-of-experts MLP"
+        if self.args.qk_norm:
+            return "q/k norm is not in the fused decoder"
         if any(layer.all_reduce is not _identity for layer in layers):
             return "tensor parallelism"
         projections = [_projections(layer) for layer in layers]

@@ -1,12 +1,12 @@
 """python -m splitfuse.openai_api --model DIR [--triton-grpc-url HOST:PORT] [--host H] [--port P]
-    [--max-body-bytes N] [--triton-http-proxy HOST:PORT]"""
+    [--served-model-name NAME] [--max-body-bytes N] [--triton-http-proxy HOST:PORT]"""
 
 from __future__ import annotations
 
 import argparse
 
 from splitfuse.openai_api import ApiConfig, run
-from splitfuse.openai_api.config import API_KEY_ENV, key_from
+from splitfuse.openai_api.config import API_KEY_ENV, MAX_SERVED_NAME_CHARS, key_from
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,7 +18,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="our llm model's name in that server (<prefix>llm when rendered with --model-name-prefix)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9000)
-    ap.add_argument("--served-model-name", default=None, help="name clients use (default: the directory's name)")
+    ap.add_argument("--served-model-name", default=None, metavar="NAME",
+                    help="the name /v1/models lists and requests send as `model`, the only one for the base model "
+                         f"(1-{MAX_SERVED_NAME_CHARS} characters of A-Z a-z 0-9 . _ - : @ + in '/'-separated parts; "
+                         "default: the checkpoint directory's name)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory, when not the checkpoint's")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the engine's max_model_len (default: the checkpoint's max_position_embeddings)")

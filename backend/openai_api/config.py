@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+
+MAX_SERVED_NAME_CHARS = 128
+# '/'-separated segments of URL-safe characters (GET /v1/models/{name} takes it unescaped); no
+# segment starts with '.', so no '.', '..' or empty segment a proxy or client could normalize away.
+_SERVED_NAME = re.compile(r"[A-Za-z0-9_:@+-][A-Za-z0-9._:@+-]*(/[A-Za-z0-9_:@+-][A-Za-z0-9._:@+-]*)*")
+
+
+def check_served_model_name(name: str) -> str:
+    """`name` when it may be the served model's name (--served-model-name); ValueError naming the rule."""
+    if not 0 < len(name) <= MAX_SERVED_NAME_CHARS or not _SERVED_NAME.fullmatch(name):
+        raise ValueError(f"--served-model-name {name[:MAX_SERVED_NAME_CHARS + 1]!r} must be 1-{MAX_SERVED_NAME_CHARS} "
+                         "characters of A-Z a-z 0-9 . _ - : @ + in '/'-separated parts, none empty or starting "
+                         "with '.'")
+    return name
 
 
 @dataclass
@@ -21,7 +36,8 @@ class ApiConfig:
     host: str = "127.0.0.1"
     port: int = 9000
     served_model_name: str | None = None
-    """The `model` clients name; defaults to the checkpoint directory's name."""
+    """The `model` clients name, the only one taken for the base model (check_served_model_name);
+    defaults to the checkpoint directory's name."""
     tokenizer: str | None = None
     """Tokenizer directory when it is not `model_dir` (the engine's `tokenizer` parameter)."""
     max_model_len: int | None = None
@@ -47,7 +63,9 @@ class ApiConfig:
 
     def __post_init__(self) -> None:
         self.model_dir = prepare_checkpoint(self.model_dir)  # a GGUF file: its converted directory
-        if not self.served_model_name:
+        if self.served_model_name is not None:
+            check_served_model_name(self.served_model_name)
+        else:
             self.served_model_name = Path(self.model_dir).resolve().name
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 from splitfuse.openai_api.response_format import JsonObjectFormat, JsonSchemaFormat, ResponseFormat, format_guide
 from splitfuse.openai_api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCall, ToolChoice, forced_call_schema, \
     tools_problem
-from splitfuse.engine.sequence import MAX_CACHE_SALT_LENGTH, MAX_TOP_LOGPROBS
+from splitfuse.engine.sequence import MAX_CACHE_SALT_LENGTH, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 from splitfuse.structured.guide import MAX_GUIDE_LENGTH
 
 
@@ -83,7 +83,7 @@ class _Sampling(BaseModel):
     # Extensions (vLLM's names), passed to the engine as they are.
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_LENGTH)
     """Keys the prefix cache (vLLM's name): cached KV is shared only between requests with the same salt."""

@@ -196,7 +196,8 @@ class _Child:
             self.stop()
             log.warning("splitfuse: killed the grammar compiler process: a %s guide took over %g s", kind,
                         self.timeout_s)
-            raise ValueError(f"guided_decoding_guide ({kind}) took longer than {self.timeout_s:g} s to compile")
+            raise ValueError(f"guided_decoding_guide ({kind}) took longer than guide_compile_timeout_s "
+                             f"({self.timeout_s:g} s) to compile")
         tag, body = reply[:1], reply[1:]
         if tag == _GRAMMAR:
             try:

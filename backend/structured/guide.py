@@ -5,6 +5,7 @@ of the strings the output must be one of."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 GUIDE_KINDS = ("json", "json_schema", "regex", "ebnf_grammar", "choice")
@@ -40,3 +41,22 @@ class Guide:
             raise ValueError(f"guided_decoding_guide for choice must be a JSON list of 1 to {MAX_CHOICES} "
                              "non-empty strings")
         return options
+
+    def normalized(self) -> Guide:
+        """The guide with edits that leave its grammar alone undone, to key remembered failures
+        by: a JSON schema or choice list parsed and re-dumped with sorted keys and no whitespace;
+        a regex or grammar with each run of whitespace made one space. It does not catch edits
+        that change the grammar (another pattern, an added property or enum value)."""
+        if self.kind in ("json_schema", "choice"):
+            try:
+                text = json.dumps(json.loads(self.text), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            except (ValueError, RecursionError):
+                return self
+        elif self.kind in ("regex", "ebnf_grammar"):
+            text = re.sub(r"\s+", " ", self.text).strip()
+        else:
+            return self
+        try:
+            return Guide(self.kind, text)
+        except ValueError:  # e.g. a regex of whitespace only: kept as it was
+            return self

@@ -4,16 +4,24 @@ speculative proposals cut where their grammar refuses them.
 
 The grammar cache is built at the first constrained request (it needs xgrammar, an optional
 dependency) and may be asked for from servers' threads, which compile guides there.
+
+Grammar work is contained per request, as sampling is: a matcher that raises, or whose work in
+one step takes longer than the step budget (`grammar_step_budget_ms`), puts an exception in its
+request's sampled rows, and the engine ends that request alone (its KV blocks freed). The budget
+is checked after the work: a step is slowed by at most one overrun per constrained request,
+which then ends.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from splitfuse.structured.grammars import GrammarCache
+from splitfuse.structured.compile_worker import COMPILE_TIMEOUT_S
+from splitfuse.structured.grammars import DEFAULT_CACHE_BYTES, DEFAULT_MAX_PENDING, GrammarCache
 from splitfuse.structured.guide import Guide
 from splitfuse.structured.matcher import Matcher
 
@@ -27,6 +35,11 @@ if TYPE_CHECKING:  # annotations only: the engine imports this package, not the 
 # under the bench's JSON schema: 17% of rows refused; 8 candidates left 34% of those to the whole
 # mask, 32 left 16%, 256 left 6% for 2x the checks.
 REPICK_CANDIDATES = 32
+DEFAULT_STEP_BUDGET_S = 1.0
+
+
+class GrammarStepError(RuntimeError):
+    """A request's grammar work failed or overran the step budget: that request ends alone."""
 
 
 def masks_before_sampling(params: SamplingParams, num_drafts: int) -> bool:
@@ -49,9 +62,15 @@ def masks_before_sampling(params: SamplingParams, num_drafts: int) -> bool:
 class GrammarMasking:
     """The matchers of the constrained sequences in flight, by request id, and their masking."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S, step_budget_s: float = DEFAULT_STEP_BUDGET_S,
+                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
         self._tokenizer = tokenizer
+        self._max_pending = max_pending
+        self.step_budget_s = step_budget_s
         self._vocab_size = vocab_size
+        self._cache_bytes = cache_bytes
+        self._compile_timeout_s = compile_timeout_s
         self._grammars: GrammarCache | None = None
         self._lock = threading.Lock()  # servers compile guides from their own threads
         self._matchers: dict[str, Matcher] = {}
@@ -60,7 +79,8 @@ class GrammarMasking:
         """The compiled-grammar cache for this tokenizer (ValueError without xgrammar)."""
         with self._lock:
             if self._grammars is None:
-                self._grammars = GrammarCache(self._tokenizer, self._vocab_size)
+                self._grammars = GrammarCache(self._tokenizer, self._vocab_size, self._cache_bytes,
+                                              self._compile_timeout_s, self._max_pending)
             return self._grammars
 
     def close(self) -> None:
@@ -69,9 +89,10 @@ class GrammarMasking:
             if self._grammars is not None:
                 self._grammars.close()
 
-    def new_matcher(self, guide: Guide) -> Matcher:
-        """A matcher at the start of `guide`'s grammar, not yet tracked (see `track`)."""
-        return self.grammars().matcher(guide)
+    def new_matcher(self, guide: Guide, compiled: Any = None) -> Matcher:
+        """A matcher at the start of `guide`'s grammar (`compiled`, if at hand), not yet tracked
+        (see `track`)."""
+        return self.grammars().matcher(guide, compiled)
 
     def track(self, request_id: str, matcher: Matcher) -> None:
         self._matchers[request_id] = matcher
@@ -87,11 +108,13 @@ class GrammarMasking:
         """Whether any constrained sequence is in flight (else a step has nothing to mask)."""
         return bool(self._matchers)
 
-    def mask(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> list[tuple[int, Matcher]]:
+    def mask(self, logits: torch.Tensor, sampling: list[ScheduledChunk],
+             failed: dict[int, Exception]) -> list[tuple[int, Matcher]]:
         """Mask the constrained rows that must be masked before sampling to the tokens their
         grammar allows next (after each of its proposed tokens, for a speculative chunk), one
         bitmask applied in one call. Returns the other constrained rows (row, matcher): sampled
-        first, checked after (`masks_before_sampling`)."""
+        first, checked after (`masks_before_sampling`). A chunk whose matcher raises or overruns
+        the step budget gets its error in `failed` for each of its rows."""
         grammars = self.grammars()
         bitmask = None
         rows: list[int] = []
@@ -99,19 +122,32 @@ class GrammarMasking:
         row = 0
         for chunk in sampling:
             matcher = self._matchers.get(chunk.seq.request_id)
+            width = 1 + chunk.num_draft_tokens
             if matcher is None:
                 pass
             elif masks_before_sampling(chunk.seq.params, chunk.num_draft_tokens):
                 if bitmask is None:
                     bitmask = grammars.new_bitmask(logits.shape[0])
-                rows += matcher.fill_drafts_(bitmask, row, chunk.seq.draft_token_ids[: chunk.num_draft_tokens])
+                start = time.perf_counter()
+                try:
+                    filled = matcher.fill_drafts_(bitmask, row, chunk.seq.draft_token_ids[: chunk.num_draft_tokens])
+                    self._check_budget(start)
+                    rows += filled
+                except Exception as e:
+                    failed.update((r, _contained(e)) for r in range(row, row + width))
             else:
                 unmasked.append((row, matcher))
-            row += 1 + chunk.num_draft_tokens
+            row += width
         if rows:
             with torch.inference_mode():  # the logits are the forward pass's inference tensors
                 grammars.apply_bitmask_(logits, bitmask, rows)
         return unmasked
+
+    def _check_budget(self, start: float) -> None:
+        took = time.perf_counter() - start
+        if took > self.step_budget_s:
+            raise GrammarStepError(f"the request's grammar took {took * 1e3:.0f} ms in one step, over "
+                                   f"grammar_step_budget_ms ({self.step_budget_s * 1e3:g} ms)")
 
     def repick(self, scores: list, sampled: list[SampledToken | Exception],
                unmasked: list[tuple[int, Matcher]]) -> None:
@@ -121,19 +157,31 @@ class GrammarMasking:
         mask (log-probs: none, such rows are masked before sampling)."""
         for row, matcher in unmasked:
             got = sampled[row]
-            if isinstance(got, Exception) or matcher.allows(got[0]):
+            if isinstance(got, Exception):
                 continue
-            row_scores = scores[row]
-            values, ids = row_scores.topk(min(REPICK_CANDIDATES, row_scores.shape[0]))
-            token = matcher.first_allowed(ids[values > float("-inf")].tolist())
-            if token is None:
-                grammars = self.grammars()
-                bitmask = grammars.new_bitmask(1)
-                matcher.fill_(bitmask, 0)
-                masked = row_scores[None].clone()
-                grammars.apply_bitmask_(masked, bitmask, [0])
-                token = int(masked.argmax())
+            start = time.perf_counter()
+            try:
+                token = self._repick_row(scores[row], got[0], matcher)
+                self._check_budget(start)
+            except Exception as e:
+                sampled[row] = _contained(e)
+                continue
             sampled[row] = (token, *got[1:])
+
+    def _repick_row(self, row_scores: torch.Tensor, token: int, matcher: Matcher) -> int:
+        """`token` if its grammar allows it, else the token the masked row would have had."""
+        if matcher.allows(token):
+            return token
+        values, ids = row_scores.topk(min(REPICK_CANDIDATES, row_scores.shape[0]))
+        allowed = matcher.first_allowed(ids[values > float("-inf")].tolist())
+        if allowed is not None:
+            return allowed
+        grammars = self.grammars()
+        bitmask = grammars.new_bitmask(1)
+        matcher.fill_(bitmask, 0)
+        masked = row_scores[None].clone()
+        grammars.apply_bitmask_(masked, bitmask, [0])
+        return int(masked.argmax())
 
     def cut_drafts(self, seqs: list[Sequence]) -> None:
         """Cut each constrained sequence's proposals at the first token its grammar refuses
@@ -141,4 +189,15 @@ class GrammarMasking:
         for seq in seqs:
             matcher = self._matchers.get(seq.request_id)
             if matcher is not None and seq.draft_token_ids:
-                del seq.draft_token_ids[matcher.allowed_prefix(seq.draft_token_ids):]
+                try:
+                    keep = matcher.allowed_prefix(seq.draft_token_ids)
+                except Exception:  # no proposals; its next step's mask meets the error and ends it
+                    keep = 0
+                del seq.draft_token_ids[keep:]
+
+
+def _contained(e: Exception) -> Exception:
+    """The error a request ends with when its grammar work failed."""
+    if isinstance(e, GrammarStepError):
+        return e
+    return GrammarStepError(f"the request's grammar failed: {type(e).__name__}: {e}")

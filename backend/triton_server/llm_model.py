@@ -24,14 +24,14 @@ import triton_python_backend_utils as pb_utils
 from splitfuse.config import split_parameters
 from splitfuse.triton_server.control import Control
 from splitfuse.triton_server.live import Live
-from splitfuse.engine.loop import EngineLoop
+from splitfuse.engine.loop import GUIDE_REFUSED, EngineLoop
 from splitfuse.errors import SERVER_BUSY, ServerBusyError
 from splitfuse.engine.sequence import RequestOutput
 from splitfuse.triton_server.metrics import MetricsRecorder, TritonMetrics
 from splitfuse.utils.orphan_guard import exit_with_parent
 from splitfuse.triton_server.replica_balance import NOT_TAKING, ReplicaBalance
 from splitfuse.inputs import InputError
-from splitfuse.triton_server.request import parse_request
+from splitfuse.triton_server.request import InputBounds, input_arrays, parse_request
 from splitfuse.triton_server.response import response_arrays, stop_ack_arrays
 
 log = logging.getLogger("splitfuse.triton_server.llm")
@@ -134,7 +134,8 @@ class TritonPythonModel:
 
     # ---- requests ----------------------------------------------------------------------------
     def _start(self, request, sender) -> None:
-        parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()}, self.server.default_temperature)
+        bounds = InputBounds.for_engine(self.engine)  # sizes checked before any tensor is converted
+        parsed = parse_request(input_arrays(request.inputs(), bounds), self.server.default_temperature, bounds)
         client_id = request.request_id() or ""
         if parsed.stop_request:
             self._stop(parsed.stop_handle, sender)
@@ -151,11 +152,6 @@ class TritonPythonModel:
         if lora is not None and lora not in self.lora_names:  # here: refused even when the queue is full
             served = ", ".join(self.lora_names) if self.lora_names else "none (no lora_modules parameter)"
             raise InputError(f"lora_name: unknown LoRA adapter {lora!r}; this server's adapters: {served}")
-        if parsed.params.guide is not None:  # compiled here first, to time it (submit then finds it
-            # cached); a guide that does not compile is refused before the request is held
-            start = time.perf_counter()
-            self.engine.grammars().compile(parsed.params.guide)
-            self.recorder.constrained(time.perf_counter() - start)
         # Unguessable, and led by this instance's tag so that a stop landing on another instance
         # finds it (request ids are the client's choice: any client could reuse another's).
         handle = f"{self.control.tag}.{secrets.token_hex(16)}"
@@ -165,7 +161,9 @@ class TritonPythonModel:
             self.live[engine_id] = live
             self._post_load()
         try:
-            self.loop.submit(engine_id, parsed.prompt, parsed.params, lambda out: self._on_output(live, out))
+            # A guide compiles after admission, off this thread (the loop holds the request meanwhile).
+            grammar = self.loop.submit(engine_id, parsed.prompt, parsed.params,
+                                       lambda out: self._on_output(live, out))
         except BaseException:
             with live.lock:  # the caller sends the final (error) response
                 live.done = True
@@ -173,6 +171,8 @@ class TritonPythonModel:
                 self.live.pop(engine_id, None)
                 self._post_load()
             raise
+        if grammar is not None:
+            grammar.add_done_callback(lambda _: self.recorder.constrained(time.perf_counter() - live.arrival))
 
     def _stop(self, handle: str, sender) -> None:
         """Stop the generation that `handle` names, wherever it runs; the answer is the same
@@ -239,6 +239,8 @@ class TritonPythonModel:
         if error.startswith(SERVER_BUSY):
             self.recorder.refused("queue_time")
             return pb_utils.TritonError.UNAVAILABLE
+        if error.startswith(GUIDE_REFUSED):  # the client's guide did not compile
+            return pb_utils.TritonError.INVALID_ARG
         return pb_utils.TritonError.UNAVAILABLE if self.loop.failure is not None else pb_utils.TritonError.INTERNAL
 
     def _send(self, live: Live, out: RequestOutput) -> str | None:

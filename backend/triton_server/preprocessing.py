@@ -17,8 +17,14 @@ from splitfuse.inputs import InputError, PromptLimit, has_chat_template, parse_m
 from splitfuse.utils.orphan_guard import exit_with_parent
 
 
-def _texts(request) -> list[str]:
+def _texts(request, limit: PromptLimit | None) -> list[str]:
+    # Its element count Triton bounds (dims [1], batch <= max_batch_size); its bytes are bounded here.
     arr = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()
+    if limit is not None:  # bytes, before decoding: 4 per character the context can hold
+        size = sum(len(v) for v in arr.reshape(-1) if isinstance(v, bytes))
+        if size > 4 * limit.max_chars:
+            raise InputError(f"text_input: {size} bytes, the limit is {4 * limit.max_chars} (the characters "
+                             f"max_input_tokens={limit.context_tokens} tokens can hold)")
     out = []
     for value in arr.reshape(-1):
         try:
@@ -59,7 +65,7 @@ class TritonPythonModel:
         # Each request fails alone: a bad one gets its error, the rest of the batch goes on.
         for i, request in enumerate(requests):
             try:
-                texts = _texts(request)
+                texts = _texts(request, self.limit)
                 chat = _flag(request, "apply_chat_template")
                 if chat:
                     if not has_chat_template(self.tokenizer):

@@ -12,9 +12,89 @@ from typing import Any
 
 import numpy as np
 
-from splitfuse.engine.sequence import MAX_TOP_LOGPROBS, SamplingParams
+from splitfuse.engine.sequence import (MAX_CACHE_SALT_LENGTH, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
+                                       SamplingParams)
 from splitfuse.inputs import InputError
-from splitfuse.structured.guide import Guide
+from splitfuse.structured.guide import MAX_GUIDE_LENGTH, Guide
+
+
+# --------------------------------------------------------------------------- input bounds
+# Checked before any tensor is converted (.tolist(), UTF-8 decoding): Triton bounds a body only
+# by its transport limits, and converting first would cost ~9x the body in Python objects.
+
+_UTF8_MAX = 4  # bytes per character
+_MAX_NAME_BYTES = 4096  # a LoRA name, a guide type: short names
+# stop_words travels as [1, N] with empty entries as padding (TensorRT-LLM clients): room for that.
+MAX_STOP_WORD_ENTRIES = 2 * MAX_STOP_STRINGS
+MAX_STOP_WORDS_BYTES = MAX_STOP_STRINGS * MAX_STOP_LENGTH * _UTF8_MAX
+
+
+@dataclass(frozen=True)
+class InputBounds:
+    """The served model's limits that bound its request tensors."""
+
+    max_model_len: int
+    """input_ids holds at most this many elements (the model's context)."""
+    max_text_bytes: int
+    """text_input's UTF-8 bytes: the characters the context can hold with this tokenizer, 4 bytes each."""
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> "InputBounds":
+        return cls(engine.max_model_len, engine.validator.prompt_limit.max_chars * _UTF8_MAX)
+
+    def elements(self, name: str) -> tuple[int, str]:
+        """The most elements `name` may hold, and why."""
+        if name == "input_ids":
+            return self.max_model_len, "max_model_len"
+        if name == "stop_words":
+            return MAX_STOP_WORD_ENTRIES, f"{MAX_STOP_STRINGS} stop strings, padding included"
+        return 1, "one value per request"
+
+    def bytes(self, name: str) -> tuple[int, str]:
+        """The most bytes a BYTES input `name` may hold in all, and why."""
+        if name == "text_input":
+            return self.max_text_bytes, "the characters max_model_len tokens can hold"
+        if name == "stop_words":
+            return MAX_STOP_WORDS_BYTES, f"{MAX_STOP_STRINGS} stop strings of {MAX_STOP_LENGTH} characters"
+        if name == "guided_decoding_guide":
+            return MAX_GUIDE_LENGTH * _UTF8_MAX, f"{MAX_GUIDE_LENGTH} characters"
+        if name == "cache_salt":
+            return MAX_CACHE_SALT_LENGTH * _UTF8_MAX, f"{MAX_CACHE_SALT_LENGTH} characters"
+        if name == "stop_handle":
+            return MAX_STOP_HANDLE_LENGTH * _UTF8_MAX, f"{MAX_STOP_HANDLE_LENGTH} characters"
+        return _MAX_NAME_BYTES, "a name"
+
+
+def check_shape(name: str, shape: Any, bounds: InputBounds) -> None:
+    """InputError when a tensor of `shape` holds more elements than `name` may (before it is read)."""
+    if len(shape) > 1 and int(shape[0]) != 1:  # named as such, not as too many elements
+        raise InputError(f"batch size must be 1 (send [[...]]), got {int(shape[0])}")
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    limit, why = bounds.elements(name)
+    if count > limit:
+        raise InputError(f"{name}: {count} elements, the limit is {limit} ({why})")
+
+
+def check_array(name: str, arr: np.ndarray, bounds: InputBounds) -> None:
+    """check_shape, and a BYTES tensor's total size, before anything is converted."""
+    check_shape(name, arr.shape, bounds)
+    if arr.dtype == object or arr.dtype.kind == "S":
+        total = sum(len(v) if isinstance(v, (bytes, str)) else 0 for v in arr.reshape(-1))
+        limit, why = bounds.bytes(name)
+        if total > limit:
+            raise InputError(f"{name}: {total} bytes, the limit is {limit} ({why})")
+
+
+def input_arrays(tensors: Any, bounds: InputBounds) -> dict[str, np.ndarray]:
+    """Triton input tensors -> name: array, each tensor's element count checked before as_numpy()
+    (which deserialises a BYTES tensor into Python objects)."""
+    arrays = {}
+    for t in tensors:
+        check_shape(t.name(), t.shape(), bounds)
+        arrays[t.name()] = t.as_numpy()
+    return arrays
 
 
 # --------------------------------------------------------------------------- request parsing
@@ -160,15 +240,20 @@ def _sampling_kwargs(request: Mapping[str, np.ndarray], default_temperature: flo
     return kwargs
 
 
-def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0) -> Parsed:
+def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0,
+                  bounds: InputBounds | None = None) -> Parsed:
     """Input tensors by name -> prompt + SamplingParams, raising InputError/ValueError.
 
-    A request without `temperature` gets `default_temperature` (ServerConfig's; 0 = greedy)."""
+    A request without `temperature` gets `default_temperature` (ServerConfig's; 0 = greedy).
+    With `bounds`, every tensor is bounded (elements, bytes) before any is converted."""
     batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
              if a is not None and a.ndim > 0]
     bad = [b for b in batch if b != 1]
     if bad:
         raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
+    if bounds is not None:
+        for name, arr in request.items():
+            check_array(name, arr, bounds)
     if _scalar(request, "stop", bool):
         return _stop_request(request)
 

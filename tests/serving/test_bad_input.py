@@ -16,6 +16,7 @@ CASES = {
     "negative temperature": ("ensemble", {**GOOD, "temperature": -1.0}, None, ["temperature"]),
     "top_p zero": ("ensemble", {**GOOD, "top_p": 0.0}, None, ["top_p"]),
     "nan penalty": ("llm", {**GOOD, "repetition_penalty": float("nan")}, None, ["repetition_penalty"]),
+    "penalty above 2": ("llm", {**GOOD, "repetition_penalty": 2.5}, None, ["repetition_penalty", "(0, 2.0]"]),
     "max_tokens zero": ("ensemble", {**GOOD, "max_tokens": 0}, None, ["max_tokens"]),
     "negative top_k": ("llm", {**GOOD, "top_k": -3}, None, ["top_k"]),
     "min_tokens above max_tokens": ("ensemble", {**GOOD, "min_tokens": 9}, None, ["min_tokens", "max_tokens"]),

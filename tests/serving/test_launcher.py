@@ -148,7 +148,7 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
     ports = [free_port() for _ in range(4)]
     cmd = [sys.executable, "-m", "splitfuse.launcher", "--model", tiny_llama,  # no --host: the default
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-           "--openai-port", str(ports[3]),
+           "--openai-port", str(ports[3]), "--served-model-name", "tiny/chat",  # passed on to the front
            "--param", "device=cpu", "--param", "num_kv_blocks=2048", "--param", "num_threads=1",
            "--drain-timeout", "0.5", "--model-repository-out", str(tmp_path / "repo")]
     # The operator's admin key, from a file (never on a command line; it needs the compiler).
@@ -179,7 +179,7 @@ def test_cli_serves_and_stops_cleanly_on_sigint(tiny_model_factory, tmp_path):
         assert {port: _listen_addresses(port) for port in ports} == {port: {"127.0.0.1"} for port in ports}
         with urllib.request.urlopen(f"{openai_url}/models", timeout=30) as r:
             cards = json.load(r)["data"]
-        assert [m["id"] for m in cards] == [Path(tiny_llama).name]
+        assert [m["id"] for m in cards] == ["tiny/chat"]
         # The checkpoint's 32768 positions, lowered to what the 2048 blocks hold for one
         # sequence: the engine's limit reaches the front, whose default max_tokens it bounds.
         assert cards[0]["max_model_len"] == longest_sequence(2048, 16, EngineConfig(tiny_llama).kv_watermark) < 32768

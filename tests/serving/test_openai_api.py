@@ -392,13 +392,17 @@ def _status(url: str, headers: dict[str, str] | None = None, body: dict | None =
         return e.code, json.loads(e.read())
 
 
+SERVED_NAME = "my-org/my-model"
+
+
 @pytest.fixture(scope="module")
 def keyed(served, tmp_path_factory):
-    """A front that asks for an API key (`keyed.key`)."""
+    """A front that asks for an API key (`keyed.key`) and serves the model as SERVED_NAME."""
     key = "sk-test-" + os.urandom(8).hex()
     a = start_api(served.model_dir, served.grpc_url, tmp_path_factory.mktemp("openai-keyed"), "keyed",
-                  "--max-model-len", str(MAX_MODEL_LEN), env={"SPLITFUSE_API_KEY": key})
-    a.key = key
+                  "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", SERVED_NAME,
+                  env={"SPLITFUSE_API_KEY": key})
+    a.key, a.model = key, SERVED_NAME
     yield a
     stop_api(a)
 
@@ -430,6 +434,27 @@ def test_an_api_key_guards_every_route_but_health(keyed, served, tmp_path):
     run = subprocess.run([sys.executable, "-m", "splitfuse.openai_api", "--model", served.model_dir,
                           "--api-key-file", str(empty)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "is empty" in run.stderr, run.stderr[-2000:]
+
+
+def test_a_served_model_name_is_the_only_name_listed_and_taken(keyed, served):
+    client = keyed.client(api_key=keyed.key)
+    assert [m.id for m in client.models.list().data] == [SERVED_NAME]
+    card = client.models.retrieve(SERVED_NAME)  # its '/' goes through GET /v1/models/{name}
+    assert card.id == card.root == SERVED_NAME
+    r = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=3, temperature=0)
+    assert r.model == SERVED_NAME and r.usage.completion_tokens == 3
+    # The name the checkpoint would give (the default without the flag) and any other: 404
+    # naming the served name, as vLLM does.
+    derived = Path(served.model_dir).resolve().name
+    for name in (derived, "my-org", "my-org/my-model/x"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=3)
+        err = e.value.body
+        assert err["code"] == "model_not_found" and f"`{SERVED_NAME}`" in err["message"], err
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=derived, prompt=PROMPT, max_tokens=3)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve(derived)
 
 
 # ---- log-prob budget --------------------------------------------------------------------------

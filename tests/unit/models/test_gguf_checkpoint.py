@@ -67,7 +67,7 @@ def test_a_checkpoint_directory_passes_through(tiny_llama):
 @pytest.mark.parametrize("case,message", [
     ("not-gguf", "is not a readable GGUF file"),
     ("truncated", "is not a readable GGUF file"),
-    ("architecture", "architecture 'gpt2' is not supported (supported: llama, mistral, qwen2)"),
+    ("architecture", "architecture 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3)"),
     ("moe", "a mixture-of-experts llama GGUF is not supported"),
     ("tensor-type", "tensor 'blk.0.ffn_up.weight' has type I8, which the gguf package cannot dequantize"),
 ])

@@ -235,3 +235,11 @@ def test_log_prob_token_strings_keep_their_leading_space(tmp_path, kind):
     cjk = tok.encode("\u4e16", add_special_tokens=False)  # a character split over byte tokens
     pieces = [s for s in prompts.token_strings(cjk) if s.strip()]  # (sentencepiece: after a lone space)
     assert len(pieces) > 1 and all(s.strip() == "\ufffd" for s in pieces)
+
+
+def test_repetition_penalty_is_bounded_at_the_front_as_in_the_engine():
+    # Above the engine's ceiling: refused here (400 naming it), not after a round trip to Triton.
+    with pytest.raises(ApiError, match="repetition_penalty") as e:
+        parse(CompletionRequest, {**GOOD, "repetition_penalty": 2.5})
+    assert e.value.status == 400 and e.value.param == "repetition_penalty"
+    assert parse(CompletionRequest, {**GOOD, "repetition_penalty": 2.0}).repetition_penalty == 2.0
