@@ -15,6 +15,7 @@ import pytest
 from splitfuse import LLM, EngineConfig, SamplingParams
 from splitfuse.engine.llm_engine import LLMEngine
 from splitfuse.engine.loop import EngineFailedError, EngineLoop
+from engine_runs import run_to_end
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = {"r0": "hello world", "r1": "the quick brown fox", "r2": "a lazy dog"}
@@ -31,15 +32,6 @@ def expected(tiny_llama):
     llm = LLM(tiny_llama, **{k: getattr(config(tiny_llama), k) for k in ("token_budget", "block_size",
                                                                         "num_kv_blocks", "attention_backend")})
     return {rid: llm.generate(p, GREEDY)[0].token_ids for rid, p in PROMPTS.items()}
-
-
-def run_to_end(engine: LLMEngine) -> dict:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
 
 
 class Injected(RuntimeError):

@@ -13,6 +13,7 @@ from splitfuse import EngineConfig, SamplingParams
 from splitfuse.engine.llm_engine import LLMEngine
 from splitfuse.structured.guide import Guide
 from splitfuse.structured.matcher import Matcher
+from engine_runs import run_to_end
 
 pytest.importorskip("xgrammar")
 
@@ -46,12 +47,7 @@ def run(engine: LLMEngine, guided: SamplingParams | None, break_it: bool = False
         engine.add_request("g", "say something", guided)
         if break_it:
             engine.masking.track("g", BrokenMatcher(engine.masking.get("g")))
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
+    return run_to_end(engine)
 
 
 @pytest.fixture(scope="module")
