@@ -70,6 +70,7 @@ class TritonPythonModel:
         self.engine = self.loop.start()  # built on the engine's own thread
         self.tokenizer = self.engine.tokenizer
         self.lora_names = tuple(self.engine.lora_names())
+        self.bounds = InputBounds.for_engine(self.engine)  # request tensors' sizes, checked before conversion
         labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
         self.metrics = TritonMetrics(labels)
         self.failure_reported = False
@@ -134,8 +135,8 @@ class TritonPythonModel:
 
     # ---- requests ----------------------------------------------------------------------------
     def _start(self, request, sender) -> None:
-        bounds = InputBounds.for_engine(self.engine)  # sizes checked before any tensor is converted
-        parsed = parse_request(input_arrays(request.inputs(), bounds), self.server.default_temperature, bounds)
+        parsed = parse_request(input_arrays(request.inputs(), self.bounds), self.server.default_temperature,
+                               self.bounds)
         client_id = request.request_id() or ""
         if parsed.stop_request:
             self._stop(parsed.stop_handle, sender)
