@@ -19,7 +19,7 @@ from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
 from splitfuse.lora.adapter import TARGETS, BaseShape, LoraAdapter
 from splitfuse.lora.batching import LoraProjection, LoraState
 from splitfuse.lora.registry import LoraRegistry
-from splitfuse.models.llama import ModelArgs
+from splitfuse.models.args import ModelArgs
 from splitfuse.models.loader import load_model, read_hf_config
 from splitfuse.parallel.group import RankGroup, rank_device
 from splitfuse.parallel.sharding import Sharder, local_args

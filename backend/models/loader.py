@@ -12,7 +12,9 @@ from safetensors import safe_open
 
 from splitfuse.layers.linear import Linear
 from splitfuse.models.gguf_checkpoint import GGUFSource, gguf_source
-from splitfuse.models.llama import LlamaForCausalLM, ModelArgs
+from splitfuse.models.args import ModelArgs
+from splitfuse.models.llama import LlamaForCausalLM
+from splitfuse.models.registry import causal_lm_class
 
 # HF parameter name fragment -> (our fused parameter, index of the shard inside it)
 _FUSED = {
@@ -57,7 +59,7 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
     local sizes, `shard` cuts each checkpoint tensor to the rank's part and `all_reduce` sums the
     row-parallel partial outputs across ranks."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(args, ops, all_reduce)
+        model = causal_lm_class(args)(args, ops, all_reduce)
     model = model.to_empty(device=device).to(dtype)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

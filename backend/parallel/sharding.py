@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from splitfuse.models.llama import ModelArgs
+from splitfuse.models.args import ModelArgs
 
 _EXPERT_PER = re.compile(r"\.experts\.\d+\.(w1|w2|w3)\.weight$")
 

@@ -19,7 +19,7 @@ import torch
 
 from splitfuse import LLM, SamplingParams
 from splitfuse.kernels.cpu import decoder as cpu_decoder
-from splitfuse.models.llama import ModelArgs
+from splitfuse.models.args import ModelArgs
 from splitfuse.tools.demo_model import SIZES, build_tokenizer
 from test_parity import _hf_reference, _max_tokens
 

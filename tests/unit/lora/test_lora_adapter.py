@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from splitfuse import LLM, SamplingParams
 from splitfuse.lora.adapter import BaseShape, load_adapter
-from splitfuse.models.llama import ModelArgs
+from splitfuse.models.args import ModelArgs
 from splitfuse.models.loader import read_hf_config
 
 

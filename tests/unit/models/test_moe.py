@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from splitfuse.kernels import silu_and_mul_reference
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.moe import SparseMoeBlock
-from splitfuse.models.llama import ModelArgs
+from splitfuse.models.args import ModelArgs
 from splitfuse.models.loader import load_model, read_hf_config
 
 OPS = SimpleNamespace(silu_and_mul=silu_and_mul_reference)
