@@ -59,6 +59,17 @@ class _FromStrings:
 
 
 
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds on structured-output work, in the units the code uses; EngineConfig's
+    guide_compile_timeout_s, grammar_cache_mb, max_pending_guides and grammar_step_budget_ms."""
+
+    compile_timeout_s: float = 30.0  # the 49k-token built-in JSON grammar compiles in ~5 ms
+    cache_bytes: int = 512 << 20
+    max_pending: int = 16
+    step_budget_s: float = 1.0
+
+
 @dataclass
 class EngineConfig(_FromStrings):
     model: str
@@ -155,15 +166,15 @@ class EngineConfig(_FromStrings):
     engine within about this long instead of wedging it."""
     seed: int = 0
     """Seed for requests that give none."""
-    guide_compile_timeout_s: float = 30.0
+    guide_compile_timeout_s: float = GrammarLimits.compile_timeout_s
     """Longest one guide (structured output) may compile; past it the compiler process is killed
     and restarted, and the request fails naming this parameter."""
-    grammar_cache_mb: float = 512.0
+    grammar_cache_mb: float = GrammarLimits.cache_bytes / (1 << 20)
     """Budget (MiB) of compiled grammars kept for reuse, least recently used evicted first."""
-    max_pending_guides: int = 16
+    max_pending_guides: int = GrammarLimits.max_pending
     """Most distinct guides waiting for the (one, per replica) grammar compiler; past it a request
     with a new guide is refused at once as busy."""
-    grammar_step_budget_ms: float = 1000.0
+    grammar_step_budget_ms: float = GrammarLimits.step_budget_s * 1e3
     """Longest one constrained request's grammar work (masks, checks) may take in one step; past
     it that request ends alone with an error naming this parameter."""
     lora_modules: str = ""
@@ -274,6 +285,12 @@ class EngineConfig(_FromStrings):
         if self.speculative_model is not None:
             self.speculative_model = os.fspath(self.speculative_model)
 
+
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(compile_timeout_s=self.guide_compile_timeout_s,
+                             cache_bytes=int(self.grammar_cache_mb * (1 << 20)),
+                             max_pending=self.max_pending_guides,
+                             step_budget_s=self.grammar_step_budget_ms / 1e3)
 
 @dataclass
 class ServerConfig(_FromStrings):

@@ -82,9 +82,7 @@ class LLMEngine:
                                    prompt_order=config.prompt_order,
                                    first_token_deadline_tokens_per_s=config.first_token_deadline_tokens_per_s)
         self._lora_requests: dict[str, int] = {name: 0 for name in self.lora_names()}
-        self.masking = GrammarMasking(self.tokenizer, self.vocab_size, int(config.grammar_cache_mb * (1 << 20)),
-                                      config.guide_compile_timeout_s, config.grammar_step_budget_ms / 1e3,
-                                      config.max_pending_guides)
+        self.masking = GrammarMasking(self.tokenizer, self.vocab_size, config.grammar_limits())
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len,
                                           self._lora_requests)
         self.speculation = make_speculative_decoder(config, self.max_model_len, self.vocab_size)

@@ -5,7 +5,7 @@ code: a guide that crashes it, makes it loop or eats memory would take the repli
 it (inside Triton's Python stub, that aborts the whole server). So one persistent child process
 compiles, answering each (kind, text) with the grammar serialized; the parent deserializes it for
 its own copy of the tokenizer info. The child gets SIGKILL when its parent dies, caps its address
-space (MEMORY_LIMIT_BYTES), and is killed when a compile takes longer than COMPILE_TIMEOUT_S; a
+space (MEMORY_LIMIT_BYTES), and is killed when a compile takes longer than its timeout (GrammarLimits.compile_timeout_s); a
 failed guide becomes a ValueError for its request, and the next compile starts a new child.
 
 One thread of the parent owns the child and compiles one guide at a time: the kernel sends the
@@ -34,14 +34,13 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
+from splitfuse.config import GrammarLimits
 from splitfuse.structured.guide import Guide
 from splitfuse.structured.schema_keywords import check_schema_keywords
 from splitfuse.utils import children
 
 log = logging.getLogger(__name__)
 
-COMPILE_TIMEOUT_S = 30.0
-"""The longest one guide may compile (the 49k-token built-in JSON grammar takes ~5 ms)."""
 MEMORY_LIMIT_BYTES = 4 << 30
 """The child's address space; it peaks near 1.2 GiB compiling the 49k-token built-in JSON grammar."""
 START_TIMEOUT_S = 120.0
@@ -92,7 +91,7 @@ def compile_guide(compiler: Any, kind: str, text: str) -> Any:
 class CompileWorker:
     """Compiles guides for one tokenizer in a child process; `submit` is thread-safe."""
 
-    def __init__(self, tokenizer_info: Any, timeout_s: float = COMPILE_TIMEOUT_S,
+    def __init__(self, tokenizer_info: Any, timeout_s: float = GrammarLimits.compile_timeout_s,
                  memory_limit: int = MEMORY_LIMIT_BYTES, *, _test_seams: bool = False) -> None:
         """`_test_seams` (tests only) makes the child also take the kinds `_sleep` (seconds) and
         `_alloc` (bytes), to stand for a guide that hangs or eats memory."""

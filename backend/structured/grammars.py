@@ -24,21 +24,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from splitfuse.config import GrammarLimits
 from splitfuse.errors import SERVER_BUSY, ServerBusyError
-from splitfuse.structured.compile_worker import COMPILE_TIMEOUT_S, CompilerUnavailable, CompileWorker
+from splitfuse.structured.compile_worker import CompilerUnavailable, CompileWorker
 from splitfuse.structured.guide import Guide
 from splitfuse.structured.matcher import Matcher, apply_bitmask_, new_bitmask
 
 MAX_FAILED_GUIDES = 1024
-DEFAULT_CACHE_BYTES = 512 << 20
-DEFAULT_MAX_PENDING = 16
 
 
 class GrammarCache:
     """Compiled grammars for one tokenizer and vocabulary, by guide."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_bytes: int = DEFAULT_CACHE_BYTES,
-                 compile_timeout_s: float = COMPILE_TIMEOUT_S, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, limits: GrammarLimits = GrammarLimits()) -> None:
         try:
             import xgrammar
         except ImportError as e:  # an optional dependency: only constrained requests need it
@@ -47,7 +45,7 @@ class GrammarCache:
         self.vocab_size = vocab_size
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._info = info
-        self._worker = CompileWorker(info, compile_timeout_s)  # its process starts at the first compile
+        self._worker = CompileWorker(info, limits.compile_timeout_s)  # its process starts at the first compile
         # xgrammar's JSON grammars let a string hold raw control characters (bytes below 0x20),
         # which JSON forbids (json.loads refuses them): tokens holding one are masked out of
         # JSON outputs; between values only the whitespace JSON allows may appear.
@@ -57,8 +55,8 @@ class GrammarCache:
         specials = set(info.special_token_ids) | set(info.stop_token_ids)
         self._keep_no_control = _keep_words([c and i not in specials for i, c in enumerate(control)], vocab_size)
         self._keep_json_space = _keep_words([c and i not in specials for i, c in enumerate(not_json_space)], vocab_size)
-        self.max_bytes = max_bytes
-        self.max_pending = max_pending
+        self.max_bytes = limits.cache_bytes
+        self.max_pending = limits.max_pending
         self._compiled: OrderedDict[Guide, tuple[Any, int]] = OrderedDict()  # -> (grammar, bytes), LRU first
         self._bytes = 0
         self._compiling: dict[Guide, Future] = {}

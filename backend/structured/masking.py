@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from splitfuse.structured.compile_worker import COMPILE_TIMEOUT_S
-from splitfuse.structured.grammars import DEFAULT_CACHE_BYTES, DEFAULT_MAX_PENDING, GrammarCache
+from splitfuse.config import GrammarLimits
+from splitfuse.structured.grammars import GrammarCache
 from splitfuse.structured.guide import Guide
 from splitfuse.structured.matcher import Matcher
 
@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # annotations only: the engine imports this package, not the 
 # under the bench's JSON schema: 17% of rows refused; 8 candidates left 34% of those to the whole
 # mask, 32 left 16%, 256 left 6% for 2x the checks.
 REPICK_CANDIDATES = 32
-DEFAULT_STEP_BUDGET_S = 1.0
 
 
 class GrammarStepError(RuntimeError):
@@ -62,15 +61,11 @@ def masks_before_sampling(params: SamplingParams, num_drafts: int) -> bool:
 class GrammarMasking:
     """The matchers of the constrained sequences in flight, by request id, and their masking."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 compile_timeout_s: float = COMPILE_TIMEOUT_S, step_budget_s: float = DEFAULT_STEP_BUDGET_S,
-                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, limits: GrammarLimits = GrammarLimits()) -> None:
         self._tokenizer = tokenizer
-        self._max_pending = max_pending
-        self.step_budget_s = step_budget_s
+        self._limits = limits
+        self.step_budget_s = limits.step_budget_s
         self._vocab_size = vocab_size
-        self._cache_bytes = cache_bytes
-        self._compile_timeout_s = compile_timeout_s
         self._grammars: GrammarCache | None = None
         self._lock = threading.Lock()  # servers compile guides from their own threads
         self._matchers: dict[str, Matcher] = {}
@@ -79,8 +74,7 @@ class GrammarMasking:
         """The compiled-grammar cache for this tokenizer (ValueError without xgrammar)."""
         with self._lock:
             if self._grammars is None:
-                self._grammars = GrammarCache(self._tokenizer, self._vocab_size, self._cache_bytes,
-                                              self._compile_timeout_s, self._max_pending)
+                self._grammars = GrammarCache(self._tokenizer, self._vocab_size, self._limits)
             return self._grammars
 
     def close(self) -> None:

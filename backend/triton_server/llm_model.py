@@ -135,8 +135,7 @@ class TritonPythonModel:
 
     # ---- requests ----------------------------------------------------------------------------
     def _start(self, request, sender) -> None:
-        parsed = parse_request(input_arrays(request.inputs(), self.bounds), self.server.default_temperature,
-                               self.bounds)
+        parsed = parse_request(input_arrays(request.inputs(), self.bounds), self.server.default_temperature)
         client_id = request.request_id() or ""
         if parsed.stop_request:
             self._stop(parsed.stop_handle, sender)

@@ -14,17 +14,15 @@ import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 from splitfuse.inputs import InputError, PromptLimit, has_chat_template, parse_messages, render_chat
+from splitfuse.triton_server.request import InputBounds, check_bytes
 from splitfuse.utils.orphan_guard import exit_with_parent
 
 
-def _texts(request, limit: PromptLimit | None) -> list[str]:
+def _texts(request, bounds: InputBounds | None) -> list[str]:
     # Its element count Triton bounds (dims [1], batch <= max_batch_size); its bytes are bounded here.
     arr = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()
-    if limit is not None:  # bytes, before decoding: 4 per character the context can hold
-        size = sum(len(v) for v in arr.reshape(-1) if isinstance(v, bytes))
-        if size > 4 * limit.max_chars:
-            raise InputError(f"text_input: {size} bytes, the limit is {4 * limit.max_chars} (the characters "
-                             f"max_input_tokens={limit.context_tokens} tokens can hold)")
+    if bounds is not None:
+        check_bytes("text_input", arr, bounds)
     out = []
     for value in arr.reshape(-1):
         try:
@@ -57,6 +55,7 @@ class TritonPythonModel:
         self.pad_id = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0
         context = params.get("max_input_tokens", "").strip()
         self.limit = PromptLimit(self.tokenizer, int(context)) if context else None
+        self.bounds = InputBounds.for_prompt_limit(self.limit, int(context)) if self.limit else None
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
@@ -65,7 +64,7 @@ class TritonPythonModel:
         # Each request fails alone: a bad one gets its error, the rest of the batch goes on.
         for i, request in enumerate(requests):
             try:
-                texts = _texts(request, self.limit)
+                texts = _texts(request, self.bounds)
                 chat = _flag(request, "apply_chat_template")
                 if chat:
                     if not has_chat_template(self.tokenizer):

@@ -14,7 +14,7 @@ import numpy as np
 
 from splitfuse.engine.sequence import (MAX_CACHE_SALT_LENGTH, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
                                        SamplingParams)
-from splitfuse.inputs import InputError
+from splitfuse.inputs import InputError, PromptLimit
 from splitfuse.structured.guide import MAX_GUIDE_LENGTH, Guide
 
 
@@ -40,7 +40,11 @@ class InputBounds:
 
     @classmethod
     def for_engine(cls, engine: Any) -> "InputBounds":
-        return cls(engine.max_model_len, engine.validator.prompt_limit.max_chars * _UTF8_MAX)
+        return cls.for_prompt_limit(engine.validator.prompt_limit, engine.max_model_len)
+
+    @classmethod
+    def for_prompt_limit(cls, limit: PromptLimit, max_model_len: int) -> "InputBounds":
+        return cls(max_model_len, limit.max_chars * _UTF8_MAX)
 
     def elements(self, name: str) -> tuple[int, str]:
         """The most elements `name` may hold, and why."""
@@ -53,7 +57,7 @@ class InputBounds:
     def bytes(self, name: str) -> tuple[int, str]:
         """The most bytes a BYTES input `name` may hold in all, and why."""
         if name == "text_input":
-            return self.max_text_bytes, "the characters max_model_len tokens can hold"
+            return self.max_text_bytes, "the characters the context can hold with this tokenizer"
         if name == "stop_words":
             return MAX_STOP_WORDS_BYTES, f"{MAX_STOP_STRINGS} stop strings of {MAX_STOP_LENGTH} characters"
         if name == "guided_decoding_guide":
@@ -77,9 +81,8 @@ def check_shape(name: str, shape: Any, bounds: InputBounds) -> None:
         raise InputError(f"{name}: {count} elements, the limit is {limit} ({why})")
 
 
-def check_array(name: str, arr: np.ndarray, bounds: InputBounds) -> None:
-    """check_shape, and a BYTES tensor's total size, before anything is converted."""
-    check_shape(name, arr.shape, bounds)
+def check_bytes(name: str, arr: np.ndarray, bounds: InputBounds) -> None:
+    """InputError when a BYTES tensor holds more bytes in all than `name` may (before decoding)."""
     if arr.dtype == object or arr.dtype.kind == "S":
         total = sum(len(v) if isinstance(v, (bytes, str)) else 0 for v in arr.reshape(-1))
         limit, why = bounds.bytes(name)
@@ -89,11 +92,13 @@ def check_array(name: str, arr: np.ndarray, bounds: InputBounds) -> None:
 
 def input_arrays(tensors: Any, bounds: InputBounds) -> dict[str, np.ndarray]:
     """Triton input tensors -> name: array, each tensor's element count checked before as_numpy()
-    (which deserialises a BYTES tensor into Python objects)."""
+    (which deserialises a BYTES tensor into Python objects) and its bytes before anything decodes them."""
     arrays = {}
     for t in tensors:
-        check_shape(t.name(), t.shape(), bounds)
-        arrays[t.name()] = t.as_numpy()
+        name = t.name()
+        check_shape(name, t.shape(), bounds)
+        arrays[name] = t.as_numpy()
+        check_bytes(name, arrays[name], bounds)
     return arrays
 
 
@@ -240,20 +245,16 @@ def _sampling_kwargs(request: Mapping[str, np.ndarray], default_temperature: flo
     return kwargs
 
 
-def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0,
-                  bounds: InputBounds | None = None) -> Parsed:
+def parse_request(request: Mapping[str, np.ndarray], default_temperature: float = 0.0) -> Parsed:
     """Input tensors by name -> prompt + SamplingParams, raising InputError/ValueError.
 
     A request without `temperature` gets `default_temperature` (ServerConfig's; 0 = greedy).
-    With `bounds`, every tensor is bounded (elements, bytes) before any is converted."""
+    The arrays come bounded (input_arrays): nothing here converts an unbounded tensor."""
     batch = [a.shape[0] for a in (_tensor(request, n) for n in ("text_input", "input_ids", "max_tokens"))
              if a is not None and a.ndim > 0]
     bad = [b for b in batch if b != 1]
     if bad:
         raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
-    if bounds is not None:
-        for name, arr in request.items():
-            check_array(name, arr, bounds)
     if _scalar(request, "stop", bool):
         return _stop_request(request)
 

@@ -57,14 +57,13 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def git_commit() -> str:
-    import subprocess
-
+def git_commit(short: bool = True) -> str:
+    """HEAD's commit ("-dirty" when tracked files differ from it), or "unknown" outside git."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+        args = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
+        out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+                               text=True, cwd=ROOT).stdout.strip()
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -73,14 +72,7 @@ def git_commit() -> str:
 def machine_info() -> dict:
     cpu = cpu_model()
     mem = mem_gib()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        if dirty:
-            commit += " (+ uncommitted changes)"
-    except OSError:
-        commit = "unknown"
+    commit = git_commit(short=False)
     # The serving code may not be committed yet: a digest of what was measured identifies it.
     digest = hashlib.sha256()
     files = 0
@@ -107,7 +99,7 @@ def machine_info() -> dict:
         "ram_gib": round(mem, 1),
         "os": platform.platform(),
         "python": platform.python_version(),
-        "git_commit": commit or "unknown",
+        "git_commit": commit,
         "source_digest": f"sha256:{digest.hexdigest()[:16]} over {files} files of backend/, kernels/, model_repository/",
         "versions": versions,
     }

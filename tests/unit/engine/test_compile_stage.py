@@ -15,6 +15,7 @@ import time
 import pytest
 
 from splitfuse import EngineConfig, SamplingParams
+from splitfuse.config import GrammarLimits
 from splitfuse.engine.loop import GUIDE_REFUSED, EngineLoop
 from splitfuse.errors import ServerBusyError
 from splitfuse.structured.grammars import GrammarCache
@@ -116,7 +117,7 @@ def test_a_compile_past_guide_compile_timeout_s_fails_naming_it(tiny_llama):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    cache = GrammarCache(tokenizer, len(tokenizer), compile_timeout_s=1.5)
+    cache = GrammarCache(tokenizer, len(tokenizer), GrammarLimits(compile_timeout_s=1.5))
     cache._worker._child.test_seams = True
     slow = Guide("regex", "x")
     object.__setattr__(slow, "kind", "_sleep")  # the seam's kind, past Guide's own check

@@ -9,6 +9,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from splitfuse.config import GrammarLimits
 from splitfuse.structured.grammars import GrammarCache
 from splitfuse.structured.guide import Guide
 
@@ -28,7 +29,7 @@ def test_the_compiled_cache_stays_within_its_byte_budget_evicting_the_least_rece
     finally:
         probe.close()
     budget = sizes[0] + sizes[1] + sizes[2]  # room for about three
-    cache = GrammarCache(tokenizer, len(tokenizer), max_bytes=budget)
+    cache = GrammarCache(tokenizer, len(tokenizer), GrammarLimits(cache_bytes=budget))
     try:
         cache.compile(guides[0])
         for g in guides[1:]:
@@ -47,7 +48,7 @@ def test_the_compiled_cache_stays_within_its_byte_budget_evicting_the_least_rece
 
 
 def test_a_grammar_larger_than_the_whole_budget_is_used_but_not_kept(tokenizer):
-    cache = GrammarCache(tokenizer, len(tokenizer), max_bytes=1)
+    cache = GrammarCache(tokenizer, len(tokenizer), GrammarLimits(cache_bytes=1))
     try:
         assert cache.compile(Guide("regex", "[a-z]+")) is not None
         assert cache.num_cached == 0 and cache.cached_bytes == 0

@@ -7,8 +7,8 @@ import pytest
 
 from splitfuse.engine.sequence import MAX_STOP_STRINGS
 from splitfuse.inputs import InputError
-from splitfuse.triton_server.request import (MAX_STOP_WORD_ENTRIES, MAX_STOP_WORDS_BYTES, InputBounds, check_shape,
-                                             parse_request)
+from splitfuse.triton_server.request import (MAX_STOP_WORD_ENTRIES, MAX_STOP_WORDS_BYTES, InputBounds, check_bytes,
+                                             check_shape, parse_request)
 
 BOUNDS = InputBounds(max_model_len=64, max_text_bytes=1000)
 
@@ -17,47 +17,55 @@ def t(value, dtype):
     return np.array([[value]], dtype=dtype)
 
 
+def _bounded_parse(request: dict):
+    """As the llm model reads a request: every array's elements, then its bytes, then parsing."""
+    for name, arr in request.items():
+        check_shape(name, arr.shape, BOUNDS)
+        check_bytes(name, arr, BOUNDS)
+    return parse_request(request)
+
+
 BASE = {"text_input": t(b"hello", np.object_), "max_tokens": t(8, np.int32)}
 
 
 def test_input_ids_over_the_context_are_refused_naming_max_model_len():
     ids = np.zeros((1, 65), dtype=np.int32)
     with pytest.raises(InputError, match=r"^input_ids: 65 elements, the limit is 64 \(max_model_len\)$"):
-        parse_request({"input_ids": ids, "max_tokens": t(1, np.int32)}, bounds=BOUNDS)
+        _bounded_parse({"input_ids": ids, "max_tokens": t(1, np.int32)})
 
 
 def test_input_ids_at_the_context_pass():
     ids = np.ones((1, 64), dtype=np.int32)
-    assert parse_request({"input_ids": ids, "max_tokens": t(1, np.int32)}, bounds=BOUNDS).prompt == [1] * 64
+    assert _bounded_parse({"input_ids": ids, "max_tokens": t(1, np.int32)}).prompt == [1] * 64
 
 
 def test_too_many_stop_words_are_refused_naming_the_count():
     words = np.array([[b"x"] * (MAX_STOP_WORD_ENTRIES + 1)], dtype=np.object_)
     with pytest.raises(InputError, match=rf"^stop_words: {MAX_STOP_WORD_ENTRIES + 1} elements, the limit is "
                                          rf"{MAX_STOP_WORD_ENTRIES} \({MAX_STOP_STRINGS} stop strings"):
-        parse_request({**BASE, "stop_words": words}, bounds=BOUNDS)
+        _bounded_parse({**BASE, "stop_words": words})
 
 
 def test_stop_words_over_the_byte_bound_are_refused_naming_it():
     words = np.array([[b"a" * (MAX_STOP_WORDS_BYTES + 1)]], dtype=np.object_)
     with pytest.raises(InputError, match=rf"^stop_words: {MAX_STOP_WORDS_BYTES + 1} bytes, the limit is "
                                          rf"{MAX_STOP_WORDS_BYTES} "):
-        parse_request({**BASE, "stop_words": words}, bounds=BOUNDS)
+        _bounded_parse({**BASE, "stop_words": words})
 
 
 def test_a_text_input_over_the_byte_bound_is_refused():
     with pytest.raises(InputError, match=r"^text_input: 1001 bytes, the limit is 1000 "):
-        parse_request({**BASE, "text_input": t(b"a" * 1001, np.object_)}, bounds=BOUNDS)
+        _bounded_parse({**BASE, "text_input": t(b"a" * 1001, np.object_)})
 
 
 def test_a_scalar_input_with_many_elements_is_refused_naming_it():
     with pytest.raises(InputError, match=r"^temperature: 2 elements, the limit is 1 \(one value per request\)$"):
-        parse_request({**BASE, "temperature": np.zeros((1, 2), dtype=np.float32)}, bounds=BOUNDS)
+        _bounded_parse({**BASE, "temperature": np.zeros((1, 2), dtype=np.float32)})
 
 
 def test_a_bytes_name_over_its_bound_is_refused():
     with pytest.raises(InputError, match=r"^lora_name: 5000 bytes, the limit is 4096"):
-        parse_request({**BASE, "lora_name": t(b"a" * 5000, np.object_)}, bounds=BOUNDS)
+        _bounded_parse({**BASE, "lora_name": t(b"a" * 5000, np.object_)})
 
 
 def test_the_shape_alone_is_checked_before_any_array_exists():
@@ -68,7 +76,7 @@ def test_the_shape_alone_is_checked_before_any_array_exists():
 
 
 def test_a_normal_request_passes_the_bounds():
-    p = parse_request({**BASE, "stop_words": np.array([[b"end", b""]], dtype=np.object_)}, bounds=BOUNDS)
+    p = _bounded_parse({**BASE, "stop_words": np.array([[b"end", b""]], dtype=np.object_)})
     assert p.prompt == "hello" and p.params.stop == ["end"]
 
 
