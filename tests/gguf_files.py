@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -14,6 +15,44 @@ Q = gguf.GGMLQuantizationType
 def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's q/k row order (what its converter writes for Llama)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _stack_experts(tensors: dict) -> dict:
+    """Per-expert weights (`mlp.experts.J.gate_proj.weight` ...) stacked over J, as llama.cpp stores them."""
+    import torch
+
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        if ".mlp.experts." in name:
+            prefix, j, part = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+            experts.setdefault((prefix, part), {})[j] = t
+        else:
+            out[name] = t
+    for (prefix, part), by_j in experts.items():
+        out[f"{prefix}.{part}"] = torch.stack([by_j[j] for j in sorted(by_j)])
+    return out
+
+
+def _expert_gguf_name(name: str) -> str:
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{layer}." + {"mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+                              "mlp.experts.up_proj": "ffn_up_exps.weight",
+                              "mlp.experts.down_proj": "ffn_down_exps.weight"}[rest]
+
+
+def _add_phi3_rope(w: gguf.GGUFWriter, cfg: dict, rope: dict) -> None:
+    """What llama.cpp's converter writes for Phi-3's rope: the rotated dimensions, the sliding
+    window (0: none), the original context, and for LongRoPE its attention factor and factors."""
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    original = cfg["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(original)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def write_gguf(checkpoint: str, out: Path, *, arch: str | None = None, quant: Q = Q.Q8_0, expert_count: int = 0,
@@ -32,13 +71,23 @@ def write_gguf(checkpoint: str, out: Path, *, arch: str | None = None, quant: Q 
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    if arch == "qwen3" and cfg.get("head_dim"):  # llama.cpp writes Qwen3's head size as key/value length
+    if arch in ("qwen3", "qwen3moe", "gemma3") and cfg.get("head_dim"):  # llama.cpp writes their head size as key/value length
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (llama.cpp's freq_base)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)))
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "phi3":
+        _add_phi3_rope(w, cfg, rope)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if expert_count:
         w.add_expert_count(expert_count)
+    if arch == "qwen3moe":  # the experts' shape; llama.cpp's qwen3moe blocks are all sparse
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     specials = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
     w.add_tokenizer_model("gpt2")
@@ -57,19 +106,29 @@ def write_gguf(checkpoint: str, out: Path, *, arch: str | None = None, quant: Q 
                  "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
                  "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
                  "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
-    for name, t in load_file(str(Path(checkpoint) / "model.safetensors")).items():
-        if name.startswith("model.layers."):
+                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+                 # Phi-3 stores these fused; llama.cpp keeps them so
+                 "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
+    if arch == "gemma3":  # llama.cpp's names for Gemma's four norms a layer
+        per_layer |= {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+    for name, t in _stack_experts(load_file(str(Path(checkpoint) / "model.safetensors"))).items():
+        if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+            gname = _expert_gguf_name(name)
+        elif name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             gname = f"blk.{layer}.{per_layer[rest]}"
         else:
             gname = names[name]
         data = t.float().numpy()
+        if arch == "gemma3" and gname.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
+            data = data + np.float32(1.0)
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
             data = _permute_rotary(data, heads)
         elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
             data = _permute_rotary(data, kv_heads)
-        kind = (tensor_type or {}).get(gname, quant if data.ndim == 2 else Q.F32)
+        kind = (tensor_type or {}).get(gname, quant if data.ndim >= 2 else Q.F32)
         if kind == Q.F32:
             w.add_tensor(gname, data)
         elif kind == Q.F16:

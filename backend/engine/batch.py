@@ -25,7 +25,7 @@ class SampleRows:
 @dataclass
 class RaggedBatch:
     input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]: rows of the rope tables (the position + its sequence's rope_offset)
     sample_rows: torch.Tensor  # int64 [S]: rows whose hidden state gives a next token (1 + proposals per sampling chunk)
     attn: AttentionMetadata
     query_lens: list[int]
@@ -75,6 +75,10 @@ class RaggedBatch:
         num_rows = np.fromiter((1 + c.num_draft_tokens for c in chunks), dtype=np.int64, count=num_seqs)[samples]
         ends = query_start_loc[1:][samples]
         sample_rows = np.repeat(ends - num_rows, num_rows) + _ranges(num_rows)
+
+        offsets = np.fromiter((c.seq.rope_offset for c in chunks), dtype=np.int64, count=num_seqs)
+        if offsets.any():  # only the rotary tables read the positions
+            positions = positions + np.repeat(offsets, query_lens)
 
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)

@@ -45,7 +45,10 @@ def root_hash(cache_salt: str | None, lora_name: str | None = None) -> bytes:
 
 
 def seq_root_hash(seq: Sequence) -> bytes:
-    return root_hash(seq.params.cache_salt, seq.params.lora_name)
+    root = root_hash(seq.params.cache_salt, seq.params.lora_name)
+    if seq.rope_offset:  # its keys were rotated with another rope set (LongRoPE's long factors)
+        root = hashlib.sha256(root + b"rope_offset\0" + str(seq.rope_offset).encode()).digest()
+    return root
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

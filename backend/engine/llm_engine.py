@@ -131,6 +131,7 @@ class LLMEngine:
         # one (a prompt that skipped prepare_prompt) must not leave a half-added request.
         self.validator.check_lora(params)
         seq = Sequence(request_id, token_ids, params, next(self._arrivals))
+        seq.rope_offset = self.runner.rope.offset_for(len(token_ids))
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         detokenizer = IncrementalDetokenizer(self.tokenizer, params, token_ids)

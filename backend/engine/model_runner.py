@@ -15,7 +15,7 @@ from splitfuse.kernels.cpu.paged_attention import huge_page_empty
 from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import check_quantization, make_linear_kernel, native_bf16_cpu, resolve_linear_backend
-from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
+from splitfuse.layers.rope_tables import RopeTables, build_rope_tables
 from splitfuse.lora.adapter import TARGETS, BaseShape, LoraAdapter
 from splitfuse.lora.batching import LoraProjection, LoraState
 from splitfuse.lora.registry import LoraRegistry
@@ -143,9 +143,11 @@ class ModelRunner:
                         "activations on AVX2, and its greedy answers "
                         "leave float32's within a few tokens (perf/results/2026-11-27-perplexity/); dtype=bfloat16 alone "
                         "costs under 0.1%")
-        inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
-        cos, sin = rope_cos_sin(inv_freq, self.max_model_len)
-        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        a = self.args
+        # LongRoPE's table holds two sets; each sequence reads one at its Sequence.rope_offset.
+        self.rope: RopeTables = build_rope_tables(a.rotary_dim or a.head_dim, a.rope_theta, a.rope_scaling,
+                                                  self.max_model_len, a.max_position_embeddings)
+        self.cos, self.sin = self.rope.cos.to(self.device), self.rope.sin.to(self.device)
         # Each backend lays out its blocks as its kernels read them best.
         shape = self.kernels.attention.cache_shape(self.num_kv_blocks, config.block_size, self.args.num_kv_heads,
                                                    self.args.head_dim)

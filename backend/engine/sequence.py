@@ -191,6 +191,9 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     """Tokens proposed to follow `token_ids` (speculative decoding), verified by the next step
     that decodes this sequence; empty when nothing is proposed."""
+    rope_offset: int = 0
+    """Where this sequence's rows start in the model's rope tables, for its whole life: LongRoPE's
+    long factors for a prompt past the switch (layers.rope_tables); part of its prefix-cache key."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Mixtral): top-k routing over SiLU-gated expert MLPs.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing over SiLU-gated expert MLPs.
 
 Plain torch, for a ragged batch of T tokens: each expert that received any tokens runs
 one fused gate/up matmul and one down matmul on just those rows, so the work is
@@ -40,22 +40,28 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 ops: KernelSet) -> None:
+                 ops: KernelSet, norm_topk_prob: bool = True, weights_in_model_dtype: bool = False) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.num_experts = num_experts
         self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob  # False (Qwen3-MoE's default): the softmax's own values
+        self.weights_in_model_dtype = weights_in_model_dtype
         self.gate = Linear(hidden_size, num_experts, bias=False)  # the router
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.ops = ops
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids [T, k] and their renormalised fp32 weights [T, k]."""
+        """Top-k expert ids [T, k] and their fp32 weights [T, k] (renormalised when norm_topk_prob)."""
         # Softmax in fp32 as HF does, so bf16 routing picks the same experts.
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, weights / weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_model_dtype:  # HF's Qwen3-MoE scales by weights rounded to the model's dtype
+            weights = weights.to(x.dtype).float()
+        return ids, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)

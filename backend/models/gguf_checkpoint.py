@@ -21,8 +21,10 @@ The converted directory records its source file (`splitfuse_gguf.json`): with
 blocks from it (`gguf_source`, `GGUFSource.blocks`) and the engine multiplies them packed
 (layers/q4_linear.py).
 
-Dense Llama-family architectures (llama, mistral, qwen2, qwen3) are taken; any other architecture, a
-mixture-of-experts file, a tensor type `gguf` cannot dequantize, or a file that is not GGUF or is
+Dense Llama-family architectures (llama, mistral, qwen2, qwen3), Phi-3 / Phi-4-mini (phi3:
+gguf_phi3.py), Gemma 3 (gemma3: gguf_gemma3.py) and Qwen3-MoE (qwen3moe, its experts through
+gguf_moe.py) are taken; any other architecture, another mixture-of-experts file, a tensor type
+`gguf` cannot dequantize, or a file that is not GGUF or is
 cut short raises GGUFError naming what is wrong. Conversion time and peak memory are logged.
 """
 
@@ -39,11 +41,15 @@ import time
 from pathlib import Path
 
 import torch
+
+from splitfuse.models.gguf_gemma3 import configure_gemma3, gemma3_hf_name, is_shifted_norm
+from splitfuse.models.gguf_phi3 import ROPE_FACTOR_TENSORS, configure_phi3, phi3_gguf_name, phi3_hf_name
+from splitfuse.models.gguf_moe import MOE_ARCHITECTURES, GGUFMoeError, configure_moe, expert_hf_name, merge_experts
 from splitfuse.utils.cache_dir import cache_dir as splitfuse_cache_dir
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
 # llama.cpp's converter interleaves the rotary halves of q/k for these (not for qwen2, qwen3).
 _PERMUTED_QK = ("llama", "mistral")
 _CACHE_ENV = "SPLITFUSE_GGUF_CACHE"
@@ -68,7 +74,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 # Tensors that carry no weights of ours (llama.cpp's precomputed rotary factors; rope scaling comes
-# from the metadata through the config).
+# from the metadata through the config, and Phi-3's LongRoPE factors through gguf_phi3.py).
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
@@ -175,7 +181,9 @@ def _tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> tuple[dict
     for t in reader.tensors:
         if t.name in _IGNORED:
             continue
-        name = _hf_name(t.name)
+        name = ((gemma3_hf_name(t.name) if arch == "gemma3" else None)
+                or (phi3_hf_name(t.name) if arch == "phi3" else None) or _hf_name(t.name)
+                or (expert_hf_name(t.name) if arch in MOE_ARCHITECTURES else None))
         if name is None:
             what = "mixture-of-experts tensors" if "_exps" in t.name or "ffn_gate_inp" in t.name else "a tensor"
             raise GGUFError(f"{arch} GGUF with {what} this engine does not load: {t.name!r}")
@@ -198,30 +206,40 @@ def _tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> tuple[dict
             tensor = _unpermute_rotary(tensor, num_heads, t.name, f"{arch}.attention.head_count")
         elif arch in _PERMUTED_QK and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             tensor = _unpermute_rotary(tensor, num_kv_heads, t.name, f"{arch}.attention.head_count_kv")
+        elif arch == "gemma3" and is_shifted_norm(t.name):  # stored as 1 + w (gguf_gemma3.py)
+            tensor = tensor.float() - 1
         out[name] = tensor.contiguous()
     return out, types
 
 
-def _qwen3_head_dim(reader, file_name: str, config) -> int:
-    """Qwen3's head size from `qwen3.attention.key_length` (llama.cpp's default where absent:
-    hidden / heads). transformers' GGUF reader leaves it at Qwen3Config's default (128), which is
-    wrong for any other model."""
-    key = _field(reader, "qwen3.attention.key_length")
+def _qwen3_head_dim(reader, file_name: str, config, arch: str = "qwen3") -> int:
+    """Qwen3's (and qwen3moe's) head size from `{arch}.attention.key_length` (llama.cpp's default
+    where absent: hidden / heads). transformers' GGUF reader leaves it at Qwen3Config's default
+    (128), which is wrong for any other model."""
+    key = _field(reader, f"{arch}.attention.key_length")
     head_dim = int(key) if key is not None else config.hidden_size // config.num_attention_heads
-    value = _field(reader, "qwen3.attention.value_length")
+    value = _field(reader, f"{arch}.attention.value_length")
     if value is not None and int(value) != head_dim:
-        raise GGUFError(f"{file_name}: qwen3.attention.value_length = {value} differs from the key length "
+        raise GGUFError(f"{file_name}: {arch}.attention.value_length = {value} differs from the key length "
                         f"{head_dim}: not supported")
-    rotary = _field(reader, "qwen3.rope.dimension_count")
+    rotary = _field(reader, f"{arch}.rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:
-        raise GGUFError(f"{file_name}: qwen3.rope.dimension_count = {rotary} (rotary on part of each head) "
+        raise GGUFError(f"{file_name}: {arch}.rope.dimension_count = {rotary} (rotary on part of each head) "
                         f"differs from the head size {head_dim}: not supported")
     return head_dim
 
 
+def _configure_moe(reader, arch: str, config, file_name: str) -> None:
+    sparse = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.endswith(".ffn_gate_exps.weight")}
+    try:
+        configure_moe(lambda key: _field(reader, key), arch, config, file_name, config.num_hidden_layers, sparse)
+    except GGUFMoeError as e:
+        raise GGUFError(str(e)) from e
+
+
 def _checkpoint_dtype(tensors: dict[str, torch.Tensor]) -> str:
     """The float type all matrices share when none was quantized, else float32."""
-    kinds = {t.dtype for t in tensors.values() if t.dim() == 2}
+    kinds = {t.dtype for t in tensors.values() if t.dim() >= 2}
     return str(kinds.pop()).removeprefix("torch.") if len(kinds) == 1 else "float32"
 
 
@@ -237,7 +255,7 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{gguf_file.name}: architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if _field(reader, f"{arch}.expert_count"):
+    if _field(reader, f"{arch}.expert_count") and arch not in MOE_ARCHITECTURES:
         raise GGUFError(f"{gguf_file.name}: a mixture-of-experts {arch} GGUF is not supported (dense models only)")
     try:
         config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -245,16 +263,31 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     except Exception as e:
         raise GGUFError(f"{gguf_file.name}: its metadata gives no usable config or tokenizer "
                         f"({type(e).__name__}: {e})") from e
-    if arch == "qwen3":
-        config.head_dim = _qwen3_head_dim(reader, gguf_file.name, config)
+    if arch in ("qwen3", "qwen3moe"):
+        config.head_dim = _qwen3_head_dim(reader, gguf_file.name, config, arch)
+    if arch in MOE_ARCHITECTURES:
+        _configure_moe(reader, arch, config, gguf_file.name)
+    if arch == "gemma3":
+        try:
+            configure_gemma3(lambda key: _field(reader, key), config, gguf_file.name)
+        except ValueError as e:
+            raise GGUFError(str(e)) from e
+    if arch == "phi3":
+        factors = {t.name: t.data for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
+        try:
+            configure_phi3(lambda key: _field(reader, key), factors, config, gguf_file.name)
+        except ValueError as e:
+            raise GGUFError(str(e)) from e
     tensors, types = _tensors(reader, arch, config.num_attention_heads, config.num_key_value_heads)
+    merge_experts(tensors)
     del reader
     config.tie_word_embeddings = "lm_head.weight" not in tensors
     cfg = config.to_dict()
     cfg.pop("quantization_config", None)
     cfg.pop("_model_name_or_path", None)
     cfg["dtype"] = _checkpoint_dtype(tensors)
-    cfg["architectures"] = [type(config).__name__.replace("Config", "ForCausalLM")]
+    # Gemma3TextConfig -> Gemma3ForCausalLM, as transformers names the text-only model
+    cfg["architectures"] = [type(config).__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -296,7 +329,7 @@ def _gguf_name(hf_name: str) -> str | None:
         _, _, layer, rest = hf_name.split(".", 3)
         if rest in _GGUF_NAMES:
             return f"blk.{layer}.{_GGUF_NAMES[rest]}"
-    return None
+    return phi3_gguf_name(hf_name)
 
 
 class GGUFSource:

@@ -1,10 +1,13 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 dense, Mixtral), chosen by the checkpoint's config.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE), chosen by the config.
 
 Module names follow the HF checkpoints except for two fusions that save matmuls:
 q/k/v -> `qkv_proj` and gate/up -> `gate_up_proj` (the loader concatenates them).
 Qwen3 adds a per-head RMSNorm on q and on k before rotary (`q_norm`, `k_norm`, ModelArgs.qk_norm).
 Mixtral differs only in its MLP: a sparse mixture of experts (`layers.moe`) under the
-name `mlp`, with the experts' weights stacked.
+name `mlp`, with the experts' weights stacked. Qwen3-MoE is Qwen3's attention with such MLPs,
+some layers keeping a dense one (ModelArgs.dense_mlp_layers). Phi-3 / Phi-4-mini checkpoints
+store qkv_proj and gate_up_proj fused already (same layout as ours); their rope may turn only
+the first ModelArgs.rotary_dim features of each head.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from splitfuse.layers.int8_linear import CpuInt8Linear
 from splitfuse.layers.kernels import KernelSet
 from splitfuse.layers.linear import CpuLinear, Linear, fuses_swiglu
 from splitfuse.layers.moe import Experts, SparseMoeBlock
+from splitfuse.layers.partial_rotary import apply_partial_rotary
 from splitfuse.layers.q4_linear import GGUF_QUANTIZATIONS, HEAD_QUANTIZATION, LOAD_QUANTIZATIONS, CpuQ4Linear
 from splitfuse.models.args import ModelArgs
 
@@ -50,6 +54,7 @@ class Attention(nn.Module):
         self.num_heads = args.num_heads
         self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
+        self.rotary_dim = args.rotary_dim or args.head_dim  # Phi-4-mini: rope on 3/4 of each head
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
@@ -75,7 +80,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.apply_rotary(q, k, positions, cos, sin)
+        if self.rotary_dim < self.head_dim:
+            q, k = apply_partial_rotary(self.ops.apply_rotary, q, k, positions, cos, sin, self.rotary_dim)
+        else:
+            q, k = self.ops.apply_rotary(q, k, positions, cos, sin)
         attn = self.ops.attention
         attn.write_kv(k, v, k_cache, v_cache, meta)
         if keep is not None:
@@ -118,9 +126,10 @@ class DecoderLayer(nn.Module):
         self.all_reduce = all_reduce
         self.self_attn = Attention(args, layer_idx, ops)
         self.mlp: nn.Module
-        if args.num_experts:
-            self.mlp = SparseMoeBlock(args.hidden_size, args.intermediate_size, args.num_experts,
-                                      args.num_experts_per_tok, ops)
+        if args.num_experts and layer_idx not in args.dense_mlp_layers:
+            self.mlp = SparseMoeBlock(args.hidden_size, args.moe_intermediate_size or args.intermediate_size,
+                                      args.num_experts, args.num_experts_per_tok, ops, args.norm_topk_prob,
+                                      args.routing_weights_in_model_dtype)
         else:
             self.mlp = MLP(args, ops)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
@@ -152,10 +161,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[nn.Module] = LlamaModel  # the decoder under `model` (Gemma 3 gives its own)
+
     def __init__(self, args: ModelArgs, ops: KernelSet, all_reduce: Callable | None = None) -> None:
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, ops, all_reduce)
+        self.model = self.model_class(args, ops, all_reduce)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -230,6 +241,8 @@ class LlamaForCausalLM(nn.Module):
             return "a mixture-of-experts MLP"
         if self.args.qk_norm:
             return "q/k norm is not in the fused decoder"
+        if self.args.rotary_dim and self.args.rotary_dim != self.args.head_dim:
+            return "partial rotary (rope on part of each head) is not in the fused decoder"
         if any(layer.all_reduce is not _identity for layer in layers):
             return "tensor parallelism"
         projections = [_projections(layer) for layer in layers]

@@ -24,9 +24,11 @@ _FUSED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
-# Mixtral's classic per-expert weights; newer checkpoints store `experts.gate_up_proj` [E, 2I, H]
-# and `experts.down_proj` [E, H, I] already stacked, as our parameters are, and load as they are.
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+# Per-expert weights: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj (what transformers 5
+# saves too). Stacked `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] are our
+# parameters' layout and load as they are.
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|down_proj|up_proj)\.weight$")
+_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -64,15 +66,19 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
+    # A model class may name checkpoint tensors its own way, or skip some (None): Gemma 3's
+    # multimodal checkpoints hold the text model under a prefix, beside a vision tower.
+    rename = getattr(model, "checkpoint_name", None)
     loaded: set[str] = set()
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
+            for key in f.keys():
+                name = key if rename is None else rename(key)
+                if name is None or "rotary_emb.inv_freq" in name:
                     continue
                 if name == "lm_head.weight" and args.tie_word_embeddings:
                     continue
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(key)
                 _load_one(params, name, tensor if shard is None else shard(name, tensor), args, loaded)
     missing = set(params) - loaded
     if args.tie_word_embeddings:
@@ -100,7 +106,8 @@ def _attach_gguf_blocks(model: LlamaForCausalLM, source: GGUFSource) -> None:
         fused = f".{name.rsplit('.', 1)[-1]}."
         parts = [p for p, (ours, _) in _FUSED.items() if ours == fused]  # a fused projection's, in order
         hf = [name.replace(fused[:-1], p[:-1]) + ".weight" for p in parts] or [f"{name}.weight"]
-        module.gguf_blocks = lambda names=hf: source.blocks(names)
+        # A file that stores the projection fused (Phi-3's attn_qkv, ffn_up) has it under our name.
+        module.gguf_blocks = lambda names=hf, own=[f"{name}.weight"]: source.blocks(names) or source.blocks(own)
 
 
 def _load_one(params: dict, name: str, tensor: torch.Tensor, args: ModelArgs, loaded: set[str]) -> None:
@@ -109,17 +116,17 @@ def _load_one(params: dict, name: str, tensor: torch.Tensor, args: ModelArgs, lo
     name = name.replace(".block_sparse_moe.", ".mlp.")
     expert = _EXPERT.search(name)
     if expert:
-        # Per-expert w1 (gate), w3 (up), w2 (down) go into the stacked expert weights.
-        j, w = int(expert[1]), expert[2]
-        inter, n = args.intermediate_size, args.num_experts
+        # Per-expert gate, up, down go into the stacked expert weights.
+        j, w = int(expert[1]), _EXPERT_PART[expert[2]]
+        inter, n = args.moe_intermediate_size or args.intermediate_size, args.num_experts
         if j >= n:
-            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint (num_local_experts={n})")
+            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint (num_experts={n})")
         prefix = name[: expert.start()] + ".experts."
-        if w == "w2":
+        if w == "down":
             _load_part(params, prefix + "down_proj", (j,), tensor, j, n, hf_name, loaded)
         else:
-            rows = slice(0, inter) if w == "w1" else slice(inter, 2 * inter)
-            _load_part(params, prefix + "gate_up_proj", (j, rows), tensor, 2 * j + (w == "w3"), 2 * n, hf_name,
+            rows = slice(0, inter) if w == "gate" else slice(inter, 2 * inter)
+            _load_part(params, prefix + "gate_up_proj", (j, rows), tensor, 2 * j + (w == "up"), 2 * n, hf_name,
                        loaded)
         return
     for hf_part, (ours, shard) in _FUSED.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from splitfuse.models.args import ModelArgs
+from splitfuse.models.gemma3 import Gemma3ForCausalLM
 from splitfuse.models.llama import LlamaForCausalLM
 
 # model_type -> the causal-LM class built for it; every class takes (args, ops, all_reduce) and
@@ -15,6 +16,9 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "mixtral": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 

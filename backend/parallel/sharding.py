@@ -1,12 +1,15 @@
 """Which slice of each checkpoint tensor a tensor-parallel rank keeps (Megatron-style layout).
 
-* Column-parallel (output rows split): q/k/v, gate/up, the experts' w1/w3. Each rank computes
-  its attention heads and its share of the MLP's intermediate features, with no communication.
-* Row-parallel (input columns split): o_proj and down_proj (and the experts' w2). Each rank's
-  product is a partial sum; the model all-reduces it (one all-reduce after attention, one after
-  the MLP per layer). Their biases stay on rank 0 only, so the sum adds them once.
+* Column-parallel (output rows split): q/k/v, gate/up, the experts' gate/up (w1/w3). Each rank
+  computes its attention heads and its share of the MLP's intermediate features, with no
+  communication; every rank holds a slice of every expert, so routing needs none either.
+* Row-parallel (input columns split): o_proj and down_proj (and the experts' down, w2). Each
+  rank's product is a partial sum; the model all-reduces it (one all-reduce after attention, one
+  after the MLP per layer). Their biases stay on rank 0 only, so the sum adds them once.
 * KV heads are split like the query heads; with fewer KV heads than ranks (Qwen2's single KV
   head) each rank keeps the one KV head its query heads read, so it is replicated.
+* A checkpoint that stores q/k/v or gate/up fused (Phi-3) is cut as its parts: the rank's rows
+  of q, of k and of v (of gate and of up), concatenated, never one block of the fused rows.
 * Everything else (embeddings, norms, the LM head, MoE routers) is replicated: every rank then
   holds the full hidden state after each all-reduce, and only rank 0 computes logits.
 
@@ -23,7 +26,7 @@ import torch
 
 from splitfuse.models.args import ModelArgs
 
-_EXPERT_PER = re.compile(r"\.experts\.\d+\.(w1|w2|w3)\.weight$")
+_EXPERT_PER = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|down_proj|up_proj)\.weight$")
 
 
 def check_divisible(args: ModelArgs, world_size: int) -> None:
@@ -35,6 +38,8 @@ def check_divisible(args: ModelArgs, world_size: int) -> None:
         problems.append(f"num_key_value_heads={args.num_kv_heads} (nor does it divide it)")
     if args.intermediate_size % world_size:
         problems.append(f"intermediate_size={args.intermediate_size}")
+    if args.moe_intermediate_size % world_size:
+        problems.append(f"moe_intermediate_size={args.moe_intermediate_size}")
     if problems:
         raise ValueError(f"tensor_parallel_size={world_size} does not divide {', '.join(problems)}")
 
@@ -47,6 +52,7 @@ def local_args(args: ModelArgs, world_size: int) -> ModelArgs:
         num_heads=args.num_heads // world_size,
         num_kv_heads=max(1, args.num_kv_heads // world_size),
         intermediate_size=args.intermediate_size // world_size,
+        moe_intermediate_size=args.moe_intermediate_size // world_size,
     )
 
 
@@ -57,6 +63,7 @@ class Sharder:
         check_divisible(args, world_size)
         self.rank, self.world_size = rank, world_size
         d = args.head_dim
+        self.q_size, self.kv_size = args.num_heads * d, args.num_kv_heads * d
         q_heads = args.num_heads // world_size
         self.q_rows = slice(rank * q_heads * d, (rank + 1) * q_heads * d)
         if args.num_kv_heads >= world_size:
@@ -69,6 +76,10 @@ class Sharder:
         self.intermediate = inter
         per = inter // world_size
         self.mlp_rows = slice(rank * per, (rank + 1) * per)
+        # The experts' width: Qwen3-MoE's moe_intermediate_size, else (Mixtral) the MLP's.
+        self.expert_inter = args.moe_intermediate_size or inter
+        per = self.expert_inter // world_size
+        self.expert_rows = slice(rank * per, (rank + 1) * per)
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         part = self._part(name, tensor)
@@ -84,14 +95,19 @@ class Sharder:
         if ".o_proj." in name:
             return self._row_parallel(t, self.q_rows, is_bias)
         if name.endswith(".experts.gate_up_proj"):  # stacked [E, 2I, H]: gate rows, then up rows
-            rows = self.mlp_rows
-            up = slice(self.intermediate + rows.start, self.intermediate + rows.stop)
+            rows = self.expert_rows
+            up = slice(self.expert_inter + rows.start, self.expert_inter + rows.stop)
             return torch.cat([t[:, rows], t[:, up]], dim=1)
         if name.endswith(".experts.down_proj"):  # stacked [E, H, I]
-            return t[:, :, self.mlp_rows]
+            return t[:, :, self.expert_rows]
         expert = _EXPERT_PER.search(name)
         if expert:
-            return t[:, self.mlp_rows] if expert[1] == "w2" else t[self.mlp_rows]
+            return t[:, self.expert_rows] if expert[1] in ("w2", "down_proj") else t[self.expert_rows]
+        if ".qkv_proj." in name:  # fused [q; k; v] rows
+            k, v = self.q_size, self.q_size + self.kv_size
+            return torch.cat([t[self.q_rows], t[k:][self.kv_rows], t[v:][self.kv_rows]])
+        if ".gate_up_proj." in name:  # fused [gate; up] rows
+            return torch.cat([t[self.mlp_rows], t[self.intermediate:][self.mlp_rows]])
         if ".gate_proj." in name or ".up_proj." in name:
             return t[self.mlp_rows]
         if ".down_proj." in name:

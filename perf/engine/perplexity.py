@@ -92,10 +92,11 @@ def engine_nll(llm: LLM, window: list[int]) -> tuple[float, int]:
 
 
 @torch.inference_mode()
-def transformers_nll(model_dir: str, chunks: list[list[int]]) -> float:
+def transformers_nll(model_dir: str, chunks: list[list[int]], **load) -> float:
+    """transformers' fp32 perplexity over the windows; `load`: more from_pretrained arguments (gguf_file)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
     nll, n = 0.0, 0
     for w in chunks:
         logits = model(torch.tensor([w])).logits[0, :-1].float()

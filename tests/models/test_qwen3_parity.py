@@ -114,7 +114,7 @@ def test_config_mapping():
 
 def test_unsupported_architectures_are_refused_by_name():
     cfg = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    for model_type in ("qwen3_moe", "gemma3"):
+    for model_type in ("qwen2_moe", "gemma2"):
         with pytest.raises(ValueError, match=f"unsupported model_type '{model_type}'"):
             ModelArgs.from_hf_config(cfg | dict(model_type=model_type))
 

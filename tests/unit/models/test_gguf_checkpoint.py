@@ -19,7 +19,7 @@ import torch
 gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of splitfuse-triton")
 
 from splitfuse import LLM, SamplingParams  # noqa: E402
-from splitfuse.models.gguf_checkpoint import GGUFError, convert, prepare_checkpoint  # noqa: E402
+from splitfuse.models.gguf_checkpoint import SUPPORTED_ARCHITECTURES, GGUFError, convert, prepare_checkpoint  # noqa: E402
 from gguf_files import write_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -67,7 +67,7 @@ def test_a_checkpoint_directory_passes_through(tiny_llama):
 @pytest.mark.parametrize("case,message", [
     ("not-gguf", "is not a readable GGUF file"),
     ("truncated", "is not a readable GGUF file"),
-    ("architecture", "architecture 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3)"),
+    ("architecture", f"architecture 'gpt2' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"),
     ("moe", "a mixture-of-experts llama GGUF is not supported"),
     ("tensor-type", "tensor 'blk.0.ffn_up.weight' has type I8, which the gguf package cannot dequantize"),
 ])
