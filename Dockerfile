@@ -41,7 +41,7 @@ FROM base AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY backend/ backend/
 COPY kernels/ kernels/
 COPY model_repository/ model_repository/
@@ -89,7 +89,9 @@ WORKDIR /tmp
 # (deploy/docker/entrypoint.sh); 9000 forwards Triton's HTTP API with --triton-proxy.
 EXPOSE 8002 8003 9000
 # The launcher's /ready: Triton's llm model ready (503 while a crashed server is being restarted).
-HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+# Start period sized for Llama-3.1-8B in bf16: the launcher's ready timeout, 600 s + 30 s/GB x 16.1 GB
+# = 1082 s, plus its own start: 1200 s. A .gguf's first-start conversion comes on top.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=1200s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8003/ready', timeout=4)"]
 ENTRYPOINT ["tini", "--", "/opt/splitfuse/entrypoint.sh"]
 CMD ["--model", "/opt/splitfuse/models/demo"]

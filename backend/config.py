@@ -84,8 +84,13 @@ class EngineConfig(_FromStrings):
     """Most sequences resident (running) at once."""
     num_kv_blocks: int | None = None
     """KV pool size in blocks; when unset it is derived from `kv_cache_memory_gb`."""
-    kv_cache_memory_gb: float = 1.0
-    """KV pool size in GiB, used when `num_kv_blocks` is unset."""
+    kv_cache_memory_gb: float | str = 1.0
+    """KV pool size in GiB, used when `num_kv_blocks` is unset; "auto": 70% of the memory this
+    process may use (its cgroup's limit, else MemAvailable) left after the weights of
+    `kv_cache_replicas` replicas, divided among them (utils/memory_budget.py)."""
+    kv_cache_replicas: int = 1
+    """Engine replicas on this host that share its memory, for kv_cache_memory_gb=auto (the
+    launcher sets it to --instances)."""
     max_model_len: int | None = None
     """Longest prompt + generation; defaults to the model's max_position_embeddings."""
     dtype: str = "auto"
@@ -200,8 +205,7 @@ class EngineConfig(_FromStrings):
         _check_positive("max_num_seqs", self.max_num_seqs)
         if self.num_kv_blocks is not None:
             _check_positive("num_kv_blocks", self.num_kv_blocks)
-        if not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        self._check_kv_cache_memory()
         if self.max_model_len is not None:
             _check_positive("max_model_len", self.max_model_len)
         _check_choice("dtype", self.dtype, DTYPES)
@@ -244,6 +248,17 @@ class EngineConfig(_FromStrings):
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9):
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         self._check_lora()
+
+    def _check_kv_cache_memory(self) -> None:
+        gb = self.kv_cache_memory_gb
+        _check_positive("kv_cache_replicas", self.kv_cache_replicas)
+        if gb == "auto":
+            # Both size a second pool or shard before this replica's weights are measured.
+            if self.tensor_parallel_size > 1 or self.speculative_method == "draft":
+                raise ValueError("kv_cache_memory_gb=auto cannot be combined with tensor_parallel_size > 1 or "
+                                 "speculative_method=draft; give kv_cache_memory_gb in GiB")
+        elif isinstance(gb, str) or isinstance(gb, bool) or not gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be a number of GiB > 0 or auto, got {gb!r}")
 
     def _check_lora(self) -> None:
         _check_positive("max_loras", self.max_loras)
@@ -332,8 +347,18 @@ class ServerConfig(_FromStrings):
     requests to the others (it would otherwise hand them to whichever replica takes them first:
     one held 30+ while the other ran dry, perf/results s35). The least loaded never waits.
     0 = off."""
+    numa_nodes: str = ""
+    """The NUMA node of each replica by instance index, comma-separated ("0,1": the first on
+    node 0, the second on node 1): its threads pinned to the node's CPUs (num_threads, when 0,
+    one per physical core there) and its memory bound there. The launcher's `--instances auto`
+    sets it on a machine with several nodes. Empty: not placed."""
+
+    def numa_node_list(self) -> list[int]:
+        return [int(n) for n in self.numa_nodes.split(",")] if self.numa_nodes.strip() else []
 
     def __post_init__(self) -> None:
+        if self.numa_nodes.strip() and not all(n.strip().isdigit() for n in self.numa_nodes.split(",")):
+            raise ValueError(f"numa_nodes must be node numbers separated by commas, got {self.numa_nodes!r}")
         _check_non_negative("default_temperature", self.default_temperature)
         if not (isinstance(self.max_waiting_requests, int) and not isinstance(self.max_waiting_requests, bool)
                 and self.max_waiting_requests >= 0):
@@ -375,7 +400,8 @@ def _convert(name: str, type_name: str, raw: str) -> Any:
         if type_name.startswith("int"):
             return int(raw)
         if type_name.startswith("float"):
-            return float(raw)
+            # "float | str": a number, or a word the field's own check accepts (kv_cache_memory_gb=auto)
+            return float(raw) if "str" not in type_name or _is_number(raw) else raw
         if type_name.startswith("bool"):
             if raw.lower() in ("1", "true", "yes", "on"):
                 return True
@@ -385,6 +411,14 @@ def _convert(name: str, type_name: str, raw: str) -> Any:
     except ValueError:
         raise ValueError(f"engine parameter {name!r}: cannot parse {raw!r} as {type_name}") from None
     return raw
+
+
+def _is_number(raw: str) -> bool:
+    try:
+        float(raw)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_positive(name: str, value: int) -> None:

@@ -11,6 +11,7 @@ from splitfuse.engine.block_manager import longest_sequence, pool_blocks_for
 from splitfuse.config import BLOCK_QUANTIZATIONS, EngineConfig
 from splitfuse.utils.cpu_budget import available_cpus
 from splitfuse.utils.host_allocator import keep_freed_memory
+from splitfuse.utils.memory_budget import AUTO_KV_SHARE, auto_kv_cache_bytes, memory_bound
 from splitfuse.kernels.cpu.paged_attention import huge_page_empty
 from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
@@ -104,8 +105,9 @@ class ModelRunner:
         self.kernels = KernelSet.create(self.attention_backend, self.dtype)
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.max_model_len = self._fit_max_model_len()
+        self.num_kv_blocks = 0
+        if config.kv_cache_memory_gb != "auto":  # auto sizes the pool once the weights are in
+            self._size_kv_cache()
         self.leader = None
         if world_size > 1 and group is None:
             from splitfuse.parallel.leader import Leader
@@ -130,6 +132,8 @@ class ModelRunner:
                                 all_reduce=group.all_reduce if group is not None else None)
         self._attach_lora()
         self.model.prepare_linears(self.linear_backend, config.quantization)
+        if not self.num_kv_blocks:
+            self._size_kv_cache()
         log.info("splitfuse: device=%s dtype=%s kv_cache_dtype=%s attention_backend=%s (requested %s) "
                  "linear_backend=%s (requested %s) quantization=%s weights=%s threads=%d", self.device,
                  str(self.dtype).removeprefix("torch."), str(self.kv_cache_dtype).removeprefix("torch."),
@@ -203,10 +207,27 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * a.num_layers * self.config.block_size * a.num_kv_heads * a.head_dim * itemsize
 
+    def _size_kv_cache(self) -> None:
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.max_model_len = self._fit_max_model_len()
+
+    def _kv_cache_bytes(self) -> int:
+        """kv_cache_memory_gb in bytes; for auto, from the memory bound and the weights just loaded."""
+        config = self.config
+        if config.kv_cache_memory_gb != "auto":
+            return int(float(config.kv_cache_memory_gb) * (1 << 30))
+        bound = memory_bound()
+        weights = sum(self.model.weight_memory().values())
+        kv = auto_kv_cache_bytes(bound.bytes, weights, config.kv_cache_replicas)
+        log.info("splitfuse: kv_cache_memory_gb=auto -> %.3g GiB: %.0f%% of %s %.3g GiB after %d replica(s) of "
+                 "%.3g GiB of weights, divided by %d", kv / (1 << 30), AUTO_KV_SHARE * 100, bound.source,
+                 bound.bytes / (1 << 30), config.kv_cache_replicas, weights / (1 << 30), config.kv_cache_replicas)
+        return kv
+
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        blocks = int(self.config.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_block()
+        blocks = self._kv_cache_bytes() // self.kv_bytes_per_block()
         # More blocks than max_num_seqs full-length sequences can ever use (beside the admission
         # watermark) would only waste memory.
         cap = pool_blocks_for(self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size),

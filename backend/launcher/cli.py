@@ -1,7 +1,7 @@
 """The command line: `python -m splitfuse.launcher` (what `make serve` runs).
 
     python -m splitfuse.launcher --model DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
-        [--param NAME=VALUE ...] [--lora NAME=PATH ...] [--instances N] [--model-repository-out DIR]
+        [--param NAME=VALUE ...] [--lora NAME=PATH ...] [--instances N|auto] [--model-repository-out DIR]
         [--openai-port 9000 [--served-model-name NAME] [--max-logprob-entries N]]
         [--host 127.0.0.1] [--triton-host 127.0.0.1] [--triton-proxy]
 
@@ -27,31 +27,34 @@ from splitfuse.launcher import hidden_args
 from splitfuse.launcher.default_model import RANDOM_WARNING, is_random_demo
 from splitfuse.launcher.health import HealthServer
 from splitfuse.launcher.lora import LORA_MODULES, lora_params, resolve_lora_modules
+from splitfuse.launcher.numa_instances import describe, instances_arg, resolve_instances
 from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import ADMIN_APIS, ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
 from splitfuse.launcher.supervisor import FrontWatch, RestartBudget, Watchdog, exit_description
 from splitfuse.launcher.repository import LLM_MODEL, TEMPLATE_ENV, parse_params, render_model_repository
+from splitfuse.launcher.startup_budget import READY_BASE_S, READY_S_PER_GB, default_ready_timeout
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 from splitfuse.openai_api.config import API_KEY_ENV, ApiConfig, check_served_model_name, key_from
 from splitfuse.triton_server.control import read_limits, write_faults
+from splitfuse.utils.cli_help import DefaultsHelpFormatter
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m splitfuse.launcher", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--model", required=True,
                    help="Hugging Face checkpoint directory, or a .gguf file (converted once into the GGUF cache)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--http-port", type=int, default=8000, help="Triton's HTTP/REST inference port")
+    p.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC inference port")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Triton's Prometheus metrics port (GET /metrics)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address the public endpoints bind to: the OpenAI front, Triton's metrics and the health "
-                        "port (default: loopback only; 0.0.0.0 exposes them on every interface)")
+                        "port (loopback only by default; 0.0.0.0 exposes them on every interface)")
     p.add_argument("--triton-host", default="127.0.0.1",
-                   help="address Triton's HTTP and gRPC inference endpoints bind to (default: loopback only). They "
+                   help="address Triton's HTTP and gRPC inference endpoints bind to (loopback only by default). They "
                         "have no authentication: whoever reaches them runs any request, regex and grammar guides "
                         "included; see --triton-proxy for an authenticated path")
     p.add_argument("--triton-proxy", action="store_true",
@@ -63,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="serve a LoRA adapter (a PEFT folder) over the model under NAME, repeatable: requests pick it "
                         "with the lora_name input, OpenAI requests with model=NAME (engine parameter lora_modules; "
                         "--param max_loras=N bounds how many are in memory at once)")
-    p.add_argument("--instances", type=int, default=1, help="llm instance_group count (engine replicas)")
+    p.add_argument("--instances", type=instances_arg, default=1, metavar="N",
+                   help="llm instance_group count (engine replicas), or auto: one per NUMA node, each pinned to "
+                        "its node's cores and memory (one replica on a single-node machine)")
     p.add_argument("--openai-port", type=int, default=0,
                    help="also serve the OpenAI-compatible API on this port (0: not started)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -72,21 +77,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprob-entries", type=int, default=None, metavar="N",
                    help="the OpenAI front's bound on log-probability entries per request (default: the front's, "
                         f"{ApiConfig.max_logprob_entries}; needs --openai-port)")
-    p.add_argument("--preprocessing-instances", type=int, default=1)
+    p.add_argument("--preprocessing-instances", type=int, default=1,
+                   help="preprocessing instance_group count (tokenizer instances in front of the engines)")
     p.add_argument("--model-name-prefix", default="",
                    help="put before our three models' names (<prefix>ensemble, <prefix>llm, <prefix>preprocessing), "
-                        "so several LLMs, or ours beside other models, share one repository")
+                        "so several LLMs, or ours beside other models, share one repository (default: none)")
     p.add_argument("--model-repository-out", default=None,
                    help="where to render the model repository (default: a temporary directory)")
     p.add_argument("--model-repository-template", default=None,
                    help=f"template repository (default: ${TEMPLATE_ENV} or the source tree's model_repository/)")
     p.add_argument("--triton-root", default=None, help="directory with bin/tritonserver (default: the pytriton wheel)")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--ready-timeout", type=float, default=None,
+                   help="seconds tritonserver (and, after a fault, a restarted one) may take to report ready before "
+                        f"the launcher stops it (default: {READY_BASE_S:.0f} + {READY_S_PER_GB:.0f} per GB of "
+                        "checkpoint per replica)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C/SIGTERM, seconds in-flight generations get to finish before they are aborted")
     p.add_argument("--exit-timeout", type=int, default=10,
                    help="tritonserver --exit-timeout-secs: time to unload the models after the drain")
-    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level (0: off)")
     p.add_argument("--admin-key-file", default=None,
                    help=f"file whose first line opens Triton's admin APIs ({', '.join(ADMIN_APIS)}) as the "
                         f"'{ADMIN_HEADER}' header (default: ${ADMIN_KEY_ENV}; neither: they are closed)")
@@ -111,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         params = lora_params(parse_params(args.param), args.lora)
+        args.instances, params, plan = resolve_instances(args.instances, params)
+        if plan:
+            print(f"splitfuse.launcher: {describe(plan)}", file=sys.stderr, flush=True)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -138,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.render_only:
             print(f"rendered model repository: {repo}")
             return 0
+        ready_timeout = _ready_timeout(args, model, params)
         backend_dir = build_backend_dir(work / "backends", install)
         server = TritonServer(
             model_repository=repo, backend_dir=backend_dir, http_port=args.http_port, grpc_port=args.grpc_port,
@@ -167,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                                   restarts=lambda: healing.restarts)
             health.start()
         try:
-            return _run_foreground(server, args.ready_timeout, front, healing, front_watch)
+            return _run_foreground(server, ready_timeout, front, healing, front_watch)
         except StopNow:
             _kill_now(server, front)  # again: a restart under way may have started one since
             print("splitfuse.launcher: killed at the second signal", file=sys.stderr, flush=True)
@@ -180,6 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _ready_timeout(args: argparse.Namespace, model: str, params: dict) -> float:
+    """--ready-timeout, or when it is not given the default for this checkpoint (startup_budget.py), logged."""
+    if args.ready_timeout is not None:
+        return args.ready_timeout
+    seconds, nbytes = default_ready_timeout(model, params, args.instances)
+    print(f"splitfuse.launcher: start-up budget {seconds:.0f}s: {READY_BASE_S:.0f}s + {READY_S_PER_GB:.0f}s/GB x "
+          f"{nbytes / 1e9:.2f} GB x {args.instances} replica(s)", file=sys.stderr, flush=True)
+    return seconds
 
 
 def _options_error(args: argparse.Namespace, params: dict) -> str | None:

@@ -92,10 +92,17 @@ def render_model_repository(
     def edit_llm(cfg) -> None:
         for key, value in params.items():
             cfg.parameters[key].string_value = str(value)
-        if instances > 1 and cfg.parameters["num_threads"].string_value in ("", "0"):
+        placed = cfg.parameters["numa_nodes"].string_value.strip() if "numa_nodes" in cfg.parameters else ""
+        if placed and len(placed.split(",")) != instances:
+            raise ValueError(f"numa_nodes={placed!r} names {len(placed.split(','))} node(s) for {instances} llm "
+                             "instance(s): give one node per instance")
+        if instances > 1 and not placed and cfg.parameters["num_threads"].string_value in ("", "0"):
             # Replicas share the machine: each engine's OpenMP team gets its share of the cores
-            # (N replicas of one thread per core would oversubscribe every core N times).
+            # (N replicas of one thread per core would oversubscribe every core N times). Replicas
+            # placed on NUMA nodes take their node's cores instead (numa_placement.py).
             cfg.parameters["num_threads"].string_value = str(replica_threads(instances))
+        if "kv_cache_replicas" not in params:  # kv_cache_memory_gb=auto divides the memory among them
+            cfg.parameters["kv_cache_replicas"].string_value = str(instances)
         values = {k: v.string_value for k, v in cfg.parameters.items()}
         _check_filled(LLM_MODEL, values)
         split_parameters(values)  # raises ValueError naming the bad field

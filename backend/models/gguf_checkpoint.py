@@ -44,6 +44,7 @@ import torch
 
 from splitfuse.models.gguf_gemma3 import configure_gemma3, gemma3_hf_name, is_shifted_norm
 from splitfuse.models.gguf_phi3 import ROPE_FACTOR_TENSORS, configure_phi3, phi3_gguf_name, phi3_hf_name
+from splitfuse.models.gguf_names import layer_hf_name
 from splitfuse.models.gguf_moe import MOE_ARCHITECTURES, GGUFMoeError, configure_moe, expert_hf_name, merge_experts
 from splitfuse.utils.cache_dir import cache_dir as splitfuse_cache_dir
 
@@ -163,11 +164,7 @@ def _unpermute_rotary(w: torch.Tensor, heads: int, name: str, field: str) -> tor
 def _hf_name(name: str) -> str | None:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
-    if name.startswith("blk."):
-        _, layer, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
-    return None
+    return layer_hf_name(name, _LAYER_NAMES)
 
 
 def _tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> tuple[dict[str, torch.Tensor], set[str]]:

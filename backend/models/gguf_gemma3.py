@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from splitfuse.models.gguf_names import layer_hf_name
+
 _NORMS = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -24,11 +26,7 @@ _NORMS = {
 def gemma3_hf_name(name: str) -> str | None:
     """The Hugging Face name of a gemma3 layer norm whose GGUF name means another thing in the
     Llama layout; None for every other tensor (the Llama names apply)."""
-    if name.startswith("blk."):
-        _, layer, rest = name.split(".", 2)
-        if rest in _NORMS:
-            return f"model.layers.{layer}.{_NORMS[rest]}"
-    return None
+    return layer_hf_name(name, _NORMS)
 
 
 def is_shifted_norm(name: str) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from splitfuse.models.gguf_names import layer_hf_name
+
 MOE_ARCHITECTURES = ("qwen3moe",)
 # GGUF tensor name (after "blk.N.") -> ours (after "model.layers.N."); gate and up are joined
 # by merge_experts.
@@ -63,8 +65,4 @@ def merge_experts(tensors: dict[str, torch.Tensor]) -> None:
 
 def expert_hf_name(name: str) -> str | None:
     """Our name for a GGUF expert or router tensor ("blk.N.ffn_*_exps.weight"), else None."""
-    if name.startswith("blk."):
-        _, layer, rest = name.split(".", 2)
-        if rest in EXPERT_NAMES:
-            return f"model.layers.{layer}.{EXPERT_NAMES[rest]}"
-    return None
+    return layer_hf_name(name, EXPERT_NAMES)

@@ -18,17 +18,15 @@ from typing import Any, Callable
 
 import numpy as np
 
+from splitfuse.models.gguf_names import layer_hf_name
+
 _FUSED = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
 
 def phi3_hf_name(name: str) -> str | None:
     """The Hugging Face name of a phi3 fused tensor; None for every other (Llama names apply)."""
-    if name.startswith("blk."):
-        _, layer, rest = name.split(".", 2)
-        if rest in _FUSED:
-            return f"model.layers.{layer}.{_FUSED[rest]}"
-    return None
+    return layer_hf_name(name, _FUSED)
 
 
 def phi3_gguf_name(hf_name: str) -> str | None:

@@ -6,7 +6,7 @@ other models). Run it beside Triton:
 
     python -m splitfuse.openai_api --model DIR --triton-grpc-url 127.0.0.1:8001 --port 9000
 
-or from Python: `run(ApiConfig(model_dir, triton_grpc_url, host, port))`, or mount
+or from Python: `run(ApiConfig(model_dir=DIR, triton_grpc_url="127.0.0.1:8001", port=9000))`, or mount
 `build_app(config)` in an ASGI server of your own.
 """
 

@@ -25,7 +25,7 @@ def check_served_model_name(name: str) -> str:
     return name
 
 
-@dataclass
+@dataclass(kw_only=True)  # keywords only: a positional host once landed in triton_model
 class ApiConfig:
     model_dir: str
     """The checkpoint the Triton server runs: its tokenizer (and chat template) is used here."""

@@ -23,7 +23,9 @@ import triton_python_backend_utils as pb_utils
 
 from splitfuse.config import split_parameters
 from splitfuse.triton_server.control import Control
+from splitfuse.triton_server import triton_log
 from splitfuse.triton_server.live import Live
+from splitfuse.triton_server.numa_placement import apply_numa, log_cpu_placement
 from splitfuse.engine.loop import GUIDE_REFUSED, EngineLoop
 from splitfuse.errors import SERVER_BUSY, ServerBusyError
 from splitfuse.engine.sequence import RequestOutput
@@ -61,10 +63,14 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("llm needs `model_transaction_policy { decoupled: true }`")
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-        config, self.server = split_parameters(params)
-        self.config = config
         self.model_name = args["model_name"]
         self.instance = args["model_instance_name"]
+        # The engine's start-up lines (KV pool, backends, placement) into Triton's log.
+        self.log_handler = triton_log.install(self.instance)
+        config, self.server = split_parameters(params)
+        # Before the engine's threads exist: they inherit the node's CPUs and memory policy.
+        config, node = apply_numa(config, self.server, self.instance)
+        self.config = config
         self.recorder = MetricsRecorder()
         self.loop = EngineLoop(config, on_step=self.recorder.step, server=self.server)
         self.engine = self.loop.start()  # built on the engine's own thread
@@ -85,6 +91,7 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
+        log_cpu_placement(node)
         runner = self.engine.runner
         pb_utils.Logger.log_info(
             f"{self.instance}: splitfuse engine ready: device={runner.device} "
@@ -132,6 +139,7 @@ class TritonPythonModel:
         self.balance.close()
         self.control.close()
         self.metrics.close()
+        triton_log.uninstall(self.log_handler)
 
     # ---- requests ----------------------------------------------------------------------------
     def _start(self, request, sender) -> None:

@@ -13,8 +13,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 
 
-def _own_cgroup(root: Path, proc_cgroup: Path) -> tuple[Path | None, Path | None]:
-    """(the v2 directory, the v1 cpu controller directory) of this process's cgroup."""
+def own_cgroup(root: Path, proc_cgroup: Path, controller: str = "cpu") -> tuple[Path | None, Path | None]:
+    """(the v2 directory, the v1 `controller` directory) of this process's cgroup."""
     v2 = v1 = None
     try:
         lines = proc_cgroup.read_text().splitlines()
@@ -25,7 +25,7 @@ def _own_cgroup(root: Path, proc_cgroup: Path) -> tuple[Path | None, Path | None
         rel = path.lstrip("/")
         if controllers == "":
             v2 = root / rel
-        elif "cpu" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1 = root / controllers / rel
     return v2, v1
 
@@ -33,7 +33,7 @@ def _own_cgroup(root: Path, proc_cgroup: Path) -> tuple[Path | None, Path | None
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
     """The CPU quota as a number of CPUs, or None when there is none. In cgroup v2 every
     ancestor's `cpu.max` bounds the process too: the smallest applies."""
-    v2, v1 = _own_cgroup(root, proc_cgroup)
+    v2, v1 = own_cgroup(root, proc_cgroup)
     limits: list[float] = []
     if v2 is not None:
         d = v2

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from datetime import datetime, timezone
@@ -28,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: perf/ is a package
 from perf.common.machine import machine_info  # noqa: E402
 from perf.common.paths import RESULTS  # noqa: E402
-from perf.engine.perplexity import engine_nll, reference_text, transformers_nll, windows  # noqa: E402
+from perf.engine.perplexity import engine_perplexity, reference_text, transformers_nll, windows  # noqa: E402
 
 from splitfuse import LLM  # noqa: E402
 
@@ -46,14 +45,10 @@ def score(model_dir: str, mode: str, chunks: list[list[int]], window: int, threa
     started = time.perf_counter()
     with LLM(model_dir, num_threads=threads, max_model_len=window, enable_prefix_caching=False, **MODES[mode]) as llm:
         load_s = time.perf_counter() - started
-        t = time.perf_counter()
-        nll, n = 0.0, 0
-        for w in chunks:
-            a, b = engine_nll(llm, w)
-            nll, n = nll + a, n + b
+        perplexity, n, seconds = engine_perplexity(llm, chunks)
         runner = llm.engine.runner
-        return {"mode": mode, "settings": MODES[mode], "perplexity": math.exp(nll / n), "tokens_scored": n,
-                "scored_tokens_per_s": n / (time.perf_counter() - t), "load_s": load_s,
+        return {"mode": mode, "settings": MODES[mode], "perplexity": perplexity, "tokens_scored": n,
+                "scored_tokens_per_s": n / seconds, "load_s": load_s,
                 "linear": runner.linear_backend, "attention": runner.attention_backend,
                 "decoder_layers": runner.decoder_layers, "weights": runner.weight_memory_summary()}
 

@@ -91,6 +91,16 @@ def engine_nll(llm: LLM, window: list[int]) -> tuple[float, int]:
     return -logp.gather(1, target[:, None]).sum().item(), len(window) - 1
 
 
+def engine_perplexity(llm: LLM, chunks: list[list[int]]) -> tuple[float, int, float]:
+    """The engine's perplexity over `chunks` (each scored alone), the tokens scored, and seconds taken."""
+    t = time.perf_counter()
+    nll, n = 0.0, 0
+    for w in chunks:
+        a, b = engine_nll(llm, w)
+        nll, n = nll + a, n + b
+    return math.exp(nll / n), n, time.perf_counter() - t
+
+
 @torch.inference_mode()
 def transformers_nll(model_dir: str, chunks: list[list[int]], **load) -> float:
     """transformers' fp32 perplexity over the windows; `load`: more from_pretrained arguments (gguf_file)."""
@@ -119,12 +129,7 @@ def measure(model: str, mode: str, chunks: list[list[int]], gen_tokens: int, agr
     started = time.perf_counter()
     with LLM(model, num_threads=threads, **MODES[mode]) as llm:
         load_s = time.perf_counter() - started
-        t = time.perf_counter()
-        nll, n = 0.0, 0
-        for w in chunks:
-            a, b = engine_nll(llm, w)
-            nll, n = nll + a, n + b
-        score_s = time.perf_counter() - t
+        perplexity, n, score_s = engine_perplexity(llm, chunks)
         prompts = chat_prompts(llm)
         greedy = SamplingParams(max_tokens=agree_tokens, temperature=0.0)
         answers = [o.token_ids for o in llm.generate(prompts, greedy)]
@@ -135,7 +140,7 @@ def measure(model: str, mode: str, chunks: list[list[int]], gen_tokens: int, agr
         runner = llm.engine.runner
         backends = {"linear": runner.linear_backend, "attention": runner.attention_backend,
                     "decoder_layers": runner.decoder_layers, "weights": runner.weight_memory_summary()}
-    result = {"mode": mode, "settings": MODES[mode], "perplexity": math.exp(nll / n), "tokens_scored": n,
+    result = {"mode": mode, "settings": MODES[mode], "perplexity": perplexity, "tokens_scored": n,
               "scored_tokens_per_s": n / score_s, "decode_tokens_per_s": sum(len(o.token_ids) for o in outs) / gen_s,
               "load_s": load_s, "answers": answers, **backends}
     if fp32_answers is not None:

@@ -238,7 +238,7 @@ def test_copy_sources_exist_and_are_in_the_context():
     # The package build (pip install .) needs these beside pyproject.toml.
     for path in DOCKERFILES.values():
         copied = {s.rstrip("/") for st in _stages(path) for f, ss, _ in _copies(st) if f is None for s in ss}
-        assert {"pyproject.toml", "setup.py", "README.md", "backend", "kernels", "model_repository"} <= copied, \
+        assert {"pyproject.toml", "setup.py", "README.md", "LICENSE", "backend", "kernels", "model_repository"} <= copied, \
             f"{path.name}: {copied}"
 
 
@@ -302,6 +302,11 @@ def test_image_runtime_stage(image):
     defaults = _launcher_args([])
     assert f"http://127.0.0.1:{defaults.health_port}/ready" in argv[2], argv
     assert "--start-period=" in m.group(1), "model load takes minutes: a start period is needed"
+    # Sized for an 8B in bf16: at least the launcher's default ready timeout for that checkpoint.
+    from splitfuse.launcher.startup_budget import ready_timeout_for
+    from splitfuse.tools.sizing import LLAMA_31_8B, weight_bytes
+    start = int(re.search(r"--start-period=(\d+)s", m.group(1)).group(1))
+    assert start >= ready_timeout_for(int(weight_bytes(LLAMA_31_8B, "bf16"))), start
 
 
 def test_gpu_image_is_triton_25_07_or_later_with_the_serve_extra():

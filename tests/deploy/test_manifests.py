@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from splitfuse.launcher.startup_budget import ready_timeout_for
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KSERVE = ROOT / "deploy" / "kserve"
@@ -36,7 +38,8 @@ MIN_KUSTOMIZE = (4, 0)
 
 DRAIN_TIMEOUT_DEFAULT = 30.0
 EXIT_TIMEOUT_DEFAULT = 10
-STARTUP_WINDOW_S = 600  # model load: at least --ready-timeout's default
+STARTUP_WINDOW_S = 600  # model load: at least --ready-timeout's base
+GIB = 1 << 30
 SECRET_NAME = "splitfuse-triton-keys"
 SERVICE_PORTS = {"metrics": 8002, "openai": 9000}
 # Triton's own ports (no authentication): on the Service only with components/triton-ports.
@@ -198,6 +201,44 @@ def _pod(objs: list[dict]) -> dict:
     return _one(objs, "Deployment")["spec"]["template"]
 
 
+def _llama_8b_bf16_bytes() -> int:
+    from splitfuse.tools.sizing import LLAMA_31_8B, weight_bytes
+    return int(weight_bytes(LLAMA_31_8B, "bf16"))
+
+
+def _gib(quantity: str) -> float:
+    units = {"Gi": GIB, "Mi": 1 << 20}
+    return float(quantity[:-2]) * units[quantity[-2:]] / GIB
+
+
+@pytest.mark.parametrize("overlay", [ov for ov in ALL if ov.startswith("cpu")])
+def test_the_cpu_overlay_holds_an_8b_in_bf16_and_keeps_its_caches(rendered, overlay):
+    """Memory limit: the 8B's bf16 weights, the KV pool kv_cache_memory_gb=auto takes of it, the
+    /dev/shm volume, and at least 2 GiB for the rest; the model and the cache on claims of this
+    kustomization (not emptyDirs rebuilt at every start); the init container's Hub download."""
+    from splitfuse.utils.memory_budget import auto_kv_cache_bytes
+    pod = _pod(rendered[overlay])
+    c = _server(pod)
+    assert "kv_cache_memory_gb=auto" in _launcher_args(c).param
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    limit = _gib(c["resources"]["limits"]["memory"]) * GIB
+    shm = _gib(volumes["dshm"]["emptyDir"]["sizeLimit"]) * GIB
+    weights = _llama_8b_bf16_bytes()
+    kv = auto_kv_cache_bytes(int(limit), weights, 1)
+    assert kv >= 8 * GIB, f"the KV pool ({kv / GIB:.1f} GiB) should hold 8 contexts of 8k tokens"
+    assert limit - weights - kv - shm >= 2 * GIB, (limit, weights, kv, shm)
+    claims = {o["metadata"]["name"] for o in rendered[overlay] if o["kind"] == "PersistentVolumeClaim"}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    cache_mount = next(m for m in c["volumeMounts"] if m["mountPath"] == env["XDG_CACHE_HOME"])
+    assert volumes[cache_mount["name"]]["persistentVolumeClaim"]["claimName"] in claims
+    init = next(i for i in pod["spec"]["initContainers"] if i["name"] == "prepare-model")
+    script = init["args"][0]
+    assert "snapshot_download(os.environ[\"HF_REPO\"]" in script and "huggingface-cli" not in script
+    init_env = {e["name"]: e for e in init["env"]}
+    assert init_env["HF_HOME"]["value"].startswith("/tmp/"), "the root filesystem is read-only"
+    assert init_env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+
+
 def _server(pod: dict) -> dict:
     containers = pod["spec"]["containers"]
     assert len(containers) == 1, [c["name"] for c in containers]
@@ -242,7 +283,9 @@ def test_launcher_arguments_and_probes(rendered, overlay):
     path, port, startup = _probe(c, "startupProbe")
     assert (path, port) in probes
     window = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
-    assert window >= max(STARTUP_WINDOW_S, args.ready_timeout), f"startup window {window}s is too short for model load"
+    # Sized for an 8B in bf16: at least the launcher's own default for that checkpoint.
+    ready = args.ready_timeout if args.ready_timeout is not None else ready_timeout_for(_llama_8b_bf16_bytes())
+    assert window >= max(STARTUP_WINDOW_S, ready), f"startup window {window}s is too short for model load"
 
     declared = {p["containerPort"] for p in c["ports"]}
     assert {8002, 9000, args.health_port} <= declared, declared
@@ -280,7 +323,8 @@ def test_shared_memory_resources_and_grace_period(rendered, overlay):
     else:
         assert "nvidia.com/gpu" not in limits, limits
     params = _launcher_args(c).param
-    assert "dtype=auto" in params, params
+    # cpu: bfloat16 pinned, so that the 8B it is sized for fits on CPUs where auto picks float32.
+    assert ("dtype=bfloat16" if overlay.startswith("cpu") else "dtype=auto") in params, params
 
     args = _launcher_args(c)
     prestop = c.get("lifecycle", {}).get("preStop", {})

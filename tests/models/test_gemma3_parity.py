@@ -21,9 +21,10 @@ import torch
 from splitfuse import LLM
 from splitfuse.kernels.cpu import decoder as cpu_decoder
 from splitfuse.models.args import ModelArgs
-from splitfuse.tools.demo_model import SIZES, build_tokenizer
+from splitfuse.tools.demo_model import SIZES
+from random_checkpoint import save_random_checkpoint
 from test_parity import _hf_reference
-from test_qwen3_parity import _params, _prompts
+from test_qwen3_parity import _params, _prompts, assert_two_ranks_match_hf
 
 HEAD_DIM = 32  # hidden 64 / 4 heads = 16
 ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0},
@@ -37,21 +38,10 @@ def build_gemma3(out: Path, seed: int = 0, legacy: bool = False, **overrides) ->
     """A random-weight Gemma 3 text checkpoint with the demo tokenizer."""
     import transformers
 
-    out.mkdir(parents=True, exist_ok=True)
     shape = dict(SIZES["tiny"]) | dict(num_hidden_layers=3, head_dim=HEAD_DIM, initializer_range=0.1,
                                        max_position_embeddings=4096, sliding_window=8, query_pre_attn_scalar=24)
-    shape |= overrides
-    tok = build_tokenizer(out, shape["vocab_size"], seed)
-    shape["vocab_size"] = len(tok)
-    config = transformers.Gemma3TextConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                           pad_token_id=None, **shape)
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():  # Gemma's norms start at zero (a scale of 1): random ones make each count
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(out, safe_serialization=True)
+    save_random_checkpoint(out, transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, shape | overrides,
+                           seed, _randomize_norms)
     if legacy:
         cfg = json.loads((out / "config.json").read_text())
         for key in ("layer_types", "rope_parameters"):
@@ -60,6 +50,12 @@ def build_gemma3(out: Path, seed: int = 0, legacy: bool = False, **overrides) ->
                     rope_scaling={"rope_type": "linear", "factor": 2.0})
         (out / "config.json").write_text(json.dumps(cfg))
     return str(out)
+
+
+def _randomize_norms(model) -> None:
+    for name, p in model.named_parameters():  # Gemma's norms start at zero (a scale of 1): random ones count
+        if "norm" in name:
+            p.normal_(0.0, 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -157,14 +153,7 @@ def test_sliding_layers_rope_type_we_do_not_build_is_refused():
 
 @pytest.mark.slow  # a two-rank engine (processes)
 def test_gemma3_two_ranks_match_hf(tmp_path_factory):
-    path = build_gemma3(tmp_path_factory.mktemp("gemma3_tp"), **TIED)
-    prompts = _prompts(json.loads(Path(path, "config.json").read_text())["vocab_size"])
-    refs = _hf_reference(path, prompts)
-    with LLM(path, dtype="float32", tensor_parallel_size=2, num_threads=1, token_budget=12, block_size=4) as llm:
-        assert llm.engine.runner.args.num_heads == 2 and llm.engine.runner.args.num_kv_heads == 1
-        got = [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
-        llm.engine.check_invariants()
-    assert got == refs
+    assert_two_ranks_match_hf(build_gemma3(tmp_path_factory.mktemp("gemma3_tp"), **TIED))
 
 
 def test_gemma3_gguf_converts_and_matches(tmp_path, monkeypatch):

@@ -27,7 +27,8 @@ import torch
 from splitfuse import LLM, SamplingParams
 from splitfuse.kernels.cpu import decoder as cpu_decoder
 from splitfuse.models.args import ModelArgs
-from splitfuse.tools.demo_model import SIZES, build_tokenizer
+from splitfuse.tools.demo_model import SIZES
+from random_checkpoint import save_random_checkpoint
 from test_parity import _hf_reference
 
 ORIGINAL = 32  # original_max_position_embeddings: the LongRoPE switch
@@ -58,18 +59,9 @@ def build_phi3(out: Path, seed: int = 0, **overrides) -> str:
     """A random-weight Phi-3 checkpoint with the demo tokenizer."""
     import transformers
 
-    out.mkdir(parents=True, exist_ok=True)
     shape = dict(SIZES["tiny"]) | dict(initializer_range=0.1, max_position_embeddings=MAX_POSITIONS,
                                        original_max_position_embeddings=ORIGINAL)
-    shape |= overrides
-    tok = build_tokenizer(out, shape["vocab_size"], seed)
-    shape["vocab_size"] = len(tok)
-    config = transformers.Phi3Config(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                     pad_token_id=None, **shape)
-    torch.manual_seed(seed)
-    model = transformers.Phi3ForCausalLM(config).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    return str(out)
+    return save_random_checkpoint(out, transformers.Phi3Config, transformers.Phi3ForCausalLM, shape | overrides, seed)
 
 
 def _prompts(vocab: int) -> list[list[int]]:

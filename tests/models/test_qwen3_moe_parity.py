@@ -18,13 +18,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from splitfuse import LLM
 from splitfuse.kernels.cpu import decoder as cpu_decoder
 from splitfuse.models.args import ModelArgs
 from splitfuse.models.gguf_checkpoint import GGUFError, convert
-from splitfuse.tools.demo_model import SIZES, build_tokenizer
+from splitfuse.tools.demo_model import SIZES
+from random_checkpoint import save_random_checkpoint
 from test_parity import _hf_reference
 from test_qwen3_parity import HEAD_DIM, _params, _prompts
 
@@ -41,26 +41,20 @@ def build_qwen3_moe(out: Path, seed: int = 0, **overrides) -> str:
     """A random-weight Qwen3-MoE checkpoint with the demo tokenizer, saved by transformers."""
     import transformers
 
-    out.mkdir(parents=True, exist_ok=True)
     shape = dict(SIZES["tiny"]) | MOE_SHAPE | dict(head_dim=HEAD_DIM, initializer_range=0.1,
                                                    max_position_embeddings=4096)
-    shape |= overrides
-    tok = build_tokenizer(out, shape["vocab_size"], seed)
-    shape["vocab_size"] = len(tok)
-    config = transformers.Qwen3MoeConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                         pad_token_id=None, **shape)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
-            layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
-            if hasattr(layer.mlp, "experts"):  # clear top-2 picks; experts that outweigh the residual
-                layer.mlp.gate.weight.normal_(0.0, 1.0)
-                layer.mlp.experts.gate_up_proj.normal_(0.0, 0.2)
-                layer.mlp.experts.down_proj.normal_(0.0, 0.2)
-    model.save_pretrained(out, safe_serialization=True)
-    return str(out)
+    return save_random_checkpoint(out, transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                                  shape | overrides, seed, _randomize_norms_and_experts)
+
+
+def _randomize_norms_and_experts(model) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
+        layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
+        if hasattr(layer.mlp, "experts"):  # clear top-2 picks; experts that outweigh the residual
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+            layer.mlp.experts.gate_up_proj.normal_(0.0, 0.2)
+            layer.mlp.experts.down_proj.normal_(0.0, 0.2)
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from splitfuse import LLM, SamplingParams
 from splitfuse.kernels.cpu import decoder as cpu_decoder
 from splitfuse.models.args import ModelArgs
-from splitfuse.tools.demo_model import SIZES, build_tokenizer
+from splitfuse.tools.demo_model import SIZES
+from random_checkpoint import save_random_checkpoint
 from test_parity import _hf_reference, _max_tokens
 
 HEAD_DIM = 32  # tiny size: hidden 64 / 4 heads = 16; Qwen3 takes head_dim from its config
@@ -37,25 +37,18 @@ def build_qwen3(out: Path, seed: int = 0, **overrides) -> str:
     """A random-weight Qwen3 checkpoint with the demo tokenizer (demo_model builds the others)."""
     import transformers
 
-    out.mkdir(parents=True, exist_ok=True)
     shape = dict(SIZES["tiny"]) | dict(head_dim=HEAD_DIM, initializer_range=0.1, max_position_embeddings=4096)
-    shape |= overrides
-    tok = build_tokenizer(out, shape["vocab_size"], seed)
-    shape["vocab_size"] = len(tok)
-    config = transformers.Qwen3Config(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                      pad_token_id=None, **shape)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():  # the norms start at ones: random weights make a dropped norm visible
-        for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
-            layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                         layer.self_attn.o_proj):
-                if proj.bias is not None:
-                    proj.bias.normal_(0.0, 0.1)
-    model.save_pretrained(out, safe_serialization=True)
-    return str(out)
+    return save_random_checkpoint(out, transformers.Qwen3Config, transformers.Qwen3ForCausalLM, shape | overrides,
+                                  seed, _randomize_norms_and_biases)
+
+
+def _randomize_norms_and_biases(model) -> None:
+    for layer in model.model.layers:  # the norms start at ones: random weights make a dropped norm visible
+        layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
+        layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+            if proj.bias is not None:
+                proj.bias.normal_(0.0, 0.1)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -121,7 +114,11 @@ def test_unsupported_architectures_are_refused_by_name():
 
 @pytest.mark.slow  # a two-rank engine (processes)
 def test_qwen3_two_ranks_match_hf(tmp_path_factory):
-    path = build_qwen3(tmp_path_factory.mktemp("qwen3_tp"), tie_word_embeddings=True)
+    assert_two_ranks_match_hf(build_qwen3(tmp_path_factory.mktemp("qwen3_tp"), tie_word_embeddings=True))
+
+
+def assert_two_ranks_match_hf(path: str) -> None:
+    """Two ranks, each with 2 of the 4 query heads and 1 of the 2 KV heads, give transformers' tokens."""
     prompts = _prompts(json.loads(Path(path, "config.json").read_text())["vocab_size"])
     refs = _hf_reference(path, prompts)
     with LLM(path, dtype="float32", tensor_parallel_size=2, num_threads=1, token_budget=12, block_size=4) as llm:

@@ -28,8 +28,8 @@ from splitfuse.launcher import find_tritonserver, free_port, port_is_free  # noq
 pytestmark = [pytest.mark.serving, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-# What the build needs: pyproject.toml names README.md as the long description.
-SOURCES = ["pyproject.toml", "setup.py", "README.md", "backend", "kernels", "model_repository"]
+# What the build needs: pyproject.toml names README.md as the long description, LICENSE as its licence file.
+SOURCES = ["pyproject.toml", "setup.py", "README.md", "LICENSE", "backend", "kernels", "model_repository"]
 
 # Modules that may fail to import in the installed package, and only with an ImportError
 # naming a module of an optional dependency (none is expected where `make install` ran).
@@ -126,6 +126,18 @@ def test_wheel_carries_the_runtime_files(wheel_env):
         expected |= {f"{prefix}/{p.relative_to(root).as_posix()}" for p in root.rglob("*.py")
                      if "__pycache__" not in p.parts}
     assert expected - names == set()
+
+
+def test_wheel_declares_its_licence(wheel_env):
+    import zipfile
+
+    _, _, wheel = wheel_env
+    with zipfile.ZipFile(wheel) as zf:
+        info = next(n.split("/")[0] for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = zf.read(f"{info}/METADATA").decode()
+        licence = zf.read(f"{info}/licenses/LICENSE").decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
+    assert licence == (REPO / "LICENSE").read_text()
 
 
 def test_every_module_imports_from_the_wheel(wheel_env, tmp_path):

@@ -75,6 +75,25 @@ def test_render_shares_the_cores_among_replicas(tiny_llama, tmp_path):
     assert threads() == "0"
 
 
+def test_render_and_cli_place_replicas_on_numa_nodes(tiny_llama, tmp_path):
+    """Replicas given NUMA nodes keep num_threads unset (each takes its node's cores), one node
+    each; --instances auto on this machine renders what its topology gives (numa_instances.py)."""
+    from splitfuse.launcher.cli import main
+    from splitfuse.launcher.numa_instances import resolve_instances
+
+    repo = render_model_repository(tmp_path / "a", tiny_llama, {"numa_nodes": "0,0"}, instances=2)
+    placed = {k: v.string_value for k, v in _config(repo, "llm").parameters.items()}
+    assert placed["numa_nodes"] == "0,0" and placed["num_threads"] == "0"
+    with pytest.raises(ValueError, match="names 1 node.* for 2 llm instance"):
+        render_model_repository(tmp_path / "b", tiny_llama, {"numa_nodes": "0"}, instances=2)
+    assert main(["--model", tiny_llama, "--instances", "auto", "--render-only",
+                 "--model-repository-out", str(tmp_path / "c")]) == 0
+    count, params, _ = resolve_instances("auto", {})
+    llm = _config(tmp_path / "c", "llm")
+    assert [g.count for g in llm.instance_group] == [count]
+    assert llm.parameters["numa_nodes"].string_value == params.get("numa_nodes", "")
+
+
 def test_render_rejects_bad_parameters(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="unknown engine parameter"):
         render_model_repository(tmp_path / "a", tiny_llama, {"token_budgte": "64"})
