@@ -130,8 +130,8 @@ class LLMEngine:
         # Not validated again, but the adapter counts below are keyed by served names: an unknown
         # one (a prompt that skipped prepare_prompt) must not leave a half-added request.
         self.validator.check_lora(params)
-        seq = Sequence(request_id, token_ids, params, next(self._arrivals))
-        seq.rope_offset = self.runner.rope.offset_for(len(token_ids))
+        seq = Sequence(request_id, token_ids, params, next(self._arrivals),
+                       rope_offset=self.runner.rope.offset_for(len(token_ids)))
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         detokenizer = IncrementalDetokenizer(self.tokenizer, params, token_ids)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies
+from splitfuse.layers.rotary import rope_cos_sin, rope_inverse_frequencies, rope_type
 
 
 @dataclass
@@ -30,10 +30,6 @@ class RopeTables:
     def offset_for(self, prompt_len: int) -> int:
         """The row offset a sequence with a prompt of `prompt_len` tokens reads its rope at."""
         return self.long_offset if self.long_offset and prompt_len > self.switch_length else 0
-
-
-def rope_type(scaling: dict | None) -> str:
-    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
 
 def build_rope_tables(rotary_dim: int, theta: float, scaling: dict | None, max_positions: int,

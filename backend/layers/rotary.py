@@ -7,15 +7,20 @@ import math
 import torch
 
 
+def rope_type(scaling: dict | None) -> str:
+    """A rope_scaling dict's type: `rope_type`, or the older `type`; "default" without either."""
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] for rope types default, linear and llama3."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
+    kind = rope_type(scaling)
+    if kind == "default":
         return inv_freq
-    if rope_type == "linear":
+    if kind == "linear":
         return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
+    if kind == "llama3":
         factor = float(scaling["factor"])
         low_freq_factor = float(scaling["low_freq_factor"])
         high_freq_factor = float(scaling["high_freq_factor"])
@@ -30,7 +35,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise NotImplementedError(f"rope type {rope_type!r} is not supported (default, linear, llama3 are)")
+    raise NotImplementedError(f"rope type {kind!r} is not supported (default, linear, llama3 are)")
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,11 @@ class ModelArgs:
     sliding_rope: tuple[float, dict | None] | None = None
     rotary_dim: int = 0  # rope turns each head's first rotary_dim features (Phi-4-mini: 3/4); 0: all
 
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Each expert's width: moe_intermediate_size (Qwen3-MoE), else the MLP's (Mixtral)."""
+        return self.moe_intermediate_size or self.intermediate_size
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
         model_type = cfg.get("model_type", "llama")

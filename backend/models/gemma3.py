@@ -68,9 +68,7 @@ class SlidingRope:
 class GeluMLP(MLP):
     """MLP's projections without the fused SiLU: down(gelu_tanh(gate) * up)."""
 
-    def __init__(self, args: ModelArgs, ops: KernelSet) -> None:
-        super().__init__(args, ops)
-        self.gate_up_proj.silu_and_mul = None  # before prepare: a plain product of gate and up rows
+    fuses_silu = False  # gate_up_proj returns the plain product's gate and up rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -82,9 +80,7 @@ class Gemma3DecoderLayer(nn.Module):
                  sliding_rope: SlidingRope | None) -> None:
         super().__init__()
         self.all_reduce = all_reduce  # tensor parallelism: sums the row-parallel partial outputs
-        self.self_attn = Attention(args, layer_idx, ops)
-        if args.attention_scale is not None:
-            self.self_attn.scale = args.attention_scale
+        self.self_attn = Attention(args, layer_idx, ops)  # its softmax scale: args.attention_scale
         self.mlp = GeluMLP(args, ops)
         size, eps = args.hidden_size, args.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps, ops)

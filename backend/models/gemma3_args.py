@@ -10,6 +10,8 @@ refused by name.
 
 from __future__ import annotations
 
+from splitfuse.layers.rotary import rope_type
+
 GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
 _ACTIVATIONS = ("gelu_pytorch_tanh",)  # transformers' GELUTanh: torch's gelu(approximate="tanh")
 _GLOBAL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig's defaults
@@ -57,7 +59,7 @@ def _rope_parameters(cfg: dict) -> tuple[dict, dict]:
     sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq", _LOCAL_THETA))
     # The global layers take the runner's tables (every rope type it runs); the sliding layers'
     # own table (gemma3.SlidingRope) is built from inverse frequencies alone.
-    kind = sliding.get("rope_type", sliding.get("type", "default"))
+    kind = rope_type(sliding)
     if kind not in _SLIDING_ROPE_TYPES:
         raise ValueError(f"gemma3: rope type {kind!r} on the sliding_attention layers is not supported "
                          f"({', '.join(_SLIDING_ROPE_TYPES)} are)")
@@ -83,6 +85,6 @@ def gemma3_options(cfg: dict) -> dict:
     """ModelArgs fields of a config gemma3_text_config returned."""
     sliding = cfg["sliding_rope_parameters"]
     theta = float(sliding["rope_theta"])
-    scaling = sliding if sliding.get("rope_type", "default") != "default" else None
+    scaling = sliding if rope_type(sliding) != "default" else None
     return dict(attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
                 sliding_rope=(theta, scaling))

@@ -63,7 +63,7 @@ class Attention(nn.Module):
         # ranks hold it whole.
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops) if args.qk_norm else None
-        self.scale = args.head_dim**-0.5
+        self.scale = args.attention_scale or args.head_dim**-0.5
         self.sliding_window = args.sliding_windows[layer_idx]
         self.ops = ops
 
@@ -96,11 +96,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fuses_silu = True  # SwiGLU: gate_up_proj returns silu(gate) * up (fused into the product where it can)
+
     def __init__(self, args: ModelArgs, ops: KernelSet) -> None:
         super().__init__()
-        # SwiGLU: gate_up_proj returns silu(gate) * up (fused into the product where it can).
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias,
-                                   silu_and_mul=ops.silu_and_mul)
+                                   silu_and_mul=ops.silu_and_mul if self.fuses_silu else None)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, layer_idx, ops)
         self.mlp: nn.Module
         if args.num_experts and layer_idx not in args.dense_mlp_layers:
-            self.mlp = SparseMoeBlock(args.hidden_size, args.moe_intermediate_size or args.intermediate_size,
+            self.mlp = SparseMoeBlock(args.hidden_size, args.expert_intermediate_size,
                                       args.num_experts, args.num_experts_per_tok, ops, args.norm_topk_prob,
                                       args.routing_weights_in_model_dtype)
         else:

@@ -31,6 +31,13 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|down_proj|up_proj)\
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
+def expert_weight(name: str) -> tuple[int, str, int] | None:
+    """A per-expert checkpoint weight's (expert index, "gate" / "up" / "down", where its
+    `.experts.` part starts in `name`); None for any other tensor."""
+    match = _EXPERT.search(name)
+    return None if match is None else (int(match[1]), _EXPERT_PART[match[2]], match.start())
+
+
 def read_hf_config(path: str | Path) -> dict:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
@@ -114,14 +121,14 @@ def _load_one(params: dict, name: str, tensor: torch.Tensor, args: ModelArgs, lo
     hf_name = name
     # Mixtral checkpoints name the MoE block `block_sparse_moe`; ours (like HF's model) is `mlp`.
     name = name.replace(".block_sparse_moe.", ".mlp.")
-    expert = _EXPERT.search(name)
+    expert = expert_weight(name)
     if expert:
         # Per-expert gate, up, down go into the stacked expert weights.
-        j, w = int(expert[1]), _EXPERT_PART[expert[2]]
-        inter, n = args.moe_intermediate_size or args.intermediate_size, args.num_experts
+        j, w, start = expert
+        inter, n = args.expert_intermediate_size, args.num_experts
         if j >= n:
             raise ValueError(f"unexpected weight {hf_name!r} in checkpoint (num_experts={n})")
-        prefix = name[: expert.start()] + ".experts."
+        prefix = name[:start] + ".experts."
         if w == "down":
             _load_part(params, prefix + "down_proj", (j,), tensor, j, n, hf_name, loaded)
         else:

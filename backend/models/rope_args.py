@@ -8,6 +8,8 @@ transformers 5 keeps them in `rope_parameters`; older checkpoints use top-level 
 
 from __future__ import annotations
 
+from splitfuse.layers.rotary import rope_type
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # Types that scale against the context the model was pretrained on.
 _NEED_ORIGINAL = ("llama3", "yarn", "longrope")
@@ -16,7 +18,7 @@ _NEED_ORIGINAL = ("llama3", "yarn", "longrope")
 def rope_options(cfg: dict, model_type: str, head_dim: int) -> dict:
     rope = dict(cfg.get("rope_parameters") or {})
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = dict(cfg.get("rope_scaling") or (rope if _type(rope) != "default" else {})) or None
+    scaling = dict(cfg.get("rope_scaling") or (rope if rope_type(rope) != "default" else {})) or None
     partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     rotary_dim = int(head_dim * partial)
     if rotary_dim != head_dim and model_type != "phi3":
@@ -24,7 +26,7 @@ def rope_options(cfg: dict, model_type: str, head_dim: int) -> dict:
     if rotary_dim % 2 or rotary_dim <= 0:
         raise ValueError(f"partial_rotary_factor={partial} gives an odd or empty rotary dimension {rotary_dim}")
     if scaling is not None:
-        kind = _type(scaling)
+        kind = rope_type(scaling)
         if model_type == "phi3" and kind in ("su", "yarn"):
             kind = "longrope"  # as transformers' Phi3Config: older Phi-3 checkpoints name LongRoPE so
         if model_type == "phi3" and kind not in ("default", "longrope"):
@@ -40,7 +42,3 @@ def rope_options(cfg: dict, model_type: str, head_dim: int) -> dict:
         if kind == "default":
             scaling = None
     return dict(rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim)
-
-
-def _type(scaling: dict) -> str:
-    return scaling.get("rope_type", scaling.get("type", "default"))

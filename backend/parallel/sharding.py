@@ -20,13 +20,12 @@ so the model is built with the rank's local sizes (`local_args`) and the loader 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 
 from splitfuse.models.args import ModelArgs
+from splitfuse.models.loader import expert_weight
 
-_EXPERT_PER = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|down_proj|up_proj)\.weight$")
 
 
 def check_divisible(args: ModelArgs, world_size: int) -> None:
@@ -76,8 +75,7 @@ class Sharder:
         self.intermediate = inter
         per = inter // world_size
         self.mlp_rows = slice(rank * per, (rank + 1) * per)
-        # The experts' width: Qwen3-MoE's moe_intermediate_size, else (Mixtral) the MLP's.
-        self.expert_inter = args.moe_intermediate_size or inter
+        self.expert_inter = args.expert_intermediate_size
         per = self.expert_inter // world_size
         self.expert_rows = slice(rank * per, (rank + 1) * per)
 
@@ -100,9 +98,9 @@ class Sharder:
             return torch.cat([t[:, rows], t[:, up]], dim=1)
         if name.endswith(".experts.down_proj"):  # stacked [E, H, I]
             return t[:, :, self.expert_rows]
-        expert = _EXPERT_PER.search(name)
+        expert = expert_weight(name)
         if expert:
-            return t[:, self.expert_rows] if expert[1] in ("w2", "down_proj") else t[self.expert_rows]
+            return t[:, self.expert_rows] if expert[1] == "down" else t[self.expert_rows]
         if ".qkv_proj." in name:  # fused [q; k; v] rows
             k, v = self.q_size, self.q_size + self.kv_size
             return torch.cat([t[self.q_rows], t[k:][self.kv_rows], t[v:][self.kv_rows]])

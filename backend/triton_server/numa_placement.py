@@ -54,11 +54,12 @@ def apply_numa(config: EngineConfig, server: ServerConfig, instance: str) -> tup
 def log_cpu_placement(node: int | None) -> None:
     """One line: the engine's threads, the CPUs they may run on, their NUMA node(s), the memory policy."""
     cpus = os.sched_getaffinity(0)
-    on = sorted(n.node for n in read_nodes() if n.cpus & cpus)
+    nodes = read_nodes()
+    on = sorted(n.node for n in nodes if n.cpus & cpus)
     policy = memory_policy()
     bound = policy is not None and policy[0] == MPOL_BIND
     memory = (f"memory bound to node(s) {format_cpulist(i for i in range(64) if policy[1] >> i & 1)}" if bound
               else "memory not bound")
     log.info("splitfuse: threads=%d on CPUs %s (%d); NUMA node %s of %d; %s%s", torch.get_num_threads(),
-             format_cpulist(cpus), len(cpus), format_cpulist(on) or "?", len(read_nodes()), memory,
+             format_cpulist(cpus), len(cpus), format_cpulist(on) or "?", len(nodes), memory,
              "" if node is not None else " (numa_nodes unset: not placed)")

@@ -30,23 +30,26 @@ def own_cgroup(root: Path, proc_cgroup: Path, controller: str = "cpu") -> tuple[
     return v2, v1
 
 
+def cgroup_v2_chain(directory: Path, root: Path) -> list[Path]:
+    """A v2 cgroup directory and its ancestors up to `root`: each one's limits bound the process."""
+    chain = [directory]
+    while chain[-1] != root and root in chain[-1].parents:
+        chain.append(chain[-1].parent)
+    return chain
+
+
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
     """The CPU quota as a number of CPUs, or None when there is none. In cgroup v2 every
     ancestor's `cpu.max` bounds the process too: the smallest applies."""
     v2, v1 = own_cgroup(root, proc_cgroup)
     limits: list[float] = []
-    if v2 is not None:
-        d = v2
-        while True:
-            try:
-                quota, period = (d / "cpu.max").read_text().split()
-                if quota != "max":
-                    limits.append(int(quota) / int(period))
-            except (OSError, ValueError):
-                pass
-            if d == root or root not in d.parents:
-                break
-            d = d.parent
+    for d in cgroup_v2_chain(v2, root) if v2 is not None else []:
+        try:
+            quota, period = (d / "cpu.max").read_text().split()
+            if quota != "max":
+                limits.append(int(quota) / int(period))
+        except (OSError, ValueError):
+            pass
     if not limits and v1 is not None:
         try:
             quota = int((v1 / "cpu.cfs_quota_us").read_text())

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitfuse.utils.cpu_budget import CGROUP_ROOT, PROC_CGROUP, own_cgroup
+from splitfuse.utils.cpu_budget import CGROUP_ROOT, PROC_CGROUP, cgroup_v2_chain, own_cgroup
 
 MEMINFO = Path("/proc/meminfo")
 # What `auto` leaves out of the memory after the weights: activations, the step's workspace,
@@ -45,15 +45,8 @@ def cgroup_memory_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROU
     """The cgroup's memory limit, or None when it has none. In cgroup v2 every ancestor's
     `memory.max` bounds the process too: the smallest applies."""
     v2, v1 = own_cgroup(root, proc_cgroup, "memory")
-    limits: list[int] = []
     if v2 is not None:
-        d = v2
-        while True:
-            if (value := _read_int(d / "memory.max")) is not None:
-                limits.append(value)
-            if d == root or root not in d.parents:
-                break
-            d = d.parent
+        limits = [v for d in cgroup_v2_chain(v2, root) if (v := _read_int(d / "memory.max")) is not None]
         if limits:
             return MemoryBound(min(limits), "cgroup v2 memory.max")
     if v1 is not None and (value := _read_int(v1 / "memory.limit_in_bytes")) is not None:
