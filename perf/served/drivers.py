@@ -294,7 +294,7 @@ class TritonHttpDriver(Driver):
 
 
 class OpenAIDriver(Driver):
-    """Streaming /v1/completions against an OpenAI-compatible server (vLLM).
+    """Streaming /v1/completions against an OpenAI-compatible server (vLLM, llama-server).
 
     Tokens per SSE chunk: `choices[0].token_ids` when the server returns them (vLLM with
     `return_token_ids`), else the increase of `usage.completion_tokens` (continuous usage stats),
@@ -337,7 +337,9 @@ class OpenAIDriver(Driver):
             if usage.get("completion_tokens") is not None:
                 comp = int(usage["completion_tokens"])
                 if n is None and choices:
-                    n = max(0, comp - last_completion[0])
+                    # llama-server reports usage only in its last chunk, after one text chunk
+                    # per token: count only what the chunks so far did not.
+                    n = max(0, comp - max(last_completion[0], sum(k for _, k in rec.chunks)))
                 last_completion[0] = max(last_completion[0], comp)
                 rec.server_output_tokens = comp
                 if usage.get("prompt_tokens") is not None:

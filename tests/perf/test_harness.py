@@ -110,6 +110,38 @@ def test_openai_driver_against_fake_sse_server():
     assert p3["metrics"]["multi_token_chunks"] > 0
 
 
+class _FakeLlamaServer(_FakeOpenAI):
+    """llama-server's stream: one text chunk per token, usage only in a last chunk whose choice
+    has empty text."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for obj in [*({"choices": [{"text": "ab", "finish_reason": None}]} for _ in range(body["max_tokens"])),
+                    {"choices": [{"text": "", "finish_reason": "length"}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]}}]:
+            data = b"data: " + json.dumps(obj).encode() + b"\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        data = b"data: [DONE]\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+        self.wfile.flush()
+
+
+def test_openai_driver_counts_llama_server_tokens_once():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeLlamaServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        driver = drivers.OpenAIDriver(f"http://127.0.0.1:{server.server_address[1]}", "bench")
+        rec = driver.run_one(workload.RequestSpec(0, "x", 3, 5), 0, timeout=10)
+    finally:
+        server.shutdown()
+    assert rec.ok and rec.server_output_tokens == 5
+    assert [n for _, n in rec.chunks] == [1] * 5
+
+
 # ---------------------------------------------------------------------------------- report
 def _synthetic_raw(out: Path, names: tuple[str, ...] = ("splitfuse", "prefill_first", "vllm")) -> None:
     """Every system gets the same requests; system k's token gaps are 50 * (k + 1) ms, except the

@@ -1,0 +1,1 @@
+"""Peer systems built for the benchmarks only (never dependencies of the product)."""

@@ -1,0 +1,1 @@
+"""Tools that make benchmark inputs (not benchmarks themselves)."""
