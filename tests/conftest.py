@@ -80,7 +80,11 @@ def trained_reference(trained_model) -> TrainedReference:
     for q in TRAINED_QUESTIONS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    model = AutoModelForCausalLM.from_pretrained(trained_model, dtype=torch.float32).eval()
+    from splitfuse.models.gguf_checkpoint import transformers_location
+
+    # The converted folder holds no weights: transformers reads them from the GGUF file itself.
+    path, load = transformers_location(trained_model)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
     eos = tokenizer.eos_token_id
     tokens = []
     with torch.no_grad():
@@ -91,3 +95,20 @@ def trained_reference(trained_model) -> TrainedReference:
             tokens.append(new[:new.index(eos) + 1] if eos in new else new)
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
     return TrainedReference(list(TRAINED_QUESTIONS), prompts, tokens, texts, max_tokens)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with long tests first (a server of their own, or the `slow` marker), so that under
+    pytest-xdist (make test: whole files per worker) no long file is left for the end while the
+    other worker idles. A stable sort: the order within each group stays."""
+
+    def weight(item) -> int:
+        return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("serving") else 2
+
+    def file_of(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    by_file: dict[str, int] = {}
+    for item in items:
+        by_file[file_of(item)] = min(by_file.get(file_of(item), 2), weight(item))
+    items.sort(key=lambda item: by_file[file_of(item)])

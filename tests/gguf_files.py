@@ -55,6 +55,20 @@ def _add_phi3_rope(w: gguf.GGUFWriter, cfg: dict, rope: dict) -> None:
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
+def _add_tokenizer(w: gguf.GGUFWriter, cfg: dict, tok: dict) -> None:
+    """A tokenizer.json's byte-level BPE vocabulary and merges, as llama.cpp's converter writes them."""
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    if cfg.get("bos_token_id") is not None:
+        w.add_bos_token_id(cfg["bos_token_id"])
+    if cfg.get("eos_token_id") is not None:
+        w.add_eos_token_id(cfg["eos_token_id"])
+
+
 def write_gguf(checkpoint: str, out: Path, *, arch: str | None = None, quant: Q = Q.Q8_0, expert_count: int = 0,
                tensor_type: dict[str, Q] | None = None) -> Path:
     """A GGUF file of `checkpoint` (a demo checkpoint) as llama.cpp's converter lays it out."""
@@ -88,16 +102,7 @@ def write_gguf(checkpoint: str, out: Path, *, arch: str | None = None, quant: Q 
         w.add_expert_count(cfg["num_local_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    if cfg.get("bos_token_id") is not None:
-        w.add_bos_token_id(cfg["bos_token_id"])
-    if cfg.get("eos_token_id") is not None:
-        w.add_eos_token_id(cfg["eos_token_id"])
+    _add_tokenizer(w, cfg, tok)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -136,6 +141,54 @@ def write_gguf(checkpoint: str, out: Path, *, arch: str | None = None, quant: Q 
         else:
             packed = gguf.quants.quantize(data, kind) if kind in gguf.quants._type_traits else data.astype(np.int8)
             w.add_tensor(gname, packed, raw_shape=packed.shape, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _random_blocks(rows: int, cols: int, kind: Q, rng: np.random.Generator) -> np.ndarray:
+    """`rows` x `cols` weights of `kind` (Q4_0 or Q8_0) as random blocks with a small scale."""
+    block = gguf.GGML_QUANT_SIZES[kind][1]
+    data = rng.integers(0, 256, size=(rows, cols // 32, block), dtype=np.uint8)
+    data[:, :, :2] = np.frombuffer(np.float16(2.0 ** -10).tobytes(), dtype=np.uint8)  # each block's scale d
+    return data.reshape(rows, -1)
+
+
+def write_random_gguf(checkpoint: str, out: Path, *, layers: int, hidden: int, intermediate: int, heads: int,
+                      kv_heads: int, quant: Q = Q.Q8_0, seed: int = 0) -> Path:
+    """A llama GGUF with the tokenizer of `checkpoint` (a demo checkpoint) and the given sizes, its
+    matrices random `quant` blocks (quick to write at hundreds of MB; the values mean nothing) and
+    its norms ones: a file big enough to measure loading on."""
+    cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    tok = json.loads((Path(checkpoint) / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"])
+    w = gguf.GGUFWriter(out, arch="llama")
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    _add_tokenizer(w, cfg, tok)
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    matrices = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
+    for i in range(layers):
+        matrices |= {f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+                     f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+                     f"blk.{i}.attn_output.weight": (hidden, hidden),
+                     f"blk.{i}.ffn_gate.weight": (intermediate, hidden), f"blk.{i}.ffn_up.weight": (intermediate, hidden),
+                     f"blk.{i}.ffn_down.weight": (hidden, intermediate)}
+        for norm in ("attn_norm.weight", "ffn_norm.weight"):
+            w.add_tensor(f"blk.{i}.{norm}", np.ones(hidden, dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for name, (rows, cols) in matrices.items():
+        packed = _random_blocks(rows, cols, quant, rng)
+        w.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=quant)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
 
 import torch
 
@@ -21,7 +23,7 @@ from splitfuse.lora.adapter import TARGETS, BaseShape, LoraAdapter
 from splitfuse.lora.batching import LoraProjection, LoraState
 from splitfuse.lora.registry import LoraRegistry
 from splitfuse.models.args import ModelArgs
-from splitfuse.models.loader import load_model, read_hf_config
+from splitfuse.models.loader import load_model, log_load, read_hf_config
 from splitfuse.parallel.group import RankGroup, rank_device
 from splitfuse.parallel.sharding import Sharder, local_args
 from splitfuse.engine.batch import RaggedBatch
@@ -128,10 +130,13 @@ class ModelRunner:
     def _load(self, full_args: ModelArgs) -> None:
         config, group = self.config, self.group
         shard = Sharder(full_args, group.rank, group.world_size) if group is not None else None
+        started = time.perf_counter()
         self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device, shard=shard,
-                                all_reduce=group.all_reduce if group is not None else None)
+                                all_reduce=group.all_reduce if group is not None else None,
+                                quantization=config.quantization)
         self._attach_lora()
         self.model.prepare_linears(self.linear_backend, config.quantization)
+        log_load(config.model, time.perf_counter() - started, self.weight_memory_summary())
         if not self.num_kv_blocks:
             self._size_kv_cache()
         log.info("splitfuse: device=%s dtype=%s kv_cache_dtype=%s attention_backend=%s (requested %s) "
@@ -154,7 +159,7 @@ class ModelRunner:
         self.cos, self.sin = self.rope.cos.to(self.device), self.rope.sin.to(self.device)
         # Each backend lays out its blocks as its kernels read them best.
         shape = self.kernels.attention.cache_shape(self.num_kv_blocks, config.block_size, self.args.num_kv_heads,
-                                                   self.args.head_dim)
+                                                   self.args.head_dim, self.kv_cache_dtype)
         # Zeroed so padded block slots read by batched kernels are finite.
         self.kv_caches = [(self._zeroed_cache(shape), self._zeroed_cache(shape)) for _ in range(self.args.num_layers)]
         if not config.fused_decoder:
@@ -203,9 +208,13 @@ class ModelRunner:
         return " + ".join(f"{dtype} {nbytes / 1e6:.1f} MB" for dtype, nbytes in memory if nbytes)
 
     def kv_bytes_per_block(self) -> int:
+        """K and V bytes of one block over all layers, as the backend lays it out (an int8 cache's
+        scales included)."""
         a = self.args
         itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * a.num_layers * self.config.block_size * a.num_kv_heads * a.head_dim * itemsize
+        shape = self.kernels.attention.cache_shape(1, self.config.block_size, a.num_kv_heads, a.head_dim,
+                                                   self.kv_cache_dtype)
+        return 2 * a.num_layers * math.prod(shape) * itemsize
 
     def _size_kv_cache(self) -> None:
         self.num_kv_blocks = self._num_kv_blocks()

@@ -6,7 +6,7 @@ of the sequence from the cache through its block table. The last layer attends f
 rows only (the rows that give next tokens), through metadata of their own (RaggedBatch.last_layer).
 
 Every backend has the same four methods:
-    cache_shape(num_blocks, block_size, num_kv_heads, head_dim)   its KV layout (one shape for K and V)
+    cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype)  its KV layout (one shape for K and V)
     prepare(meta, query_lens, seq_lens, num_kv_heads)             before the layers, for each metadata of
                                                                   the step: all rows (and the sample rows)
     write_kv(k, v, k_cache, v_cache, meta)                        the new tokens' K/V into the cache
@@ -90,10 +90,14 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, bl
 
 
 def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, attention_backend: str) -> torch.dtype:
-    """The KV cache's dtype: the model's for `auto`; bfloat16 only where the attention reads it
-    (the C++ CPU kernel takes a bf16 cache under float32 queries)."""
+    """The KV cache's dtype: the model's for `auto`; bfloat16 (under float32 queries) and int8
+    (codes and scales, under float32 or bfloat16 queries) only where the attention reads them:
+    the C++ CPU kernels."""
     if requested == "auto" or getattr(torch, requested) == dtype:
         return dtype
+    if requested == "int8" and attention_backend != "cpu":
+        raise ValueError(f"kv_cache_dtype='int8' needs the C++ CPU attention (attention_backend cpu, on a CPU), "
+                         f"not {attention_backend!r}: only its kernels read and write int8 K/V with scales")
     if attention_backend != "cpu":
         raise ValueError(f"kv_cache_dtype={requested!r} under a {str(dtype).removeprefix('torch.')} model needs "
                          f"the C++ CPU attention (attention_backend cpu), not {attention_backend!r}")

@@ -61,7 +61,8 @@ class TorchAttention:
         self._plans: list[TorchPlan] = []
 
     @staticmethod
-    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype | None = None) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
     def prepare(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int], num_kv_heads: int) -> None:

@@ -17,7 +17,8 @@ class TritonAttention:
         self._write = write_kv_cache
 
     @staticmethod
-    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype | None = None) -> tuple[int, ...]:
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def prepare(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int], num_kv_heads: int) -> None:

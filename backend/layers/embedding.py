@@ -42,6 +42,9 @@ class Embedding(nn.Module):
             return False  # without the C++ kernels every weight stays float
         found = source()
         if found is None or found[0] not in quant4.KINDS or found[1].shape[0] != self.weight.shape[0]:
+            if self.weight.is_meta:
+                raise ValueError(f"the embedding was left unread for its GGUF blocks, which it cannot look up "
+                                 f"({'none' if found is None else found[0]})")
             return False
         self.blocks = found
         return True

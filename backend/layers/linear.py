@@ -232,8 +232,9 @@ _logged_q4_fallback: set[str] = set()
 
 def _q4_kernel(weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockSource | None,
                swiglu: bool, quantization: str) -> CpuQ4Linear | None:
-    """The packed GGUF block kernel for this projection, or None (with the reason logged once)."""
-    ok, why = q4_supported(weight.device, weight.dtype)
+    """The packed GGUF block kernel for this projection, or None (with the reason logged once).
+    A weight on the meta device was left unread by the loader for its blocks (on the CPU)."""
+    ok, why = q4_supported(torch.device("cpu") if weight.is_meta else weight.device, weight.dtype)
     source = block_source(quantization, weight, blocks) if ok else None
     found = source() if source is not None else None
     if found is None:
@@ -266,6 +267,9 @@ def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend:
         kernel = _q4_kernel(weight, bias, gguf_blocks, fuse_without_addend, quantization)
         if kernel is not None:
             return kernel
+    if weight.is_meta:
+        raise ValueError(f"a weight left unread for its GGUF blocks cannot run the float kernels (quantization "
+                         f"{quantization!r}, shape {tuple(weight.shape)})")
     if quantization == "int8":
         if backend == "cpu" and cpu_int8_supported(weight.dtype):
             return CpuInt8Linear(weight, bias, gated=fuse_without_addend)

@@ -8,10 +8,12 @@ gate_up projection stacks its parts' rows). Under a load quantization `block_sou
 blocks from the loaded weight instead (round to nearest, one fp16 scale, and for Q4_1 a minimum,
 per 32 weights along k: llama.cpp's reference quantizer); the LM head and the embedding then take
 Q8_0 blocks (they pick the tokens; llama.cpp's 4-bit files keep their output tensor at 6 bits or
-more too). Where every part is Q4_0, Q4_1 or Q8_0 in one type, `CpuQ4Linear` packs them for the
-C++ kernel (`splitfuse.kernels.cpu.quant4`) and the float weight is released: the weights stay at
-about the blocks' size in memory (Q4_0 4.5 bits a weight, Q4_1 5, Q8_0 8.5, against 32) and are
-widened in registers as each call reads them. Two forms of the kernel:
+more too). Where every part is stored in a type the kernel takes (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K), `CpuQ4Linear` packs them for the C++ kernel (`splitfuse.kernels.cpu.quant4`;
+parts of different types each in its own, `quant_parts`) and the float weight is released: the
+weights stay at about the blocks' size in memory (Q4_0 4.5 bits a weight, Q4_K 4.62, Q6_K 6.56,
+Q8_0 8.5, against 32; docs/gguf_blocks.md) and are widened in registers as each call reads them.
+Two forms of the kernel:
 
 * `gguf` and the load quantizations: llama.cpp's arithmetic where the build has integer dot
   products (AVX-512 VNNI, or AVX2's vpmaddubsw): the activations quantized per row and 32-k
@@ -25,7 +27,8 @@ widened in registers as each call reads them. Two forms of the kernel:
   bytes bound the product (decodes of a few rows); about float32's speed at 16 rows and more.
 
 Other projections (other block types, no source file, an input size not a multiple of 32) keep
-the float kernel, with a log line. Float32 activations only.
+the float kernel, with a log line. Float32 activations only. A gated (gate_up) projection of
+mixed types runs its product, then SwiGLU (its kernel is not `gated`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Callable
 import torch
 
 from splitfuse.config import BLOCK_QUANTIZATIONS, GGUF_QUANTIZATIONS, LOAD_QUANTIZATIONS
-from splitfuse.kernels.cpu import quant4
+from splitfuse.kernels.cpu import quant4, quant_parts
 
 __all__ = ["BLOCK_QUANTIZATIONS", "GGUF_QUANTIZATIONS", "HEAD_QUANTIZATION", "LOAD_QUANTIZATIONS", "BlockSource",
            "CpuQ4Linear", "block_source", "q4_supported"]
@@ -74,22 +77,32 @@ class CpuQ4Linear:
 
     def __init__(self, kind: str, rows: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
                  exact: bool = False) -> None:
-        form = "float" if exact or quant4.dot_products() == "none" else "dot"
-        self.packed = quant4.pack_quantized(kind, rows, None if bias is None else bias.detach().float(), gated=gated,
-                                            form=form)
+        dot = () if exact else quant4.dot_kinds()  # the integer form where the build has it for the kind
+        bias = None if bias is None else bias.detach().float()
+        self.packed: quant4.PackedQuantWeight | quant_parts.PackedQuantParts
+        if quant_parts.is_joined(kind):  # parts of different kinds: ungated (see quant_parts)
+            forms = {k: "dot" if k in dot else "float" for k in quant4.KINDS}
+            self.packed = quant_parts.pack(kind, rows, bias, forms)
+            self._linear = quant_parts.linear
+        else:
+            self.packed = quant4.pack_quantized(kind, rows, bias, gated=gated, form="dot" if kind in dot else "float")
+            self._linear = quant4.linear
         self.in_features = self.packed.in_features
         self.out_features = self.packed.out_features
 
     @property
     def weight_bytes(self) -> dict[str, int]:
         """Memory of the weight by kind: the packed blocks (scales included) and a float32 bias."""
-        out = {self.packed.kind.lower(): self.packed.data.numel()}
-        if self.packed.bias is not None:
-            out["float32"] = 4 * self.packed.bias.numel()
+        out: dict[str, int] = {}
+        parts = self.packed.parts if isinstance(self.packed, quant_parts.PackedQuantParts) else (self.packed,)
+        for p in parts:
+            out[p.kind.lower()] = out.get(p.kind.lower(), 0) + p.data.numel()
+            if p.bias is not None:
+                out["float32"] = out.get("float32", 0) + 4 * p.bias.numel()
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
-            return quant4.linear(x, self.packed)
-        out = quant4.linear(x.reshape(-1, self.in_features), self.packed)
+            return self._linear(x, self.packed)
+        out = self._linear(x.reshape(-1, self.in_features), self.packed)
         return out.view(*x.shape[:-1], self.out_features)

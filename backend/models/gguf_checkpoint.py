@@ -1,31 +1,28 @@
-"""GGUF checkpoints (llama.cpp's single-file format) as plain Hugging Face checkpoints.
+"""GGUF checkpoints (llama.cpp's single-file format) served as checkpoint directories.
 
 `prepare_checkpoint(model)` takes what `EngineConfig.model` names: a checkpoint directory is
 returned as it is; a `.gguf` file, or a directory holding one (and no config.json), is converted
 once into a directory beside the others in the cache (`gguf_cache_dir()`) and that directory is
-returned, so the engine, the Triton models and the OpenAI front all read one ordinary checkpoint.
+returned, so the engine, the Triton models and the OpenAI front all read one ordinary folder.
 A later call with the same file (path, size and modification time) finds the conversion.
 
-The conversion:
-- weights: every tensor dequantized with the `gguf` package (Q4_0, Q4_1, Q5_*, Q8_0, the
-  K-quants and whatever else it can dequantize) to float32; F32/F16/BF16 tensors keep their
-  type. llama.cpp stores Llama/Mistral q and k projections with each head's rotary halves
-  interleaved; they are put back in Hugging Face's order. The config's `dtype` is the
-  checkpoint's float type where every matrix was stored unquantized in it, else float32 (the
-  dequantized values are exact in float32, not in bf16).
-- config and tokenizer: from the file's metadata through transformers' own GGUF readers (the
-  same reference the tests compare against), the chat template included.
-
-The converted directory records its source file (`splitfuse_gguf.json`): with
-`EngineConfig.quantization="gguf"` or "gguf-exact" the loader reads the projections' quantized
-blocks from it (`gguf_source`, `GGUFSource.blocks`) and the engine multiplies them packed
-(layers/q4_linear.py).
+The conversion writes what is not weights: config.json and the tokenizer, from the file's
+metadata through transformers' own GGUF readers (the same reference the tests compare against;
+the chat template included), and last the marker naming the source file (`splitfuse_gguf.json`,
+with the format's version: a folder of another version is converted again). Every tensor's name
+and type are checked then (gguf_tensors.py), so a bad file fails before anything starts. The
+weights stay in the file: the loader reads them from it one tensor at a time (gguf_loader.py),
+each projection whose blocks the packed kernel multiplies (`PACKED_TYPES`, under quantization
+"gguf" / "gguf-exact") straight into its packed weight (`GGUFSource.blocks`,
+layers/q4_linear.py), every other tensor dequantized alone into the engine's dtype. The
+config's `dtype` is the file's float type where every matrix is stored unquantized in it, else
+float32 (dequantized values are exact in float32, not in bf16).
 
 Dense Llama-family architectures (llama, mistral, qwen2, qwen3), Phi-3 / Phi-4-mini (phi3:
 gguf_phi3.py), Gemma 3 (gemma3: gguf_gemma3.py) and Qwen3-MoE (qwen3moe, its experts through
 gguf_moe.py) are taken; any other architecture, another mixture-of-experts file, a tensor type
-`gguf` cannot dequantize, or a file that is not GGUF or is
-cut short raises GGUFError naming what is wrong. Conversion time and peak memory are logged.
+`gguf` cannot dequantize, or a file that is not GGUF or is cut short raises GGUFError naming what
+is wrong. Conversion time is logged.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -42,45 +38,23 @@ from pathlib import Path
 
 import torch
 
-from splitfuse.models.gguf_gemma3 import configure_gemma3, gemma3_hf_name, is_shifted_norm
-from splitfuse.models.gguf_phi3 import ROPE_FACTOR_TENSORS, configure_phi3, phi3_gguf_name, phi3_hf_name
-from splitfuse.models.gguf_names import layer_hf_name
-from splitfuse.models.gguf_moe import MOE_ARCHITECTURES, GGUFMoeError, configure_moe, expert_hf_name, merge_experts
+from splitfuse.kernels.cpu import quant_parts
+from splitfuse.kernels.cpu.gguf_blocks import KINDS as GGUF_BLOCK_KINDS
+from splitfuse.models.gguf_gemma3 import configure_gemma3
+from splitfuse.models.gguf_index import read_index
+from splitfuse.models.gguf_moe import MOE_ARCHITECTURES, GGUFMoeError, configure_moe
+from splitfuse.models.gguf_phi3 import ROPE_FACTOR_TENSORS, configure_phi3
+from splitfuse.models.gguf_tensors import IGNORED, GGUFError, GGUFTensors, check_readable, hf_name
 from splitfuse.utils.cache_dir import cache_dir as splitfuse_cache_dir
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
-# llama.cpp's converter interleaves the rotary halves of q/k for these (not for qwen2, qwen3).
-_PERMUTED_QK = ("llama", "mistral")
 _CACHE_ENV = "SPLITFUSE_GGUF_CACHE"
 _MARKER = "splitfuse_gguf.json"  # written last: a directory without it is not a finished conversion
-# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head norms
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-# Tensors that carry no weights of ours (llama.cpp's precomputed rotary factors; rope scaling comes
-# from the metadata through the config, and Phi-3's LongRoPE factors through gguf_phi3.py).
-_IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-
-
-class GGUFError(ValueError):
-    """A GGUF file that cannot be served: unreadable, cut short, or of an unsupported kind."""
+# The converted folder's format: 2 holds no weights (1, unversioned, held them dequantized).
+_FORMAT = 2
+_FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def find_gguf(model: str | os.PathLike) -> Path | None:
@@ -111,10 +85,14 @@ def _source_key(gguf_file: Path) -> dict:
     return {"source": str(gguf_file), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def _marker(gguf_file: Path) -> dict:
+    return {"format": _FORMAT, **_source_key(gguf_file)}
+
+
 def is_converted(out_dir: Path, gguf_file: Path) -> bool:
     marker = out_dir / _MARKER
     try:
-        return json.loads(marker.read_text()) == _source_key(gguf_file)
+        return json.loads(marker.read_text()) == _marker(gguf_file)
     except (OSError, ValueError):
         return False
 
@@ -151,62 +129,29 @@ def _field(reader, name: str):
     return None if field is None else field.contents()
 
 
-def _unpermute_rotary(w: torch.Tensor, heads: int, name: str, field: str) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order (per head: pairs interleaved) into Hugging Face's (halves).
-    `field` is the metadata key `heads` came from, named when the two disagree."""
-    rows = w.shape[0]
-    if heads <= 0 or rows % (2 * heads):
-        raise GGUFError(f"tensor {name!r} has {rows} rows, which {field} = {heads} does not split into heads of "
-                        f"an even number of rows: the file's metadata and tensors disagree")
-    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _hf_name(name: str) -> str | None:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    return layer_hf_name(name, _LAYER_NAMES)
-
-
-def _tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """Every weight as a torch tensor under its Hugging Face name, and the GGUF types seen."""
-    import gguf
-
-    plain = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16,
-             gguf.GGMLQuantizationType.BF16: torch.bfloat16}
-    out: dict[str, torch.Tensor] = {}
+def _check_tensors(reader, arch: str) -> set[str]:
+    """Raise GGUFError for a tensor this engine does not load; the types of the others."""
     types: set[str] = set()
     for t in reader.tensors:
-        if t.name in _IGNORED:
+        if t.name in IGNORED:
             continue
-        name = ((gemma3_hf_name(t.name) if arch == "gemma3" else None)
-                or (phi3_hf_name(t.name) if arch == "phi3" else None) or _hf_name(t.name)
-                or (expert_hf_name(t.name) if arch in MOE_ARCHITECTURES else None))
-        if name is None:
+        if hf_name(t.name, arch) is None:
             what = "mixture-of-experts tensors" if "_exps" in t.name or "ffn_gate_inp" in t.name else "a tensor"
             raise GGUFError(f"{arch} GGUF with {what} this engine does not load: {t.name!r}")
-        kind = t.tensor_type
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
-        types.add(kind.name)
         try:
-            if kind in plain:
-                data = torch.from_numpy(t.data.copy())
-                if kind == gguf.GGMLQuantizationType.BF16:  # stored as raw 16-bit words
-                    data = data.view(torch.bfloat16)
-                tensor = data.reshape(shape)
-            else:
-                tensor = torch.from_numpy(gguf.quants.dequantize(t.data, kind)).reshape(shape)
-        except NotImplementedError as e:
-            raise GGUFError(f"tensor {t.name!r} has type {kind.name}, which the gguf package cannot dequantize") from e
+            check_readable(t)
+        except GGUFError:
+            raise
         except (ValueError, IndexError, RuntimeError) as e:  # a short data region
-            raise GGUFError(f"tensor {t.name!r} ({kind.name}, shape {shape}) could not be read: {e}") from e
-        if arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            tensor = _unpermute_rotary(tensor, num_heads, t.name, f"{arch}.attention.head_count")
-        elif arch in _PERMUTED_QK and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            tensor = _unpermute_rotary(tensor, num_kv_heads, t.name, f"{arch}.attention.head_count_kv")
-        elif arch == "gemma3" and is_shifted_norm(t.name):  # stored as 1 + w (gguf_gemma3.py)
-            tensor = tensor.float() - 1
-        out[name] = tensor.contiguous()
-    return out, types
+            raise GGUFError(f"tensor {t.name!r} ({t.tensor_type.name}) could not be read: {e}") from e
+        types.add(t.tensor_type.name)
+    return types
+
+
+def _checkpoint_dtype(reader) -> str:
+    """The float type all matrices share when none is quantized, else float32."""
+    kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2 and t.name not in IGNORED}
+    return _FLOAT_DTYPES.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
 
 
 def _qwen3_head_dim(reader, file_name: str, config, arch: str = "qwen3") -> int:
@@ -234,20 +179,26 @@ def _configure_moe(reader, arch: str, config, file_name: str) -> None:
         raise GGUFError(str(e)) from e
 
 
-def _checkpoint_dtype(tensors: dict[str, torch.Tensor]) -> str:
-    """The float type all matrices share when none was quantized, else float32."""
-    kinds = {t.dtype for t in tensors.values() if t.dim() >= 2}
-    return str(kinds.pop()).removeprefix("torch.") if len(kinds) == 1 else "float32"
+def _configure(reader, arch: str, config, file_name: str) -> None:
+    """What transformers' GGUF config reader leaves out or gets wrong, per architecture."""
+    if arch in ("qwen3", "qwen3moe"):
+        config.head_dim = _qwen3_head_dim(reader, file_name, config, arch)
+    if arch in MOE_ARCHITECTURES:
+        _configure_moe(reader, arch, config, file_name)
+    try:
+        if arch == "gemma3":
+            configure_gemma3(lambda key: _field(reader, key), config, file_name)
+        if arch == "phi3":
+            factors = {t.name: t.data for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
+            configure_phi3(lambda key: _field(reader, key), factors, config, file_name)
+    except ValueError as e:
+        raise GGUFError(str(e)) from e
 
 
-def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Write the checkpoint directory for `gguf_file` into `out_dir` (replaced whole)."""
-    from safetensors.torch import save_file
+def _hf_config(reader, gguf_file: Path):
+    """(the model's config as config.json holds it, its tokenizer, the tensor types)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    gguf_file, out = Path(gguf_file).resolve(), Path(out_dir)
-    started = time.perf_counter()
-    reader = _reader(gguf_file)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{gguf_file.name}: architecture {arch!r} is not supported "
@@ -260,42 +211,33 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     except Exception as e:
         raise GGUFError(f"{gguf_file.name}: its metadata gives no usable config or tokenizer "
                         f"({type(e).__name__}: {e})") from e
-    if arch in ("qwen3", "qwen3moe"):
-        config.head_dim = _qwen3_head_dim(reader, gguf_file.name, config, arch)
-    if arch in MOE_ARCHITECTURES:
-        _configure_moe(reader, arch, config, gguf_file.name)
-    if arch == "gemma3":
-        try:
-            configure_gemma3(lambda key: _field(reader, key), config, gguf_file.name)
-        except ValueError as e:
-            raise GGUFError(str(e)) from e
-    if arch == "phi3":
-        factors = {t.name: t.data for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
-        try:
-            configure_phi3(lambda key: _field(reader, key), factors, config, gguf_file.name)
-        except ValueError as e:
-            raise GGUFError(str(e)) from e
-    tensors, types = _tensors(reader, arch, config.num_attention_heads, config.num_key_value_heads)
-    merge_experts(tensors)
-    del reader
-    config.tie_word_embeddings = "lm_head.weight" not in tensors
+    _configure(reader, arch, config, gguf_file.name)
+    types = _check_tensors(reader, arch)
+    config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
     cfg = config.to_dict()
     cfg.pop("quantization_config", None)
     cfg.pop("_model_name_or_path", None)
-    cfg["dtype"] = _checkpoint_dtype(tensors)
+    cfg["dtype"] = _checkpoint_dtype(reader)
     # Gemma3TextConfig -> Gemma3ForCausalLM, as transformers names the text-only model
     cfg["architectures"] = [type(config).__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
+    return cfg, tokenizer, types
 
+
+def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write the checkpoint directory for `gguf_file` into `out_dir` (replaced whole)."""
+    gguf_file, out = Path(gguf_file).resolve(), Path(out_dir)
+    started = time.perf_counter()
+    reader = _reader(gguf_file)
+    cfg, tokenizer, types = _hf_config(reader, gguf_file)
+    del reader
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would hide the checkpoint from other users of the cache
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         tokenizer.save_pretrained(tmp)
-        (tmp / "model.safetensors").chmod(0o644)
-        (tmp / _MARKER).write_text(json.dumps(_source_key(gguf_file)))
-        shutil.rmtree(out, ignore_errors=True)
+        (tmp / _MARKER).write_text(json.dumps(_marker(gguf_file)))
+        shutil.rmtree(out, ignore_errors=True)  # an older format's folder goes whole, its weights with it
         try:
             os.replace(tmp, out)
         except OSError:
@@ -305,81 +247,83 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    params = sum(t.numel() for t in tensors.values())
-    log.info("splitfuse: converted %s (%s, %.1fM parameters, tensor types %s) into %s in %.1f s, "
-             "process peak memory %.0f MiB", gguf_file.name, arch, params / 1e6, ", ".join(sorted(types)), out,
-             time.perf_counter() - started, peak_mb)
+    log.info("splitfuse: converted %s (%s, tensor types %s) into %s in %.1f s (config and tokenizer; the weights "
+             "are read from the file at load)", gguf_file.name, cfg.get("model_type"), ", ".join(sorted(types)), out,
+             time.perf_counter() - started)
     return out
 
 
 # GGUF block types the packed kernels multiply (kernels/cpu/quant4.py).
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-_GGUF_NAMES = {hf: gg for gg, hf in _LAYER_NAMES.items()}
-_GGUF_TOP = {hf: gg for gg, hf in _TOP_NAMES.items()}
-
-
-def _gguf_name(hf_name: str) -> str | None:
-    if hf_name in _GGUF_TOP:
-        return _GGUF_TOP[hf_name]
-    if hf_name.startswith("model.layers."):
-        _, _, layer, rest = hf_name.split(".", 3)
-        if rest in _GGUF_NAMES:
-            return f"blk.{layer}.{_GGUF_NAMES[rest]}"
-    return phi3_gguf_name(hf_name)
+PACKED_TYPES = GGUF_BLOCK_KINDS
 
 
 class GGUFSource:
-    """The quantized tensors of the GGUF file a checkpoint directory was converted from, read on
-    first use (a float32 engine never opens the file)."""
+    """The GGUF file a checkpoint directory was converted from, opened on first use."""
 
     def __init__(self, gguf_file: Path) -> None:
         self.file = gguf_file
-        self._tensors: dict | None = None
+        self._tensors: GGUFTensors | None = None
 
-    def _open(self) -> dict:
+    def tensors(self) -> GGUFTensors:
         if self._tensors is None:
-            reader = _reader(self.file)
-            self._arch = _field(reader, "general.architecture")
-            self._heads = int(_field(reader, f"{self._arch}.attention.head_count"))
-            kv = _field(reader, f"{self._arch}.attention.head_count_kv")
-            self._kv_heads = self._heads if kv is None else int(kv)
-            self._tensors = {t.name: t for t in reader.tensors}
+            try:  # the index alone: gguf's reader would hold the whole tokenizer (gguf_index.py)
+                fields, index = read_index(self.file)
+            except ValueError as e:
+                raise GGUFError(f"{self.file} is not a readable GGUF file ({e})") from e
+            arch = fields.get("general.architecture")
+            heads = int(fields[f"{arch}.attention.head_count"])
+            kv = fields.get(f"{arch}.attention.head_count_kv")
+            self._tensors = GGUFTensors(index, self.file, arch, heads, heads if kv is None else int(kv))
         return self._tensors
+
+    def packed_kind(self, hf_names: list[str]) -> str | None:
+        """The block type the packed kernel takes the named weights in (stacked in order: a fused
+        projection's parts), read from the file's index alone; None unless every part is stored in
+        a type of PACKED_TYPES. Parts of different types: their types joined by "+", in order
+        (each part is then packed in its own type: kernels/cpu/quant_parts.py)."""
+        tensors = self.tensors()
+        kinds = []
+        for hf in hf_names:
+            t = tensors.of(hf)
+            if t is None or t.tensor_type.name not in PACKED_TYPES:
+                return None
+            kinds.append(t.tensor_type.name)
+        return kinds[0] if len(set(kinds)) == 1 else "+".join(kinds)
 
     def blocks(self, hf_names: list[str]) -> tuple[str, torch.Tensor] | None:
         """(block type, uint8 rows [N, K / 32 * block bytes]) of the named Hugging Face weights
-        stacked in order (a fused projection's parts), in Hugging Face's row order; None unless
-        every part is stored in one type of PACKED_TYPES."""
-        tensors = self._open()
-        kinds, parts = set(), []
-        for hf in hf_names:
-            t = tensors.get(_gguf_name(hf) or "")
-            if t is None or t.tensor_type.name not in PACKED_TYPES:
-                return None
-            kinds.add(t.tensor_type.name)
-            rows = torch.from_numpy(t.data.copy()).view(torch.uint8)
-            rows = rows.reshape(int(t.shape[-1]), -1)  # GGUF lists dimensions innermost first
-            if self._arch in _PERMUTED_QK and t.name.endswith("attn_q.weight"):
-                rows = _unpermute_rotary(rows, self._heads, t.name, f"{self._arch}.attention.head_count")
-            elif self._arch in _PERMUTED_QK and t.name.endswith("attn_k.weight"):
-                rows = _unpermute_rotary(rows, self._kv_heads, t.name, f"{self._arch}.attention.head_count_kv")
-            parts.append(rows)
-        if len(kinds) != 1:
+        stacked in order (a fused projection's parts), in Hugging Face's row order; None where
+        packed_kind is."""
+        kind = self.packed_kind(hf_names)
+        if kind is None:
             return None
-        return kinds.pop(), torch.cat(parts).contiguous()
+        tensors = self.tensors()
+        parts = [tensors.raw_rows(tensors.of(hf)) for hf in hf_names]
+        if "+" in kind:  # parts of different types, as quant_parts carries them
+            return quant_parts.join(list(zip(kind.split("+"), parts)))
+        return kind, parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def gguf_source(checkpoint_dir: str | os.PathLike) -> GGUFSource | None:
-    """The source of a directory `convert` wrote, when that file is still there unchanged."""
+    """The source of a directory `convert` wrote (this format), when that file is still there
+    unchanged."""
     try:
         key = json.loads((Path(checkpoint_dir) / _MARKER).read_text())
         source = Path(key["source"])
-        if not source.is_file() or _source_key(source) != key:
+        if not source.is_file() or _marker(source) != key:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return GGUFSource(source)
+
+
+def transformers_location(checkpoint_dir: str | os.PathLike) -> tuple[str, dict]:
+    """(path, extra from_pretrained arguments) with which transformers reads this checkpoint's
+    weights: a converted GGUF folder holds none, so its source file (`gguf_file=`)."""
+    source = gguf_source(checkpoint_dir)
+    if source is None:
+        return os.fspath(checkpoint_dir), {}
+    return str(source.file.parent), {"gguf_file": source.file.name}
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         and arguments of the layers' Python without the Python between them (bit-identical
         results). For dense models whose layers all run the C++ CPU kernels in float32 or
         bfloat16 (projections float or int8; GGUF blocks in float32 models), with the KV cache in
-        the model's dtype and no tensor parallelism. With LoRA attached, the stack also adds the adapters' deltas (in
+        the model's dtype (or int8) and no tensor parallelism. With LoRA attached, the stack also adds the adapters' deltas (in
         steps of any size) when the stacks run the C++ linear kernel; otherwise steps with adapter
         rows run the Python layers. Call after prepare_linears; returns None
         when set, else why not."""
@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
                 return f"GGUF blocks in a {dtype} model (their kernel is float32)"
             if not fuses_swiglu(kernels[2]) and layer.mlp.gate_up_proj.lora is None:
                 return "a gate_up projection without the fused SwiGLU"
-            if k_cache.dtype is not dtype:
+            if k_cache.dtype is not dtype and k_cache.dtype is not torch.int8:  # (int8: the write quantizes)
                 return f"a {k_cache.dtype} KV cache in a {dtype} model"
             stack.append(cpu_decoder.DecoderLayerWeights(
                 qkv=kernels[0].packed, o=kernels[1].packed, gate_up=kernels[2].packed, down=kernels[3].packed,

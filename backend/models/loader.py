@@ -1,41 +1,24 @@
-"""Load a local Hugging Face checkpoint (config.json + safetensors, sharded or not)."""
+"""Load a checkpoint directory: a Hugging Face one (config.json + safetensors, sharded or not), or
+one converted from a GGUF file, whose weights are read from that file (gguf_loader.py)."""
 
 from __future__ import annotations
 
 import json
-import re
+import logging
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
 
-from splitfuse.layers.linear import Linear
-from splitfuse.models.gguf_checkpoint import GGUFSource, gguf_source
 from splitfuse.models.args import ModelArgs
+from splitfuse.models.gguf_checkpoint import gguf_source
+from splitfuse.models.gguf_loader import AllReduce, Shard, load_gguf
 from splitfuse.models.llama import LlamaForCausalLM
 from splitfuse.models.registry import causal_lm_class
+from splitfuse.models.weight_load import check_loaded, load_one
+from splitfuse.utils.process_memory import peak_resident_bytes
 
-# HF parameter name fragment -> (our fused parameter, index of the shard inside it)
-_FUSED = {
-    ".q_proj.": (".qkv_proj.", 0),
-    ".k_proj.": (".qkv_proj.", 1),
-    ".v_proj.": (".qkv_proj.", 2),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
-}
-# Per-expert weights: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj (what transformers 5
-# saves too). Stacked `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] are our
-# parameters' layout and load as they are.
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|down_proj|up_proj)\.weight$")
-_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
-
-
-def expert_weight(name: str) -> tuple[int, str, int] | None:
-    """A per-expert checkpoint weight's (expert index, "gate" / "up" / "down", where its
-    `.experts.` part starts in `name`); None for any other tensor."""
-    match = _EXPERT.search(name)
-    return None if match is None else (int(match[1]), _EXPERT_PART[match[2]], match.start())
+log = logging.getLogger(__name__)
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -57,18 +40,20 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-# (checkpoint tensor name, tensor) -> the part this tensor-parallel rank keeps (parallel/sharding.py)
-Shard = Callable[[str, torch.Tensor], torch.Tensor]
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
-
-
 def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, device: torch.device,
-               shard: Shard | None = None, all_reduce: AllReduce | None = None) -> LlamaForCausalLM:
+               shard: Shard | None = None, all_reduce: AllReduce | None = None,
+               quantization: str = "none") -> LlamaForCausalLM:
     """Build the model and read its weights. For a tensor-parallel rank, `args` carries the rank's
     local sizes, `shard` cuts each checkpoint tensor to the rank's part and `all_reduce` sums the
-    row-parallel partial outputs across ranks."""
+    row-parallel partial outputs across ranks. `quantization` (EngineConfig's): under "gguf" /
+    "gguf-exact" the projections a GGUF file stores in packed block types are not read as floats
+    at all (their blocks are, by prepare_linears)."""
     with torch.device("meta"):
         model = causal_lm_class(args)(args, ops, all_reduce)
+    source = gguf_source(path)
+    if source is not None:
+        load_gguf(model, source, dtype, device, shard, quantization)
+        return model.eval()
     model = model.to_empty(device=device).to(dtype)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -86,87 +71,18 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
                 if name == "lm_head.weight" and args.tie_word_embeddings:
                     continue
                 tensor = f.get_tensor(key)
-                _load_one(params, name, tensor if shard is None else shard(name, tensor), args, loaded)
-    missing = set(params) - loaded
-    if args.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
-    source = gguf_source(path) if shard is None else None
-    if source is not None:
-        _attach_gguf_blocks(model, source)
+                load_one(params, name, tensor if shard is None else shard(name, tensor), args, loaded)
+    check_loaded(params, loaded, args, path)
     return model.eval()
 
 
-def _attach_gguf_blocks(model: LlamaForCausalLM, source: GGUFSource) -> None:
-    """Give each projection and the LM head the means to read its weight's blocks from the GGUF
-    file the checkpoint was converted from (read only when quantization="gguf" or "gguf-exact"
-    prepares it). A tied head reads the embedding's blocks, and so does the embedding."""
-    model.model.embed_tokens.gguf_blocks = lambda: source.blocks(["model.embed_tokens.weight"])
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
-        if module is model.lm_head:
-            head = "model.embed_tokens.weight" if model.args.tie_word_embeddings else "lm_head.weight"
-            module.gguf_blocks = lambda names=[head]: source.blocks(names)
-            continue
-        fused = f".{name.rsplit('.', 1)[-1]}."
-        parts = [p for p, (ours, _) in _FUSED.items() if ours == fused]  # a fused projection's, in order
-        hf = [name.replace(fused[:-1], p[:-1]) + ".weight" for p in parts] or [f"{name}.weight"]
-        # A file that stores the projection fused (Phi-3's attn_qkv, ffn_up) has it under our name.
-        module.gguf_blocks = lambda names=hf, own=[f"{name}.weight"]: source.blocks(names) or source.blocks(own)
 
-
-def _load_one(params: dict, name: str, tensor: torch.Tensor, args: ModelArgs, loaded: set[str]) -> None:
-    hf_name = name
-    # Mixtral checkpoints name the MoE block `block_sparse_moe`; ours (like HF's model) is `mlp`.
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    expert = expert_weight(name)
-    if expert:
-        # Per-expert gate, up, down go into the stacked expert weights.
-        j, w, start = expert
-        inter, n = args.expert_intermediate_size, args.num_experts
-        if j >= n:
-            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint (num_experts={n})")
-        prefix = name[:start] + ".experts."
-        if w == "down":
-            _load_part(params, prefix + "down_proj", (j,), tensor, j, n, hf_name, loaded)
-        else:
-            rows = slice(0, inter) if w == "gate" else slice(inter, 2 * inter)
-            _load_part(params, prefix + "gate_up_proj", (j, rows), tensor, 2 * j + (w == "up"), 2 * n, hf_name,
-                       loaded)
-        return
-    for hf_part, (ours, shard) in _FUSED.items():
-        if hf_part in name:
-            if ours == ".qkv_proj.":
-                q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-                offsets = [0, q, q + kv, q + 2 * kv]
-            else:
-                offsets = [0, args.intermediate_size, 2 * args.intermediate_size]
-            region = (slice(offsets[shard], offsets[shard + 1]),)
-            _load_part(params, name.replace(hf_part, ours), region, tensor, shard, len(offsets) - 1, hf_name, loaded)
-            return
-    if name not in params:
-        raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-    target = params[name]
-    if target.shape != tensor.shape:
-        raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
-    with torch.no_grad():
-        target.data.copy_(tensor)
-    loaded.add(name)
-
-
-def _load_part(params: dict, target_name: str, region: tuple, tensor: torch.Tensor, shard: int, num_shards: int,
-               hf_name: str, loaded: set[str]) -> None:
-    """Copy one checkpoint tensor into `region` of a fused/stacked parameter."""
-    if target_name not in params:
-        raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-    dest = params[target_name].data[region]
-    if dest.shape != tensor.shape:
-        raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
-    with torch.no_grad():
-        dest.copy_(tensor)
-    # A fused parameter counts as loaded once every shard has been seen.
-    loaded.add(f"{target_name}#{shard}")
-    if all(f"{target_name}#{i}" in loaded for i in range(num_shards)):
-        loaded.add(target_name)
+def log_load(path: str | Path, seconds: float, weights: str) -> None:
+    """One log line: the weights' source and its size, the time they took to load and pack, what
+    they hold in memory, and the process's peak resident memory so far."""
+    source = gguf_source(path)
+    files = [source.file] if source is not None else safetensors_files(path)
+    size = sum(f.stat().st_size for f in files)
+    peak = peak_resident_bytes()
+    log.info("splitfuse: weights from %s (%.2f GB on disk) loaded in %.1f s: %s; process peak RSS %.2f GB",
+             files[0] if len(files) == 1 else path, size / 1e9, seconds, weights, peak / 1e9)

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from splitfuse.models.args import ModelArgs
-from splitfuse.models.loader import expert_weight
+from splitfuse.models.weight_load import expert_weight
 
 
 

@@ -3,16 +3,17 @@
 `DecoderStack` holds, per layer, the packed projections (qkv, o, the gated gate_up and down:
 `linear.PackedWeight` in the model's dtype, `linear.PackedInt8Weight` whose input rows are
 quantized first, as `layers.int8_linear.CpuInt8Linear` does, or a float32 model's GGUF blocks,
-`quant4.PackedQuantWeight`), the two norms' weights, the layer's K/V caches (the paged-attention
-kernel's layout) and its attention window; `run` computes layers 0..n-1 over a ragged batch with
-the kernels the Python layers call one by one (`elementwise.rms_norm`, `apply_rotary`,
-`linear.linear`, `quantize_rows` + `linear.linear_int8` or `quant4.linear`,
-`paged_attention.write_kv_cache`, `paged_attention.paged_attention`),
-with the same arguments: results are bit-identical. It returns the hidden states and the
-residual stream, as the Python layers leave them. What it saves is the Python between the
-kernels.
+`quant4.PackedQuantWeight`, or `quant_parts.PackedQuantParts` for parts in different block
+types), the two norms' weights, the layer's K/V caches (the paged-attention kernel's layout)
+and its attention window; `run` computes layers 0..n-1 over a ragged batch with the kernels
+the Python layers call one by one (`elementwise.rms_norm`, `apply_rotary`, `linear.linear`,
+`quantize_rows` + `linear.linear_int8` or `quant4.linear`, `paged_attention.write_kv_cache`,
+`paged_attention.paged_attention`), with the same arguments: results are bit-identical. It
+returns the hidden states and the residual stream, as the Python layers leave them. What it
+saves is the Python between the kernels.
 
-Float32 or bfloat16 models whose KV cache has the model's dtype, projections in that dtype or
+Float32 or bfloat16 models whose KV cache has the model's dtype or is int8 (`kv_int8`: the
+write kernel quantizes), projections in that dtype or
 int8 (or GGUF blocks in float32). A gate_up projection may be ungated (its product, then
 `silu_and_mul`: an int8 or GGUF one with LoRA adapters on gate/up, whose deltas go in between
 the two; a gated one takes them into its sums before SwiGLU). `set_lora` gives the stack the resident LoRA adapters'
@@ -36,13 +37,15 @@ import torch
 
 from .build import Entries, bind
 from .linear import PackedInt8Weight, PackedWeight
-from .paged_attention import K_TRANSPOSED, window_arg
+from .kv_int8 import SCALE_BYTES
+from .paged_attention import K_TRANSPOSED, cache_shape, kv_kind, window_arg
 from .quant4 import KINDS as GGUF_KINDS
 from .quant4 import PackedQuantWeight
+from .quant_parts import PackedQuantParts
 
 __all__ = ["DecoderLayerWeights", "DecoderStack", "LoraWeights", "available"]
 
-_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS = 26, 14, 30  # csrc/decoder.cpp: Layer, Shape, Call
+_LAYER_FIELDS, _SHAPE_FIELDS, _CALL_FIELDS = 26, 15, 30  # csrc/decoder.cpp: Layer, Shape, Call
 _LORA_FIELDS, _LP_FIELDS, _LQ_FIELDS = 84, 21, 6  # LORA_FIELDS, LP_FIELDS, LQ_FIELDS
 _LP_MAX_PARTS = 3
 _CALL = struct.Struct(f"={_CALL_FIELDS}q")
@@ -66,7 +69,7 @@ def available() -> bool:
     return _entries.available()
 
 
-Packed = PackedWeight | PackedInt8Weight | PackedQuantWeight
+Packed = PackedWeight | PackedInt8Weight | PackedQuantWeight | PackedQuantParts
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ class DecoderStack:
         hidden, inter = first.qkv.in_features, first.down.in_features
         qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
         num_blocks, _, block_elems = first.k_cache.shape
+        cache_dtype = first.k_cache.dtype if first.k_cache.dtype is torch.int8 else dtype
+        block_size = block_elems // (head_dim + SCALE_BYTES if cache_dtype is torch.int8 else head_dim)
         for i, w in enumerate(layers):
             gated = w.gate_up.gated
             shapes = [(w.qkv, qkv_n, hidden, False), (w.o, hidden, num_heads * head_dim, False),
@@ -115,19 +120,22 @@ class DecoderStack:
                 if norm.dtype is not dtype or norm.shape != (hidden,) or not norm.is_contiguous():
                     raise ValueError(f"DecoderStack: layer {i} norm weights must be contiguous {dtype} [{hidden}]")
             for cache in (w.k_cache, w.v_cache):
-                if (cache.dtype is not dtype or cache.shape != (num_blocks, num_kv_heads, block_elems)
+                if (cache.dtype is not cache_dtype or cache.shape != cache_shape(num_blocks, block_size, num_kv_heads,
+                                                                                 head_dim, cache_dtype)
                         or not cache.is_contiguous()):
-                    raise ValueError(f"DecoderStack: layer {i} caches must be contiguous {dtype} "
-                                     f"[{num_blocks}, {num_kv_heads}, block_size * {head_dim}]")
+                    raise ValueError(f"DecoderStack: layer {i} caches must be contiguous {cache_dtype} "
+                                     f"{cache_shape(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype)}")
         self.dtype, self.hidden, self.intermediate = dtype, hidden, inter
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_layers = len(layers)
         self._layers = layers  # keeps every tensor the table points into alive
         self._int8 = any(isinstance(p, PackedInt8Weight) for w in layers for p in (w.qkv, w.o, w.gate_up, w.down))
-        self.gguf = any(isinstance(p, PackedQuantWeight) for w in layers for p in (w.qkv, w.o, w.gate_up, w.down))
+        self.gguf = any(isinstance(p, (PackedQuantWeight, PackedQuantParts))
+                        for w in layers for p in (w.qkv, w.o, w.gate_up, w.down))
         rows = []
+        self._parts_tables: list[torch.Tensor] = []  # GGUF parts' tables the layer table points to
         for w in layers:
-            rows.append([*_projection(w.qkv), *_projection(w.o), *_projection(w.gate_up), *_projection(w.down),
+            rows.append([*(v for p in (w.qkv, w.o, w.gate_up, w.down) for v in _projection(p, self._parts_tables)),
                          w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.k_cache.data_ptr(), w.v_cache.data_ptr(),
                          window_arg(w.sliding_window), int(w.gate_up.gated)])
         self._ungated = not all(w.gate_up.gated for w in layers)
@@ -136,8 +144,9 @@ class DecoderStack:
         self._lora_cols = self._lora_slots = 0
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._shape = torch.tensor([len(layers), hidden, num_heads, num_kv_heads, head_dim, inter,
-                                    block_elems // head_dim, num_blocks, int(dtype is torch.bfloat16), K_TRANSPOSED,
-                                    _as_double_slot(eps), _as_double_slot(scale), int8_levels, int8_zero_point],
+                                    block_size, num_blocks, int(dtype is torch.bfloat16), K_TRANSPOSED,
+                                    _as_double_slot(eps), _as_double_slot(scale), int8_levels, int8_zero_point,
+                                    kv_kind(cache_dtype)],
                                    dtype=torch.int64)
 
     def set_lora(self, projections: list[list[LoraWeights | None]] | None) -> None:
@@ -255,8 +264,16 @@ class LoraWeights:
     parts: list[tuple[PackedWeight, int, int]]
 
 
-def _projection(p: Packed) -> list[int]:
-    """A projection's slots in the layer table (decoder.cpp: Projection)."""
+def _projection(p: Packed, tables: list[torch.Tensor]) -> list[int]:
+    """A projection's slots in the layer table (decoder.cpp: Projection); a GGUF parts table is
+    appended to `tables` (kept alive by the caller)."""
+    if isinstance(p, PackedQuantParts):
+        table = torch.tensor([len(p.parts), *(v for q, start in zip(p.parts, p.starts)
+                                              for v in (q.data.data_ptr(), 0 if q.bias is None else q.bias.data_ptr(),
+                                                        GGUF_KINDS.index(q.kind), int(q.form == "dot"), start,
+                                                        q.out_features))], dtype=torch.int64)
+        tables.append(table)
+        return [3, table.data_ptr(), 0, 0, 0]
     bias = 0 if p.bias is None else p.bias.data_ptr()
     if isinstance(p, PackedInt8Weight):
         return [1, p.data.data_ptr(), bias, p.column_sums.data_ptr(), p.scales.data_ptr()]

@@ -5,7 +5,9 @@ decodes, with the engine's conventions (as `splitfuse.kernels.paged_attention_re
   q                [T, Hq, D] float32 or bfloat16, last dim contiguous (token/head strides may be
                    anything)
   k_cache, v_cache float32 or bfloat16 (both the same; bf16 values are widened to fp32 as they
-                   are read: half the memory traffic, fp32 arithmetic); the output is float32.
+                   are read: half the memory traffic, fp32 arithmetic), or int8 codes with a
+                   float32 scale per token and kv head (`kv_int8`: about a quarter of fp32's
+                   bytes, K transposed only); the output is float32.
                    bf16 queries over a bf16 cache (a bf16 model): on CPUs with AVX-512 BF16
                    (`bf16_products()`), the query tiles of more than one token (prompt chunks)
                    multiply in bf16 with fp32 sums (vdpbf16ps: exact products, twice the
@@ -50,10 +52,11 @@ from dataclasses import dataclass
 import torch
 
 from .build import Entries, bind, vector_width
+from .kv_int8 import SCALE_BYTES
 
 __all__ = ["K_ROW_MAJOR", "K_TRANSPOSED", "allocate_cache", "available", "bf16_products", "cache_shape",
            "from_reference_layout",
-           "huge_page_empty", "paged_attention", "plan", "to_reference_layout", "vector_width", "write_kv_cache"]
+           "huge_page_empty", "kv_kind", "paged_attention", "plan", "to_reference_layout", "vector_width", "write_kv_cache"]
 
 K_ROW_MAJOR = 0   # K tile [block_size, D] like V (kept to measure the layout choice)
 K_TRANSPOSED = 1  # K tile [D, block_size]: the engine's layout
@@ -63,7 +66,8 @@ _ERRORS = {
     -2: "seq_lens[b] must be >= the number of new tokens of sequence b",
     -3: "block_tables has fewer columns than a sequence's seq_len needs",
     -4: "a block id in block_tables (or a slot in slot_mapping) lies outside the cache",
-    -5: "sizes out of range (head_dim 1..256, num_heads a multiple of num_kv_heads, block_size > 0)",
+    -5: "sizes out of range (head_dim 1..256, num_heads a multiple of num_kv_heads, block_size > 0; "
+        "int8 caches: K transposed only)",
     -6: "out of memory (kernel scratch or split-KV workspace)",
 }
 
@@ -76,6 +80,8 @@ class _Kernels:
     attn: Callable
     write_f32: Callable
     write_bf16: Callable
+    write_i8_f32: Callable
+    write_i8_bf16: Callable
     bf16_products: bool
 
 
@@ -84,6 +90,8 @@ def _lookup(lib: ctypes.CDLL) -> _Kernels:
     return _Kernels(bind(lib, "sf_attn_paged_attention_f32_packed", i32, ptr, ctypes.c_float),
                     bind(lib, "sf_attn_write_kv_f32_packed", i32, ptr),
                     bind(lib, "sf_attn_write_kv_bf16_packed", i32, ptr),
+                    bind(lib, "sf_attn_write_kv_i8_f32_packed", i32, ptr),
+                    bind(lib, "sf_attn_write_kv_i8_bf16_packed", i32, ptr),
                     bool(bind(lib, "sf_attn_bf16_products", i32)()))
 
 
@@ -112,13 +120,27 @@ def bf16_products() -> bool:
     return kernels is not None and kernels.bf16_products
 
 
-def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of each of the K and V cache tensors: [num_blocks, Hkv, block_size * head_dim]."""
-    return (num_blocks, num_kv_heads, block_size * head_dim)
+def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
+    """Shape of each of the K and V cache tensors: [num_blocks, Hkv, block_size * head_dim], or for
+    int8 [num_blocks, Hkv, block_size * (head_dim + 4)] (each tile's codes, then its scales)."""
+    return (num_blocks, num_kv_heads, block_size * _token_elems(head_dim, dtype))
 
 
-_FP32, _BF16, _INT32, _INT64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
-CACHE_DTYPES = (_FP32, _BF16)
+_FP32, _BF16, _INT8, _INT32, _INT64 = torch.float32, torch.bfloat16, torch.int8, torch.int32, torch.int64
+CACHE_DTYPES = (_FP32, _BF16, _INT8)
+
+
+def _token_elems(head_dim: int, dtype: torch.dtype) -> int:
+    """Cache elements per token of one tile: head_dim values, or int8 codes plus the scale's bytes."""
+    return head_dim + SCALE_BYTES if dtype is _INT8 else head_dim
+
+
+def kv_kind(dtype: torch.dtype) -> int:
+    """The kernels' code for a cache dtype (csrc/paged_attention.cpp's kv_kind)."""
+    return 2 if dtype is _INT8 else int(dtype is _BF16)
+
+
 _MAX_WINDOW = 1 << 30  # any window longer than every context means "no window"
 
 
@@ -162,12 +184,17 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
 
 def _check_cache(name: str, cache: torch.Tensor, head_dim: int) -> None:
     if cache.dtype not in CACHE_DTYPES:
-        raise ValueError(f"{name} must be float32 or bfloat16, got {cache.dtype}")
+        raise ValueError(f"{name} must be float32 or bfloat16 (or int8 codes and scales), got {cache.dtype}")
     if cache.dim() != 3 or not cache.is_contiguous() or not cache.is_cpu:
         raise ValueError(f"{name} must be a contiguous CPU tensor of cache_shape(...) = "
                          f"[num_blocks, Hkv, block_size * D], got {tuple(cache.shape)}")
-    if cache.shape[2] % head_dim != 0:
-        raise ValueError(f"{name} last dim {cache.shape[2]} is not block_size * head_dim (head_dim {head_dim})")
+    if cache.shape[2] % _token_elems(head_dim, cache.dtype) != 0:
+        raise ValueError(f"{name} last dim {cache.shape[2]} is not {cache_shape(1, 1, 1, head_dim, cache.dtype)[2]}"
+                         f" * block_size (head_dim {head_dim}, {cache.dtype})")
+
+
+def _block_size(cache: torch.Tensor, head_dim: int) -> int:
+    return cache.shape[2] // _token_elems(head_dim, cache.dtype)
 
 
 def _raise(code: int, where: str) -> None:
@@ -178,7 +205,8 @@ def _caches_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> b
     shape = k_cache.shape
     return (k_cache.dtype in CACHE_DTYPES and v_cache.dtype is k_cache.dtype and len(shape) == 3
             and v_cache.shape == shape
-            and shape[2] % head_dim == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and shape[2] % _token_elems(head_dim, k_cache.dtype) == 0
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.is_cpu and v_cache.is_cpu)
 
 
@@ -188,33 +216,44 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Scatter this step's k, v [T, Hkv, D] into the caches at `slot_mapping` (skipping < 0), in place.
 
     k and v may be strided views (e.g. of a fused QKV output): only their last dim must be contiguous.
-    k, v and the caches share one dtype, float32 or bfloat16.
+    k, v and the caches share one dtype, float32 or bfloat16; or the caches are int8 (K transposed)
+    and k, v float32 or bfloat16, quantized per token and head as `kv_int8.quantize` does.
     A slot past the cache raises ValueError (nothing is written then)."""
     kernels = _entries.need()
-    write = kernels.write_f32 if k.dtype is _FP32 else kernels.write_bf16
+    int8 = k_cache.dtype is _INT8
+    if int8:
+        write = kernels.write_i8_f32 if k.dtype is _FP32 else kernels.write_i8_bf16
+    else:
+        write = kernels.write_f32 if k.dtype is _FP32 else kernels.write_bf16
     shape = k.shape
     ks, vs = k.stride(), v.stride()
-    if not (k.dtype is k_cache.dtype and v.dtype is k.dtype and len(shape) == 3 and v.shape == shape and ks[2] == 1
+    dtype_ok = (k.dtype in (_FP32, _BF16) and k_layout == K_TRANSPOSED) if int8 else k.dtype is k_cache.dtype
+    if not (dtype_ok and v.dtype is k.dtype and len(shape) == 3 and v.shape == shape and ks[2] == 1
             and vs[2] == 1 and k.is_cpu and v.is_cpu and _caches_ok(k_cache, v_cache, shape[2])
             and k_cache.shape[1] == shape[1] and slot_mapping.dtype is _INT64 and slot_mapping.shape == shape[:1]
             and slot_mapping.is_contiguous() and slot_mapping.is_cpu):
-        _check_write(k, v, k_cache, v_cache, slot_mapping)
+        _check_write(k, v, k_cache, v_cache, slot_mapping, k_layout)
         raise ValueError("write_kv_cache: bad arguments")  # not reached: _check_write names the problem
     t, hkv, d = shape
     if t == 0:
         return
     args = _arg_blocks()[1]
     args[:] = (k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1], k_cache.data_ptr(), v_cache.data_ptr(),
-               slot_mapping.data_ptr(), t, hkv, d, k_cache.shape[2] // d, k_cache.shape[0], k_layout,
+               slot_mapping.data_ptr(), t, hkv, d, _block_size(k_cache, d), k_cache.shape[0], k_layout,
                num_threads or torch.get_num_threads())
     rc = write(args)
     if rc:
         _raise(rc, "write_kv_cache")
 
 
-def _check_write(k, v, k_cache, v_cache, slot_mapping) -> None:
+def _check_write(k, v, k_cache, v_cache, slot_mapping, k_layout) -> None:
     """The slow path of write_kv_cache's checks: raise a ValueError that names the problem."""
-    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+    if k_cache.dtype is _INT8 and k_layout != K_TRANSPOSED:
+        raise ValueError("int8 caches are written with K transposed (k_layout K_TRANSPOSED) only")
+    if k_cache.dtype is _INT8:
+        if k.dtype not in (_FP32, _BF16) or v.dtype is not k.dtype:
+            raise ValueError(f"k and v must be float32 or bfloat16 for int8 caches, got {k.dtype} / {v.dtype}")
+    elif k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
         raise ValueError(f"k and v must have the caches' dtype {k_cache.dtype}, got {k.dtype} / {v.dtype}")
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} / {tuple(v.shape)}")
@@ -300,9 +339,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     args = _arg_blocks()[0]
     args[:] = (q.data_ptr(), qs[0], qs[1], out.data_ptr(), os_[0], os_[1], k_cache.data_ptr(), v_cache.data_ptr(),
                query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-               block_tables.shape[1], b, t, hq, kshape[1], d, kshape[2] // d, kshape[0],
+               block_tables.shape[1], b, t, hq, kshape[1], d, _block_size(k_cache, d), kshape[0],
                window_arg(sliding_window), k_layout, num_splits or 0,
-               rows_per_tile or 0, num_threads or torch.get_num_threads(), 0, 0, int(k_cache.dtype is _BF16),
+               rows_per_tile or 0, num_threads or torch.get_num_threads(), 0, 0, kv_kind(k_cache.dtype),
                int(q.dtype is _BF16))
     rc = attn(args, scale)
     if rc:
@@ -324,10 +363,10 @@ def plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_st
     args = (ctypes.c_int64 * _ATTN_NARGS)(
         q.data_ptr(), q.stride(0), q.stride(1), 0, 0, 0, k_cache.data_ptr(), v_cache.data_ptr(),
         query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        block_tables.shape[1], seq_lens.shape[0], t, hq, kshape[1], d, kshape[2] // d, kshape[0],
+        block_tables.shape[1], seq_lens.shape[0], t, hq, kshape[1], d, _block_size(k_cache, d), kshape[0],
         window_arg(sliding_window), K_TRANSPOSED, num_splits or 0,
         rows_per_tile or 0, num_threads or torch.get_num_threads(), ctypes.addressof(stats), 1,
-        int(k_cache.dtype is _BF16), int(q.dtype is _BF16))
+        kv_kind(k_cache.dtype), int(q.dtype is _BF16))
     rc = attn(args, 1.0)
     if rc:
         _raise(rc, "paged_attention")

@@ -31,7 +31,10 @@ from perf.engine.perplexity import engine_perplexity, reference_text, transforme
 
 from splitfuse import LLM  # noqa: E402
 
-MODES = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"}}
+MODES = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
+         # the file's blocks kept packed: widened exactly (gguf-exact) or int8 activations (gguf)
+         "gguf-exact": {"dtype": "float32", "quantization": "gguf-exact"},
+         "gguf": {"dtype": "float32", "quantization": "gguf"}}
 TARGET = 0.005  # our fp32 within 0.5% of transformers'
 
 

@@ -66,12 +66,15 @@ def make_adapters(model_dir: Path, kind: str) -> dict[str, str]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from splitfuse.models.gguf_checkpoint import transformers_location
+
     out = {}
     for i in range(NUM_ADAPTERS):
         folder = CACHE / model_dir.name / f"{kind}-r{RANK}-{i}"
         if not (folder / "adapter_model.safetensors").is_file():
             torch.manual_seed(100 + i)
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+            path, load = transformers_location(model_dir)  # a converted GGUF folder: the file itself
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load)
             # init_lora_weights=False: B random too (peft's default B = 0 would change nothing).
             config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=ADAPTER_KINDS[kind],
                                 init_lora_weights=False, lora_dropout=0.0)

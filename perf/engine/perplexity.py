@@ -15,7 +15,12 @@ decode throughput (16 prompts, --gen-tokens tokens each).
     python perf/engine/perplexity.py --model models/smollm2-135m-instruct            # every precision
     python perf/engine/perplexity.py --model M --modes fp32,bf16 --tokens 4096        # a quick look
 
-Writes perf/results/2026-11-27-perplexity/<name>.json and .md with the machine, commit and command.
+    python perf/engine/perplexity.py --model M --modes fp32,fp32-kv-bf16,fp32-kv-int8 --long-context 2048 \
+        --out 2026-11-29-int8-kv                                                 # KV cache dtypes
+
+--long-context N adds single-stream decode tokens/s after an N-token prompt, the median step
+(what the KV cache's bytes per token weigh on most). Writes perf/results/<--out, default 2026-11-27-perplexity>/<name>.json
+and .md with the machine, commit and command.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,7 +49,10 @@ from splitfuse.engine.sequence import Sequence  # noqa: E402
 MODES: dict[str, dict] = {
     "fp32": {"dtype": "float32"},
     "fp32-kv-bf16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
+    # int8 codes with a float32 scale per token and kv head (C++ CPU attention only).
+    "fp32-kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "bf16": {"dtype": "bfloat16"},
+    "bf16-kv-int8": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int8-bf16": {"dtype": "bfloat16", "quantization": "int8"},
     # A checkpoint converted from a GGUF file: the file's own Q4_0/Q4_1/Q8_0 blocks.
@@ -106,6 +115,10 @@ def transformers_nll(model_dir: str, chunks: list[list[int]], **load) -> float:
     """transformers' fp32 perplexity over the windows; `load`: more from_pretrained arguments (gguf_file)."""
     from transformers import AutoModelForCausalLM
 
+    from splitfuse.models.gguf_checkpoint import transformers_location
+
+    if not load:  # a converted GGUF folder: transformers reads the file itself
+        model_dir, load = transformers_location(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
     nll, n = 0.0, 0
     for w in chunks:
@@ -124,8 +137,24 @@ def chat_prompts(llm: LLM) -> list[list[int]]:
     return out
 
 
+def long_context_decode(llm: LLM, text_ids: list[int], context: int, gen_tokens: int) -> float:
+    """Decode tokens/s of one sequence after a `context`-token prompt: the median engine step
+    after the prompt's (robust to a busy machine's stalls)."""
+    engine = llm.engine
+    engine.add_request("long-context", text_ids[:context],
+                       SamplingParams(max_tokens=gen_tokens + 1, temperature=0.0, ignore_eos=True))
+    steps, decoding = [], False
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        outs = engine.step()
+        if decoding:
+            steps.append(time.perf_counter() - t)
+        decoding = decoding or any(o.delta_token_ids for o in outs)  # the prompt's last chunk gave token 1
+    return 1.0 / statistics.median(steps)
+
+
 def measure(model: str, mode: str, chunks: list[list[int]], gen_tokens: int, agree_tokens: int,
-            fp32_answers: list[list[int]] | None, threads: int) -> dict:
+            fp32_answers: list[list[int]] | None, threads: int, long_context: tuple[list[int], int] | None) -> dict:
     started = time.perf_counter()
     with LLM(model, num_threads=threads, **MODES[mode]) as llm:
         load_s = time.perf_counter() - started
@@ -137,12 +166,16 @@ def measure(model: str, mode: str, chunks: list[list[int]], gen_tokens: int, agr
         t = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True))
         gen_s = time.perf_counter() - t
+        long_tps = long_context_decode(llm, long_context[0], long_context[1], gen_tokens) if long_context else None
         runner = llm.engine.runner
         backends = {"linear": runner.linear_backend, "attention": runner.attention_backend,
                     "decoder_layers": runner.decoder_layers, "weights": runner.weight_memory_summary()}
     result = {"mode": mode, "settings": MODES[mode], "perplexity": perplexity, "tokens_scored": n,
               "scored_tokens_per_s": n / score_s, "decode_tokens_per_s": sum(len(o.token_ids) for o in outs) / gen_s,
-              "load_s": load_s, "answers": answers, **backends}
+              "load_s": load_s, "answers": answers, "kv_cache_dtype": str(runner.kv_cache_dtype).removeprefix("torch."),
+              "kv_bytes_per_token": runner.kv_bytes_per_block() // runner.config.block_size, **backends}
+    if long_context:
+        result["long_context_decode_tokens_per_s"] = long_tps
     if fp32_answers is not None:
         same = [a[:agree_tokens] == b[:agree_tokens] for a, b in zip(answers, fp32_answers)]
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -160,15 +193,19 @@ def markdown(meta: dict, rows: list[dict], reference_ppl: float | None) -> str:
              f"Command: `{meta['command']}`", ""]
     if reference_ppl is not None:
         lines += [f"transformers fp32 on the same windows: **{reference_ppl:.4f}**", ""]
+    long = meta.get("long_context")
     lines += ["| mode | perplexity | vs fp32 | greedy = fp32 (first %d tokens) | common prefix (mean) | "
-              "decode tok/s | scored tok/s | linear | decoder layers |" % meta["agree_tokens"],
-              "|---|---|---|---|---|---|---|---|---|"]
+              "decode tok/s | %sscored tok/s | KV bytes/token | linear | decoder layers |"
+              % (meta["agree_tokens"], f"1-stream decode tok/s at {long} | " if long else ""),
+              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if long else "")]
     for r in rows:
         rel = f"{(r['perplexity'] / base - 1) * 100:+.2f}%" if base else ""
         agree = r.get("agreement")
         lines.append(f"| {r['mode']} | {r['perplexity']:.4f} | {rel} | "
                      + (f"{agree['identical'] * 100:.0f}% | {agree['mean_common_prefix']:.1f} | " if agree else "- | - | ")
-                     + f"{r['decode_tokens_per_s']:.0f} | {r['scored_tokens_per_s']:.0f} | {r['linear']} | "
+                     + f"{r['decode_tokens_per_s']:.0f} | "
+                     + (f"{r['long_context_decode_tokens_per_s']:.1f} | " if long else "")
+                     + f"{r['scored_tokens_per_s']:.0f} | {r.get('kv_bytes_per_token', '-')} | {r['linear']} | "
                      f"{r['decoder_layers']} |")
     return "\n".join(lines) + "\n"
 
@@ -184,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="0: one per core")
     p.add_argument("--no-reference", action="store_true", help="skip transformers' fp32 perplexity")
     p.add_argument("--name", default=None, help="results file name (default: derived from the CPU and model)")
+    p.add_argument("--out", default="2026-11-27-perplexity", help="results folder under perf/results")
+    p.add_argument("--long-context", type=int, default=0,
+                   help="also single-stream decode tokens/s after a prompt of this many tokens (0: not measured)")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -204,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     fp32_answers = None
     for mode in modes:
         try:
-            row = measure(a.model, mode, chunks, a.gen_tokens, a.agree_tokens, fp32_answers, a.threads)
+            row = measure(a.model, mode, chunks, a.gen_tokens, a.agree_tokens, fp32_answers, a.threads,
+                          (token_ids, a.long_context) if a.long_context else None)
         except ValueError as e:  # a mode this CPU cannot run (e.g. the C++ int8 path)
             print(f"{mode}: not run here: {e}", file=sys.stderr)
             continue
@@ -215,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     reference_ppl = None if a.no_reference else transformers_nll(model_dir, chunks)
     meta = {"model": a.model, "model_dir": model_dir, "window": a.window, "agree_tokens": a.agree_tokens,
+            "long_context": a.long_context,
             "threads": a.threads or torch.get_num_threads(), "isa": isa(), "library_isa": library_isa(),
             "command": " ".join(["python", "perf/engine/perplexity.py", *(argv if argv is not None else sys.argv[1:])]),
             "machine": machine_info()}
-    out_dir = RESULTS / "2026-11-27-perplexity"
+    out_dir = RESULTS / a.out
     out_dir.mkdir(parents=True, exist_ok=True)
     name = a.name or f"{Path(model_dir).name}-{library_isa() or 'torch'}"
     for r in rows:

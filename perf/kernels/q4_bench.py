@@ -13,6 +13,16 @@ float32 checkpoint first), and the greedy agreement with float32.
     .venv/bin/python perf/kernels/q4_bench.py --threads 2 --modes fp32,gguf
 
 Writes perf/results/2026-11-27-q4/result.json and summary.md (machine, CPU flags, commit, command).
+
+`--kernels` times the block kernel alone instead (issue 57): decode-shaped products (1 to 8
+rows) over a 2048x2048 and an 8192x2048 weight of random blocks per type (Q4_0, Q4_K, Q6_K,
+Q5_0, Q8_0 by default), both forms, the median of repeated calls: GB/s of packed weight read and
+rows per second through that one matrix (a token's share of a decode step):
+
+    .venv/bin/python perf/kernels/q4_bench.py --kernels --threads 1
+    SPLITFUSE_CPU_ISA=avx2 .venv/bin/python perf/kernels/q4_bench.py --kernels --out perf/results/X-avx2
+
+Writes kernels.json and kernels.md under --out (default perf/results/2026-11-29-kquant).
 """
 
 from __future__ import annotations
@@ -64,6 +74,71 @@ def run(model: str, params: dict, n: int, gen: int) -> dict:
         return json.loads(out.read_text())
 
 
+def random_blocks(kind: str, n: int, k: int, gen) -> "torch.Tensor":
+    """Random bytes as `kind` blocks [n, k / block k * bytes], their fp16 scales small and finite."""
+    import torch
+
+    from splitfuse.kernels.cpu import gguf_blocks
+
+    per, bb = gguf_blocks.BLOCK_K[kind], gguf_blocks.BLOCK_BYTES[kind]
+    b = torch.randint(0, 256, (n, k // per, bb), generator=gen, dtype=torch.uint8)
+    for a in gguf_blocks.FP16_FIELDS[kind]:
+        b[..., a:a + 2] = (torch.rand(n, k // per, generator=gen) * 0.01).half().view(torch.uint8).view(n, -1, 2)
+    return b.reshape(n, -1)
+
+
+def kernel_bench(args) -> None:
+    import torch
+
+    from splitfuse.kernels.cpu import build, quant4
+
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    rows_list, records = [1, 2, 4, 8], []
+    for n, k in ((2048, 2048), (8192, 2048)):
+        for kind in args.kinds.split(","):
+            blocks = random_blocks(kind, n, k, gen)
+            for form in [f for f in quant4.FORMS if f == "float" or kind in quant4.dot_kinds()]:
+                packed = quant4.pack_quantized(kind, blocks, form=form)
+                for m in rows_list:
+                    x, out = torch.randn(m, k, generator=gen), torch.empty(m, n)
+                    for _ in range(3):
+                        quant4.linear(x, packed, out=out)
+                    times = []
+                    for _ in range(args.repeats):
+                        t = time.perf_counter()
+                        quant4.linear(x, packed, out=out)
+                        times.append(time.perf_counter() - t)
+                    med = sorted(times)[len(times) // 2]
+                    rec = {"weight": f"{n}x{k}", "kind": kind, "form": form, "rows": m, "us": med * 1e6,
+                           "packed_mb": packed.data.numel() / 1e6, "gb_per_s": packed.data.numel() / med / 1e9,
+                           "rows_per_s": m / med, "bits_per_weight": packed.data.numel() * 8 / (n * k)}
+                    records.append(rec)
+                    print(f"[q4 kernels] {rec['weight']} {kind} {form} rows {m}: {rec['us']:.0f} us, "
+                          f"{rec['gb_per_s']:.1f} GB/s", flush=True)
+    command = " ".join([".venv/bin/python", "perf/kernels/q4_bench.py", *sys.argv[1:]])
+    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "cpu_flags": cpu_flags(), "threads": args.threads,
+               "library_isa": build.library_isa(), "dot_products": quant4.dot_products(),
+               "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.json").write_text(json.dumps({"command": command, "commit": git_commit(),
+                                                        "machine": machine, "records": records}, indent=1) + "\n")
+    lines = ["# GGUF block kernel alone: decode-shaped products", "",
+             f"Machine: {cpu_model()}, {os.cpu_count()} cores, {args.threads} thread(s); kernels built for "
+             f"{machine['library_isa']} (integer form: {machine['dot_products']}); load average "
+             f"{' '.join(machine['loadavg'])}. Commit {git_commit()}.", "", f"Command: `{command}`", "",
+             "Median of repeated calls; GB/s = packed weight bytes / time (scales included); rows/s = rows / time.",
+             "", "| weight | type | form | bits/weight | "
+             + " | ".join(f"{m} row(s): us, GB/s" for m in rows_list) + " |",
+             "|---|---|---|---|" + "---|" * len(rows_list)]
+    for key in dict.fromkeys((r["weight"], r["kind"], r["form"]) for r in records):
+        rs = [r for r in records if (r["weight"], r["kind"], r["form"]) == key]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {rs[0]['bits_per_weight']:.2f} | "
+                     + " | ".join(f"{r['us']:.0f}, {r['gb_per_s']:.1f}" for r in rs) + " |")
+    (args.out / "kernels.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -79,8 +154,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="engine num_threads (1 by default: on a machine others load, OpenMP barriers of two "
                          "threads on two busy cores wait for a descheduled peer)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "2026-11-27-q4")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--kernels", action="store_true", help="time the block kernel alone (see above)")
+    ap.add_argument("--kinds", default="Q4_0,Q4_K,Q6_K,Q5_0,Q8_0", help="with --kernels: block types")
+    ap.add_argument("--repeats", type=int, default=30, help="with --kernels: timed calls per case")
     args = ap.parse_args()
+    args.out = args.out or RESULTS / ("2026-11-29-kquant" if args.kernels else "2026-11-27-q4")
+    if args.kernels:
+        return kernel_bench(args)
 
     from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 

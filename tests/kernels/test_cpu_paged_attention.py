@@ -1,5 +1,5 @@
 """The C++ CPU paged attention + KV write (splitfuse.kernels.cpu.paged_attention) against the
-plain-torch references, fp32.
+plain-torch references: fp32, bf16 and int8 caches.
 
 Batches come from (new tokens, cached tokens) pairs over a shuffled block pool; every cache slot
 no sequence owns below its seq_len (spare blocks, block tails) holds NaN, so a kernel that lets
@@ -19,6 +19,7 @@ if not cpu_pa.available():
     pytest.skip(f"C++ CPU kernels unavailable: {unavailable_reason()}", allow_module_level=True)
 
 from splitfuse.kernels import paged_attention_reference, write_kv_cache_reference
+from splitfuse.kernels.cpu import kv_int8
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}
 
@@ -425,3 +426,100 @@ def test_bf16_cache_equals_fp32_cache_of_the_widened_values(pairs, head_dim):
     out = b.run()
     wide = cpu_pa.paged_attention(b.q, wide_k, wide_v, b.qsl, b.seq_lens, b.block_tables, b.scale)
     assert torch.equal(out, wide)
+
+
+# ---------------------------------------------------------------------------- int8 caches
+# Codes with a float32 scale per token and kv head (splitfuse.kernels.cpu.kv_int8). Decodes read
+# the codes in place (widened in registers, scales on the scores and on P); prompt chunks and
+# blocks that are not a multiple of 16 keys dequantize tiles into L1 first.
+# Bound on |out - float reference| for these N(0, 1) K/V (per-token scales: code steps of
+# max|x| / 127 ~ 0.02): measured up to 0.019, mean 1.5e-3, over the cases below.
+INT8_ATOL, INT8_MEAN = 0.05, 4e-3
+
+
+def _as_int8(b: Batch) -> tuple[Batch, torch.Tensor]:
+    """The batch over int8 caches, and its reference on the float values (before quantizing);
+    b.reference() then runs on the dequantized values, so only the arithmetic order differs."""
+    float_ref = b.reference()
+    b.k_cache, b.v_cache = kv_int8.from_reference_layout(b.k_ref, b.v_ref)
+    b.k_ref, b.v_ref = kv_int8.to_reference_layout(b.k_cache, b.v_cache, b.block_size)
+    assert b.k_cache.dtype == torch.int8
+    return b, float_ref
+
+
+def _check_int8(out, same_values_ref, float_ref):
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out, same_values_ref, **TOL)
+    err = (out - float_ref).abs()
+    assert err.max() <= INT8_ATOL and err.mean() <= INT8_MEAN, f"max {err.max():.2e} mean {err.mean():.2e}"
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_int8_cache_mixed_batch(block_size, group):
+    pairs = MIXED + [(1, 400)]  # a long decode: split across the threads (and forced below)
+    b, float_ref = _as_int8(Batch(pairs, num_kv_heads=2, group=group, head_dim=64, block_size=block_size, seed=41))
+    ref = b.reference()
+    for out in (b.run(), b.run(num_splits=3), b.run(num_splits=1, num_threads=1)):
+        _check_int8(out, ref, float_ref)
+
+
+@pytest.mark.parametrize("window", [5, 37])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_int8_cache_sliding_window(window, block_size):
+    pairs = [(40, 0), (1, 200), (25, 90), (1, 20), (3, 40)]
+    b = Batch(pairs, num_kv_heads=2, group=2, head_dim=80, block_size=block_size, seed=42)
+    float_ref = b.reference(sliding_window=window)
+    b, _ = _as_int8(b)
+    _check_int8(b.run(sliding_window=window), b.reference(sliding_window=window), float_ref)
+    _check_int8(b.run(sliding_window=window, num_splits=2), b.reference(sliding_window=window), float_ref)
+
+
+@pytest.mark.parametrize("head_dim", [40, 128])
+def test_int8_cache_bf16_queries_and_head_dim_tails(head_dim):
+    # A bf16 model over an int8 cache: fp32 products on the widened queries; head dims with 8-wide
+    # and scalar tails in the in-place strips.
+    b, _ = _as_int8(Batch([(1, 90), (20, 33), (1, 5)], num_kv_heads=2, group=2, head_dim=head_dim, block_size=16,
+                          seed=43))
+    b.q = b.q.bfloat16()
+    ref = paged_attention_reference(b.q.float(), b.k_ref, b.v_ref, b.qsl, b.seq_lens, b.block_tables, b.scale)
+    torch.testing.assert_close(b.run(), ref, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_int8_write_kv_cache_is_exact(block_size, dtype):
+    """The kernel's quantizing write gives the reference quantization's codes and scales, byte
+    for byte (fp32 and bf16 inputs, strided views, runs and scattered slots, skipped tokens)."""
+    num_blocks, hkv, d, t = 10, 2, 64, 40
+    gen = torch.Generator().manual_seed(44)
+    k_ref = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    v_ref = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    k_cache, v_cache = kv_int8.from_reference_layout(k_ref, v_ref)
+    qkv = (torch.randn(t, 4 + 2 * hkv, d, generator=gen) * 3).to(dtype)
+    qkv[5, 4] = 0  # an all-zero row: scale 0, codes 0
+    k, v = qkv[:, 4:4 + hkv], qkv[:, 4 + hkv:]
+    slots = torch.cat([torch.arange(3, 3 + 20), torch.randperm(num_blocks * block_size, generator=gen)[:40]])
+    slots = slots.unique(sorted=False)[:t]
+    slots[::9] = -1
+    cpu_pa.write_kv_cache(k, v, k_cache, v_cache, slots)
+    write_kv_cache_reference(k.float(), v.float(), k_ref, v_ref, slots)
+    want_k, want_v = kv_int8.from_reference_layout(k_ref, v_ref)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    codes, scales = kv_int8.quantize(k[5, 0])
+    assert scales.item() == 0 and not codes.any()
+
+
+def test_int8_cache_refusals():
+    b, _ = _as_int8(Batch([(5, 3), (1, 9)], num_kv_heads=2, group=2, head_dim=64, block_size=16))
+    with pytest.raises(ValueError, match="K transposed"):
+        cpu_pa.paged_attention(b.q, b.k_cache, b.v_cache, b.qsl, b.seq_lens, b.block_tables, b.scale,
+                               k_layout=cpu_pa.K_ROW_MAJOR)
+    k = torch.randn(2, 2, 64)
+    with pytest.raises(ValueError, match="K transposed"):
+        cpu_pa.write_kv_cache(k, k, b.k_cache, b.v_cache, torch.tensor([0, 1]), k_layout=cpu_pa.K_ROW_MAJOR)
+    with pytest.raises(ValueError, match="float32 or bfloat16 for int8 caches"):
+        cpu_pa.write_kv_cache(b.k_cache[:2, :, :64], b.k_cache[:2, :, :64], b.k_cache, b.v_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="float32 or bfloat16 \\(or int8"):
+        cpu_pa.write_kv_cache(k.half(), k.half(), b.k_cache.half(), b.v_cache.half(), torch.tensor([0, 1]))
+    assert cpu_pa.cache_shape(3, 16, 2, 64, torch.int8) == (3, 2, 16 * 68)

@@ -1,6 +1,8 @@
 """The GGUF block linear kernel (kernels/cpu/quant4.py) against the `gguf` package's dequantization.
 
-Weights are quantized with the `gguf` package itself (Q4_0, Q4_1, Q8_0). `quant4.dequantize`
+Weights are quantized with the `gguf` package itself where it quantizes the type (Q4_0, Q4_1,
+Q8_0, Q5_0, Q5_1); the K-quants (Q4_K, Q5_K, Q6_K: no quantizer there) are random bytes with
+sane fp16 scales, every 4-, 5- and 6-bit value and sub-block scale reached. `quant4.dequantize`
 equals `gguf.quants.dequantize` exactly; the kernel's product equals the float32 C++ kernel's
 over those dequantized weights bit for bit (the same widening, the same sequential multiply-add
 chain over k), and so agrees with torch's fp32 matmul to its tolerance. The integer form
@@ -25,7 +27,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of s
 
 from splitfuse.kernels.cpu import build  # noqa: E402
 from splitfuse.kernels.cpu import linear as cl  # noqa: E402
-from splitfuse.kernels.cpu import quant4  # noqa: E402
+from splitfuse.kernels.cpu import gguf_blocks, quant4  # noqa: E402
 from splitfuse.kernels.reference import silu_and_mul_reference  # noqa: E402
 
 if not quant4.available():
@@ -40,23 +42,45 @@ def _gen(*key) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
+OLD_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+NEW_KINDS = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _random_blocks(kind: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Random bytes as `kind` blocks [n, k / block k * bytes], the fp16 fields set to small scales."""
+    bb, per = quant4.BLOCK_BYTES[kind], quant4.BLOCK_K[kind]
+    b = torch.randint(0, 256, (n, k // per, bb), generator=g, dtype=torch.uint8)
+    for at in gguf_blocks.FP16_FIELDS[kind]:
+        scale = (torch.rand(n, k // per, generator=g) * 0.02).half()
+        b[..., at:at + 2] = scale.view(torch.uint8).view(n, k // per, 2)
+    return b.reshape(n, -1)
+
+
 def _quantized(kind: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gguf blocks [n, k / 32 * bytes] as uint8, the gguf package's dequantization [n, k])."""
-    w = torch.randn(n, k, generator=g) * 0.1
-    w[0, :] += 0.5  # an all-positive group: Q4_1's minimum away from zero
+    """(gguf blocks [n, k / block k * bytes] as uint8, the gguf package's dequantization [n, k])."""
     qt = getattr(gguf.GGMLQuantizationType, kind)
-    rows = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt)).view(torch.uint8).reshape(n, -1)
+    if quant4.BLOCK_K[kind] > 32:
+        rows = _random_blocks(kind, n, k, g)
+    else:
+        w = torch.randn(n, k, generator=g) * 0.1
+        w[0, :] += 0.5  # an all-positive group: Q4_1's minimum away from zero
+        rows = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt)).view(torch.uint8).reshape(n, -1)
     ref = torch.from_numpy(gguf.quants.dequantize(rows.numpy(), qt)).reshape(n, k)
     return rows, ref
 
 
 @pytest.mark.parametrize("kind", quant4.KINDS)
 def test_dequantize_matches_the_gguf_package(kind):
-    rows, ref = _quantized(kind, 37, 96, _gen(kind))
+    rows, ref = _quantized(kind, 37, 512, _gen(kind))
     assert torch.equal(quant4.dequantize(kind, rows), ref)
+    if kind not in quant4.QUANTIZE_KINDS:  # random bytes: every stored integer value comes up
+        f = gguf_blocks.parse(kind, rows)
+        assert f.q.unique().numel() == (256 if kind == "Q8_0" else 1 << (4 + gguf_blocks.HIGH_BITS.get(kind, 0)))
+        if f.sc is not None:
+            assert (f.sc.min().item(), f.sc.max().item()) == ((-128, 127) if kind == "Q6_K" else (0, 63))
 
 
-@pytest.mark.parametrize("kind", quant4.KINDS)
+@pytest.mark.parametrize("kind", quant4.QUANTIZE_KINDS)
 def test_quantize_gives_the_gguf_packages_blocks(kind):
     w = torch.randn(37, 96, generator=_gen("quantize", kind))
     rows = quant4.quantize(kind, w)
@@ -76,13 +100,25 @@ def test_lookup_rows_reads_the_packed_blocks(form, n):
     ids = torch.tensor([[n - 1, 0], [n // 2, n - 1]])
     assert torch.equal(quant4.lookup_rows(packed, ids), ref[ids.reshape(-1)])
     gated = quant4.pack_quantized("Q8_0", torch.cat([rows, rows]), gated=True, form=form)
-    q4 = quant4.pack_quantized("Q4_1", _quantized("Q4_1", n, 96, _gen("q4", n))[0], form=form)
-    assert not quant4.can_lookup(gated) and not quant4.can_lookup(q4)
-    with pytest.raises(ValueError, match="ungated Q8_0"):
-        quant4.lookup_rows(q4, ids)
+    assert not quant4.can_lookup(gated)
+    if form == "dot":  # the integer form's layout is read for Q8_0 only
+        q4 = quant4.pack_quantized("Q4_1", _quantized("Q4_1", n, 96, _gen("q4", n))[0], form=form)
+        assert not quant4.can_lookup(q4)
+        with pytest.raises(ValueError, match="ungated float-form or Q8_0"):
+            quant4.lookup_rows(q4, ids)
 
 
 @pytest.mark.parametrize("kind", quant4.KINDS)
+def test_lookup_rows_of_every_kind_in_the_float_form(kind):
+    """Gemma 3's tied token_embd is Q6_K or Q8_0 in Q4_K_M files: the embedding reads the LM
+    head's packed copy, a padding block (72 = 64 + 8 columns, or 2 x 32 + 8) included."""
+    rows, ref = _quantized(kind, 72, 512, _gen("lookup-kind", kind))
+    packed = quant4.pack_quantized(kind, rows)
+    ids = torch.tensor([71, 0, 64, 33, 71])
+    assert torch.equal(quant4.lookup_rows(packed, ids), ref[ids])
+
+
+@pytest.mark.parametrize("kind", OLD_KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 100])
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 96), (911, 512), (5, 64), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -98,7 +134,26 @@ def test_linear_equals_the_float_kernel_over_the_dequantized_weight(kind, rows, 
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5 * in_features ** 0.5)
 
 
-@pytest.mark.parametrize("kind", quant4.KINDS)
+@pytest.mark.parametrize("kind", NEW_KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 7, 13])
+def test_k_quants_and_q5_equal_the_float_kernel(kind, rows):
+    """K = 512 (two 256-k super-blocks, eight k passes), N = 72 (a partial column block with
+    padding columns), rows around the register strips; a bias at odd row counts, the gated
+    weight (36 + 36 rows: a partial gated block) at 7."""
+    g = _gen("new", kind, rows)
+    blocks, w = _quantized(kind, 72, 512, g)
+    b = torch.randn(72, generator=g) if rows in (3, 13) else None
+    x = torch.randn(rows, 512, generator=g)
+    out = quant4.linear(x, quant4.pack_quantized(kind, blocks, b))
+    assert torch.equal(out, cl.linear(x, cl.pack_weight(w, b)))
+    ref = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+    if rows == 7:
+        gated = quant4.linear(x, quant4.pack_quantized(kind, blocks, gated=True))
+        assert torch.equal(gated, cl.linear(x, cl.pack_weight(w, gated=True)))
+
+
+@pytest.mark.parametrize("kind", OLD_KINDS)
 @pytest.mark.parametrize("rows", [1, 7, 16])
 @pytest.mark.parametrize("inter", [1, 40, 1536])
 def test_gated_weight_gives_silu_gate_times_up(kind, rows, inter):
@@ -111,7 +166,7 @@ def test_gated_weight_gives_silu_gate_times_up(kind, rows, inter):
 
 
 @pytest.mark.skipif(not DOT, reason="no integer form in this build (needs AVX-512 VNNI or AVX2)")
-@pytest.mark.parametrize("kind", quant4.KINDS)
+@pytest.mark.parametrize("kind", OLD_KINDS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 33])
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 96), (911, 512), (5, 64), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -135,7 +190,7 @@ def test_integer_form_matches_its_reference(kind, rows, out_features, in_feature
 
 
 @pytest.mark.skipif(not DOT, reason="no integer form in this build (needs AVX-512 VNNI or AVX2)")
-@pytest.mark.parametrize("kind", quant4.KINDS)
+@pytest.mark.parametrize("kind", OLD_KINDS)
 def test_integer_form_gated_and_close_to_the_float_model(kind):
     g = _gen("dot-gated", kind)
     blocks, w = _quantized(kind, 2 * 300, 576, g)
@@ -146,6 +201,30 @@ def test_integer_form_gated_and_close_to_the_float_model(kind):
     # int8 activations per 32 values: within a few percent of the float product
     full = silu_and_mul_reference(torch.nn.functional.linear(x, w))
     assert (out - full).norm() / full.norm() < 0.02
+
+
+@pytest.mark.skipif(not DOT, reason="no integer form in this build (needs AVX-512 VNNI or AVX2)")
+@pytest.mark.parametrize("kind", NEW_KINDS)
+@pytest.mark.parametrize("rows", [3, 13])
+def test_integer_form_of_k_quants_and_q5_matches_its_reference(kind, rows):
+    """Exact integer sums per 32 k (Q6_K: per 16), each scaled by its (sub-)block's scale: the
+    kernel equals dot_reference to float32 rounding of the scaled sums; gated too, and close to
+    the dequantized float product."""
+    g = _gen("dot-new", kind, rows)
+    blocks, w = _quantized(kind, 72, 512, g)
+    b = torch.randn(72, generator=g)
+    x = torch.randn(rows, 512, generator=g)
+    x[0, :40] = 0  # a group of zeros (scale 0)
+    out = quant4.linear(x, quant4.pack_quantized(kind, blocks, b, form="dot"))
+    ref = quant4.dot_reference(x, kind, blocks, b)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    full = torch.nn.functional.linear(x, w, b)
+    assert (out - full).norm() / full.norm() < 0.02
+    if rows != 3:
+        return
+    gated = quant4.linear(x, quant4.pack_quantized(kind, blocks, gated=True, form="dot"))
+    ref = silu_and_mul_reference(quant4.dot_reference(x, kind, blocks))
+    torch.testing.assert_close(gated, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
 
 
 def test_strided_rows_and_given_output():
@@ -162,7 +241,9 @@ def test_strided_rows_and_given_output():
 def test_bad_inputs_raise():
     blocks, _ = _quantized("Q4_0", 8, 64, _gen("bad"))
     with pytest.raises(ValueError, match="unsupported block type"):
-        quant4.pack_quantized("Q5_K", blocks)
+        quant4.pack_quantized("IQ4_NL", blocks)
+    with pytest.raises(ValueError, match="whole 144-byte blocks"):  # K = 64: no whole 256-k super-block
+        quant4.pack_quantized("Q4_K", torch.zeros(8, 72, dtype=torch.uint8))
     with pytest.raises(ValueError, match="whole 20-byte blocks"):
         quant4.pack_quantized("Q4_1", blocks)
     packed = quant4.pack_quantized("Q4_0", blocks)

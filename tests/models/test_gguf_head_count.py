@@ -1,6 +1,7 @@
 """A GGUF file whose attention head count does not split its q/k rows (metadata and tensors
-disagree) fails through GGUFError, naming the tensor and the metadata field, not with a bare
-reshape error."""
+disagree) fails through GGUFError when the tensor is read (models/gguf_tensors.py, for the float
+load and for the blocks alike), naming the tensor and the metadata field, not with a bare reshape
+error."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of splitfuse-triton")
 
-from splitfuse.models.gguf_checkpoint import GGUFError, _tensors  # noqa: E402
+import torch  # noqa: E402
+
+from splitfuse.models.gguf_tensors import GGUFError, GGUFTensors  # noqa: E402
 
 
 def _write(path: Path, rows: int) -> Path:
@@ -28,13 +31,16 @@ def _write(path: Path, rows: int) -> Path:
 
 
 def test_head_count_that_does_not_split_the_rows_is_a_gguf_error(tmp_path):
-    reader = gguf.GGUFReader(_write(tmp_path / "bad.gguf", rows=8))  # 8 rows are not 3 heads of 2k rows
-    with pytest.raises(GGUFError, match=r"'blk\.0\.attn_q\.weight' has 8 rows, which llama\.attention\.head_count "
-                                        r"= 3 does not split"):
-        _tensors(reader, "llama", 3, 3)
+    path = _write(tmp_path / "bad.gguf", rows=8)  # 8 rows are not 3 heads of 2k rows
+    tensors = GGUFTensors(gguf.GGUFReader(path).tensors, path, "llama", 3, 3)
+    for read in (lambda t: tensors.read(t, torch.float32), tensors.raw_rows):
+        with pytest.raises(GGUFError, match=r"'blk\.0\.attn_q\.weight' has 8 rows, which "
+                                            r"llama\.attention\.head_count = 3 does not split"):
+            read(tensors.by_name["blk.0.attn_q.weight"])
 
 
 def test_head_count_that_splits_the_rows_converts(tmp_path):
-    reader = gguf.GGUFReader(_write(tmp_path / "good.gguf", rows=6))
-    out, _ = _tensors(reader, "llama", 3, 3)
+    path = _write(tmp_path / "good.gguf", rows=6)
+    tensors = GGUFTensors(gguf.GGUFReader(path).tensors, path, "llama", 3, 3)
+    out = {name: tensors.read(t, torch.float32) for name, t in tensors}
     assert out["model.layers.0.self_attn.q_proj.weight"].shape == (6, 4)

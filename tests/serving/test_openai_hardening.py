@@ -211,6 +211,7 @@ def test_ctrl_c_ends_open_streams_with_a_finish_reason_and_done(tiny_model_facto
             assert late.json()["error"]["type"] == "server_error" and "shutting down" in late.json()["error"]["message"]
             chunks, payloads = _read_stream(events)
         waiting.join(timeout=120)
+        assert not waiting.is_alive() and "choices" in whole, (whole, launcher.log())
         chunks = [first, *chunks]
         assert payloads[-1] == "[DONE]", payloads[-3:]
         assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])

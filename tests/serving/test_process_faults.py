@@ -34,7 +34,7 @@ from triton_helpers import GrpcStream, child_pids, grpc_generate, metric_by_inst
 from splitfuse.launcher import find_tritonserver, free_port, port_is_free
 from splitfuse.launcher.supervisor import alive
 
-pytestmark = pytest.mark.serving
+pytestmark = [pytest.mark.serving, pytest.mark.slow]  # ~150 s: each test starts its own launcher
 
 # No client may wait longer than this after a fault for its request to end.
 CLIENT_BOUND_S = 60.0

@@ -56,17 +56,22 @@ enum Layer { L_QKV = 0, L_O = 5, L_GATE_UP = 10, L_DOWN = 15, L_NORM_IN = 20, L_
 // (its quads, with per-column weight sums and scales) or 2 for GGUF blocks (quant4.cpp; float32
 // models), the packed data, the float32 bias in the packed column order (0: none), and for int8
 // the column sums and scales, for GGUF blocks their kind (quant4.cpp's Kind) and 1 for the
-// integer form.
+// integer form; 3 for GGUF parts of different kinds (quant_parts.py), whose data is a table:
+// the part count, then per part its packed data, bias, kind, integer form, first output column
+// and column count (no LoRA: the Python side gives none to GGUF projections).
 enum Projection { P_KIND, P_DATA, P_BIAS, P_COL_SUMS, P_SCALES, P_FIELDS };
 enum { P_Q4_KIND = P_COL_SUMS, P_Q4_DOT = P_SCALES };
-enum { KIND_FLOAT = 0, KIND_INT8 = 1, KIND_GGUF = 2 };
+enum { KIND_FLOAT = 0, KIND_INT8 = 1, KIND_GGUF = 2, KIND_GGUF_PARTS = 3 };
+enum { GP_DATA, GP_BIAS, GP_KIND, GP_DOT, GP_START, GP_COLS, GP_FIELDS };
 static_assert(L_O - L_QKV == P_FIELDS && L_NORM_IN - L_DOWN == P_FIELDS, "projection slots");
 // The model's shape: layers in the table, hidden, heads, kv heads, head dim, intermediate size,
 // block size, cache blocks, model dtype bf16 (0/1), K layout of the caches, eps and the
-// attention scale (doubles stored in int64 slots), and the int8 projections' activation
-// quantization (levels around a zero point).
+// attention scale (doubles stored in int64 slots), the int8 projections' activation
+// quantization (levels around a zero point), and the caches' kind (paged_attention.cpp's
+// kv_kind: the model's dtype, or 2 for int8 codes and scales).
 enum Shape { S_LAYERS, S_H, S_HQ, S_HKV, S_D, S_I, S_BLOCK, S_NUM_BLOCKS, S_BF16, S_K_LAYOUT, S_EPS, S_SCALE,
-             S_LEVELS, S_ZERO_POINT, S_FIELDS };
+             S_LEVELS, S_ZERO_POINT, S_KV_KIND, S_FIELDS };
+enum { KV_INT8 = 2 };
 // One call: tokens, layers to run [0, n), X (the embedding output; becomes the residual
 // stream), Y, positions (int64), cos, cos row stride, sin, sin row stride, table rows, slot
 // mapping (int64), query_start_loc, seq_lens, block_tables (int32), its row stride and width,
@@ -147,6 +152,15 @@ void project(const int64_t* p, bool gated, int64_t x, int64_t sx, int64_t n, int
     if (p[P_KIND] == KIND_GGUF) {  // float32 models (the Python wrapper checks)
         const int64_t r[] = {x, sx, p[P_DATA], n, k, p[P_BIAS], y, sy, m};
         sf_q4_linear_any(r, static_cast<int>(p[P_Q4_KIND]), static_cast<int>(p[P_Q4_DOT]), gated, lora);
+        return;
+    }
+    if (p[P_KIND] == KIND_GGUF_PARTS) {  // ungated, float32 models
+        const int64_t* t = reinterpret_cast<const int64_t*>(p[P_DATA]);
+        for (int64_t i = 0; i < t[0]; ++i) {
+            const int64_t* q = t + 1 + i * GP_FIELDS;
+            const int64_t r[] = {x, sx, q[GP_DATA], q[GP_COLS], k, q[GP_BIAS], y + q[GP_START] * 4, sy, m};
+            sf_q4_linear_any(r, static_cast<int>(q[GP_KIND]), static_cast<int>(q[GP_DOT]), 0, nullptr);
+        }
         return;
     }
     if (p[P_KIND] == KIND_FLOAT) {
@@ -340,14 +354,16 @@ int run(const int64_t* shape, const int64_t* table, const int64_t* call) {
         {
             const int64_t r[] = {k, N, D, v, N, D, w[L_K_CACHE], w[L_V_CACHE], call[C_SLOTS], T_, Hkv, D,
                                  shape[S_BLOCK], shape[S_NUM_BLOCKS], shape[S_K_LAYOUT], call[C_THREADS]};
-            const int rc = K::write(r);
+            const int rc = shape[S_KV_KIND] != KV_INT8 ? K::write(r)
+                           : sizeof(T) == 2        ? sf_attn_write_kv_i8_bf16_packed(r)
+                                                   : sf_attn_write_kv_i8_f32_packed(r);
             if (rc) return rc;
         }
         {
             const int64_t r[] = {q, N, D, ATT, QD, D, w[L_K_CACHE], w[L_V_CACHE], call[C_QSL], call[C_SEQ_LENS],
                                  call[C_BT], call[C_BT_ST], call[C_BT_W], call[C_SEQS], T_, Hq, Hkv, D,
                                  shape[S_BLOCK], shape[S_NUM_BLOCKS], w[L_WINDOW], shape[S_K_LAYOUT], 0, 0,
-                                 call[C_THREADS], 0, 0, sizeof(T) == 2, sizeof(T) == 2};
+                                 call[C_THREADS], 0, 0, shape[S_KV_KIND], sizeof(T) == 2};
             const int rc = sf_attn_paged_attention_f32_packed(r, scale);
             if (rc) return rc;
         }

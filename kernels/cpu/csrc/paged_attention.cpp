@@ -48,6 +48,7 @@
 
 #include "attention_simd.h"
 #include "bf16.h"
+#include "kv_int8.h"
 #include "sf_api.h"
 
 // bf16 products (vdpbf16ps: 32 bf16 products summed pairwise into 16 fp32 lanes, twice the
@@ -99,7 +100,10 @@ struct Ctx {
     const float* vc;
     const uint16_t* kc16;  // the same caches as bf16, when kv_bf16
     const uint16_t* vc16;
-    int kv_bf16;
+    const int8_t* kc8;  // the same caches as int8 codes and scales (kv_int8.h), when kv_i8
+    const int8_t* vc8;
+    int kv_bf16, kv_i8;
+    int64_t tile;  // elements (int8: bytes) of one (block, kv head) tile of the cache
     const int32_t* qsl;
     const int32_t* seq_lens;
     const int32_t* bt;
@@ -391,6 +395,8 @@ struct Tile {
     const void* v;     // V rows (ldv apart)
     const void* pf_k;  // the tile NT tiles later, to prefetch (the tile itself when there is none)
     const void* pf_v;
+    const float* ks;   // int8 cache read in place: the 16 keys' K and V scales
+    const float* vs;
     int n0, nv;        // keys [n0, n0 + nv)
 };
 
@@ -438,6 +444,9 @@ static void attend_strip(const StripArgs& a) {
         } else
 #endif
             qk_strip<R, PF>(a.Q, a.D, kt, a.ldk, pf_k, s);
+        if constexpr (sizeof(T) == 1)  // int8 codes: the keys' scales multiply their scores
+            for (int i = 0; i < R; ++i)
+                for (int c = 0; c < NV; ++c) s[i][c] *= loadu(tile.ks + c * VL);
         if (a.need_mask[t]) {
             const vf ninf = splat(-INFINITY);
             const vi lane = iota_vi();
@@ -487,8 +496,10 @@ static void attend_strip(const StripArgs& a) {
                 }
 #endif
                 const vf p = exp2v(loadu(sp) - mb);
-                storeu(sp, p);
                 sum += p;
+                // int8 V: the sums take P, P.V its columns times the keys' V scales.
+                if constexpr (sizeof(T) == 1) storeu(sp, p * loadu(a.tiles[t].vs + c * VL));
+                else storeu(sp, p);
             }
         rows[i] = sum;
     }
@@ -537,6 +548,7 @@ using Strips = StripTable<T, DOT, 1, 2, 3, 4, 5, 6>;
 template <typename T, bool DOT = false>
 using Strips = StripTable<T, DOT, 1, 2, 3, 4>;
 #endif
+
 static_assert(sizeof(Strips<float>::fns[0]) / sizeof(StripFn) == MR, "one strip kernel per row count 1..MR");
 
 // dst[d * dst_ld + j] = src[j * src_ld + d] for j < n, d < D: 8 x 8 blocks through shuffles
@@ -609,13 +621,39 @@ static void load_bf16_tile(const Ctx& c, const int32_t* btr, int h, int n0, int 
     }
 }
 
-// Software prefetch of the K/V tile of keys [n0, n0 + 16) of kv head h, fp32 or bf16 (blocks a
-// multiple of 16 keys): tiles of different blocks sit in different pages, where the hardware
-// prefetchers stop.
+// The keys [n0, n0 + nv) of an int8 cache (K transposed) dequantized into the L1 tiles Kt [D][16]
+// and Vt [16][D]: code times its token's scale. Keys before `first` (left the window) are not
+// read: their blocks may be gone.
+static void load_i8_tile(const Ctx& c, const int32_t* btr, int h, int n0, int nv, int first, float* Kt, float* Vt) {
+    const int D = c.D, bs = c.bs;
+    for (int j = std::max(0, first - n0); j < nv; ++j) {
+        const int p = n0 + j;
+        const int64_t base = (int64_t(btr[p / bs]) * c.Hkv + h) * c.tile;
+        const int off = p % bs;
+        const int64_t scale_at = base + int64_t(bs) * D + int64_t(off) * I8_SCALE_BYTES;
+        const float ks = load_scale(c.kc8 + scale_at), vs = load_scale(c.vc8 + scale_at);
+        const int8_t* k = c.kc8 + base + off;
+        for (int d = 0; d < D; ++d) Kt[d * TN + j] = float(k[int64_t(d) * bs]) * ks;
+        const int8_t* v = c.vc8 + base + int64_t(off) * D;
+        float* vt = Vt + size_t(j) * D;
+        int d = 0;
+        for (; d + 8 <= D; d += 8) storeu8(vt + d, load_kv8(v + d) * vs);
+        for (; d < D; ++d) vt[d] = float(v[d]) * vs;
+    }
+}
+
+// Software prefetch of the K/V tile of keys [n0, n0 + 16) of kv head h (blocks a multiple of 16
+// keys; int8: and its scales): tiles of different blocks sit in different pages, where the
+// hardware prefetchers stop.
 static inline void prefetch_tile(const Ctx& c, const int32_t* btr, int h, int n0) {
-    const int D = c.D, bs = c.bs, es = c.kv_bf16 ? 2 : 4;
-    const int64_t base = (int64_t(btr[n0 / bs]) * c.Hkv + h) * int64_t(bs) * D;
+    const int D = c.D, bs = c.bs, es = c.kv_i8 ? 1 : c.kv_bf16 ? 2 : 4;
+    const int64_t base = (int64_t(btr[n0 / bs]) * c.Hkv + h) * c.tile;
     const int off = n0 % bs;
+    if (c.kv_i8) {
+        const int64_t scale_at = base + int64_t(bs) * D + int64_t(off) * I8_SCALE_BYTES;
+        prefetch(c.kc8 + scale_at);
+        prefetch(c.vc8 + scale_at);
+    }
     const char* k = reinterpret_cast<const char*>(c.kc) + base * es;
     const char* v = reinterpret_cast<const char*>(c.vc) + (base + int64_t(off) * D) * es;
     if (c.k_layout == 1)
@@ -651,7 +689,7 @@ static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, si
     const int base_pos = ctx + it.t0;
     const int kv_hi = ctx + it.t1;  // keys [kv_lo, kv_hi) for the tile's tokens
     const int kv_lo = c.window > 0 ? std::max(0, base_pos - c.window + 1) : 0;
-    const int64_t tile_elems = int64_t(bs) * D;
+    const int64_t tile_elems = c.tile;
 
     const size_t nQ = round16(size_t(R) * D), nM = round16(R + VL), nS = MR * LDS, nK = round16(size_t(D) * TN);
     float* buf = tls_scratch.get(2 * nQ + 2 * nM + nS + nS / 2 + 2 * NT * nK + 64);
@@ -673,7 +711,9 @@ static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, si
     // forced on a 2-core Zen 5, perf/kernels/bench_cpu_attention.py --bf16, bf16 cache against fp32:
     // prefill512@0 x0.79 -> x0.91, prefill512@512 x0.78 -> x0.91; decodes (one strip) stay in
     // place, x2.0.
-    const bool widen_once = SF_ATTN_WIDTH < 16 && c.kv_bf16 && R > 2 * MR;
+    // An int8 tile is dequantized once for such items on every ISA: its widening (two
+    // instructions per load) and the scale multiplies would otherwise repeat in every strip.
+    const bool widen_once = ((SF_ATTN_WIDTH < 16 && c.kv_bf16) || c.kv_i8) && R > 2 * MR;
     const bool inplace = bs % TN == 0 && (!c.kv_bf16 || c.k_layout == 1) && !widen_once;
     // bf16 products for the query tiles of more than one token (prompt chunks) of bf16 queries
     // over a bf16 cache read in place; decodes (memory-bound) keep fp32 products.
@@ -709,9 +749,18 @@ static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, si
     }
     const int32_t* btr = c.bt + int64_t(it.b) * c.bt_st;
     // The element `e` of the K or V cache, in the cache's type.
-    auto k_at = [&](int64_t e) -> const void* { return c.kv_bf16 ? (const void*)(c.kc16 + e) : (const void*)(c.kc + e); };
-    auto v_at = [&](int64_t e) -> const void* { return c.kv_bf16 ? (const void*)(c.vc16 + e) : (const void*)(c.vc + e); };
+    auto k_at = [&](int64_t e) -> const void* {
+        return c.kv_i8 ? (const void*)(c.kc8 + e) : c.kv_bf16 ? (const void*)(c.kc16 + e) : (const void*)(c.kc + e);
+    };
+    auto v_at = [&](int64_t e) -> const void* {
+        return c.kv_i8 ? (const void*)(c.vc8 + e) : c.kv_bf16 ? (const void*)(c.vc16 + e) : (const void*)(c.vc + e);
+    };
+    // The scales of keys [off, off + 16) of the tile at `base` (int8 caches).
+    auto scales_at = [&](const int8_t* cache, int64_t base, int off) {
+        return reinterpret_cast<const float*>(cache + base + int64_t(bs) * D + int64_t(off) * I8_SCALE_BYTES);
+    };
     const StripFn(*strips)[MR] = dot                         ? Strips<uint16_t, true>::fns
+                                 : inplace && c.kv_i8   ? Strips<int8_t>::fns
                                  : inplace && c.kv_bf16 ? Strips<uint16_t>::fns
                                                         : Strips<float>::fns;
 
@@ -758,6 +807,10 @@ static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, si
                     tile.kt = Ktt;
                 }
                 tile.v = v_at(base + int64_t(off) * D);
+                if (c.kv_i8) {
+                    tile.ks = scales_at(c.kc8, base, off);
+                    tile.vs = scales_at(c.vc8, base, off);
+                }
                 // The tile one block later, prefetched by the block's first strip. (k_layout 0:
                 // qk reads the L1 tile with ldk 16, so its prefetch of pf_k + d * 16, d < D,
                 // covers the next row-major 16 x D K tile exactly.)
@@ -776,8 +829,16 @@ static bool run_item(const Ctx& c, const Item& it, float* ws, const Queue& q, si
                     const int64_t base2 = (int64_t(btr2[n2 / bs]) * Hkv + owner->h) * tile_elems;
                     tile.pf_k = k_at(base2 + (c.k_layout == 1 ? n2 % bs : int64_t(n2 % bs) * D));
                     tile.pf_v = v_at(base2 + int64_t(n2 % bs) * D);
+                    if (c.kv_i8) {
+                        prefetch(scales_at(c.kc8, base2, n2 % bs));
+                        prefetch(scales_at(c.vc8, base2, n2 % bs));
+                    }
                     any_pf = true;
                 }
+            } else if (c.kv_i8) {
+                load_i8_tile(c, btr, it.h, n0, nv, kv_lo, Ktt, Vtt);
+                tile.kt = tile.pf_k = Ktt;
+                tile.v = tile.pf_v = Vtt;
             } else if (c.kv_bf16) {
                 load_bf16_tile(c, btr, it.h, n0, nv, kv_lo, Ktt, Vtt);
                 tile.kt = tile.pf_k = Ktt;
@@ -962,6 +1023,15 @@ static int write_kv(const T* k, int64_t k_st, int64_t k_sh, const T* v, int64_t 
 
 using namespace sf_attn;
 
+template <typename Tin>
+static int write_i8_packed(const int64_t* p) {
+    if (p[14] != 1) return SF_ATTN_BAD_SHAPE;  // K transposed only
+    return write_kv_i8(reinterpret_cast<const Tin*>(p[0]), p[1], p[2], reinterpret_cast<const Tin*>(p[3]), p[4], p[5],
+                       reinterpret_cast<int8_t*>(p[6]), reinterpret_cast<int8_t*>(p[7]),
+                       reinterpret_cast<const int64_t*>(p[8]), int(p[9]), int(p[10]), int(p[11]), int(p[12]), p[13],
+                       int(p[15]) > 0 ? int(p[15]) : omp_get_max_threads(), SF_ATTN_BAD_SHAPE, SF_ATTN_BAD_BLOCK);
+}
+
 extern "C" {
 
 
@@ -971,17 +1041,18 @@ int sf_attn_bf16_products() { return SF_ATTN_BF16_DOT; }
 
 // stats (nullable, 4 int64): number of work items, number of split (sequence, head, tile)
 // groups, largest split count, rows per token tile. dry_run != 0: plan only (for tests).
-// kv_bf16 != 0: k_cache and v_cache hold bf16 (uint16) values; q_bf16 != 0: so does q (only
-// with kv_bf16: prompt chunks then take bf16 products where the CPU has AVX-512 BF16).
+// kv_kind: the caches hold fp32 (0), bf16 (1: uint16) values, or int8 codes and scales (2:
+// kv_int8.h, K transposed only); q_bf16 != 0: q holds bf16 (with a bf16 cache prompt chunks then
+// take bf16 products where the CPU has AVX-512 BF16).
 int sf_attn_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, float* out, int64_t o_st, int64_t o_sh,
                                 const float* k_cache, const float* v_cache, const int32_t* query_start_loc,
                                 const int32_t* seq_lens, const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks,
                                 int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
                                 int block_size, int64_t num_blocks, float scale, int window, int k_layout,
                                 int num_splits, int rows_target, int num_threads, int64_t* stats, int dry_run,
-                                int kv_bf16, int q_bf16) {
+                                int kv_kind, int q_bf16) {
     if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim > 256 ||
-        block_size <= 0 || bt_stride < 0 || window < 0)
+        block_size <= 0 || bt_stride < 0 || window < 0 || kv_kind < 0 || kv_kind > 2 || (kv_kind == 2 && k_layout != 1))
         return SF_ATTN_BAD_SHAPE;
     Ctx c;
     c.q = q;
@@ -996,7 +1067,11 @@ int sf_attn_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, floa
     c.vc = v_cache;
     c.kc16 = reinterpret_cast<const uint16_t*>(k_cache);
     c.vc16 = reinterpret_cast<const uint16_t*>(v_cache);
-    c.kv_bf16 = kv_bf16;
+    c.kc8 = reinterpret_cast<const int8_t*>(k_cache);
+    c.vc8 = reinterpret_cast<const int8_t*>(v_cache);
+    c.kv_bf16 = kv_kind == 1;
+    c.kv_i8 = kv_kind == 2;
+    c.tile = c.kv_i8 ? i8_tile_bytes(block_size, head_dim) : int64_t(block_size) * head_dim;
     c.qsl = query_start_loc;
     c.seq_lens = seq_lens;
     c.bt = block_tables;
@@ -1188,10 +1263,11 @@ int sf_attn_write_kv_f32(const float* k, int64_t k_st, int64_t k_sh, const float
 //   attention: q, q_st, q_sh, out, o_st, o_sh, k_cache, v_cache, query_start_loc, seq_lens,
 //              block_tables, bt_stride, max_blocks, num_seqs, num_tokens, num_heads, num_kv_heads,
 //              head_dim, block_size, num_blocks, window, k_layout, num_splits, rows_target,
-//              num_threads, stats, dry_run, kv_bf16, q_bf16                            (29)
+//              num_threads, stats, dry_run, kv_kind, q_bf16                            (29)
 //   write:     k, k_st, k_sh, v, v_st, v_sh, k_cache, v_cache, slot_mapping, num_tokens,
 //              num_kv_heads, head_dim, block_size, num_blocks, k_layout, num_threads    (16)
-//              (the same for the bf16 write, with uint16 k, v and caches)
+//              (the same for the bf16 write, with uint16 k, v and caches, and for the int8
+//              writes, with int8 caches, fp32 or bf16 k and v, k_layout 1)
 int sf_attn_write_kv_bf16(const uint16_t* k, int64_t k_st, int64_t k_sh, const uint16_t* v, int64_t v_st,
                           int64_t v_sh, uint16_t* k_cache, uint16_t* v_cache, const int64_t* slot_mapping,
                           int num_tokens, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,
@@ -1223,5 +1299,8 @@ int sf_attn_write_kv_f32_packed(const int64_t* p) {
                                 reinterpret_cast<const int64_t*>(p[8]), int(p[9]), int(p[10]), int(p[11]), int(p[12]),
                                 p[13], int(p[14]), int(p[15]));
 }
+
+int sf_attn_write_kv_i8_f32_packed(const int64_t* p) { return write_i8_packed<float>(p); }
+int sf_attn_write_kv_i8_bf16_packed(const int64_t* p) { return write_i8_packed<uint16_t>(p); }
 
 }  // extern "C"

@@ -1,17 +1,10 @@
 // Linear layers over llama.cpp's quantized blocks, kept packed in memory and widened in
-// registers: y[M, N] = x[M, K] . W[N, K]^T (+ bias), x and y float32, W one of GGUF's
-//   Q4_0: per 32 k, an fp16 scale d and 4-bit q:         w = d * (q - 8)
-//   Q4_1: per 32 k, fp16 scale d and minimum m, 4-bit q:  w = d * q + m
-//   Q8_0: per 32 k, an fp16 scale d and int8 q:           w = d * q
-// (splitfuse/kernels/cpu/quant4.py packs them and documents the API). The packed weight is
-// column blocks of NB = 4 vectors (linear.cpp's blocks: 64 columns with AVX-512, 32 with AVX2),
-// each a run of 32-k groups, each group one record:
-//   d[NB] fp16, (Q4_1: m[NB] fp16), then for each of the 32 k:
-//     Q4: NB / 2 bytes, NV / 2 chunks of VW bytes; byte i of chunk c holds column 2c*VW + i in
-//         its low nibble and column (2c+1)*VW + i in its high nibble
-//     Q8: NB int8, column j at byte j
-// so a block streams its weights (about the file's bytes: 5 bits a weight for Q4_1) in order.
-// Padding columns have d = m = 0 and q = 0. K is a multiple of 32 (GGUF's blocks).
+// registers: y[M, N] = x[M, K] . W[N, K]^T (+ bias), x and y float32, W one of GGUF's block
+// types (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: gguf_blocks.h has their packed layout
+// and widening; splitfuse/kernels/cpu/quant4.py packs them and documents the API). The packed
+// weight is column blocks of NB = 4 vectors (linear.cpp's blocks: 64 columns with AVX-512, 32
+// with AVX2), each a run of records (32 k, or a K-quant's 256), so a block streams its weights
+// (about the file's bytes) in order. Padding columns have zero scales and q = 0.
 //
 // Each work item (column block, row chunk) widens KC k of its block at a time into a float
 // buffer in L1 (the weights as the `gguf` package dequantizes them, bit for bit: the products
@@ -33,6 +26,7 @@
 #include <vector>
 
 #include "elementwise_simd.h"
+#include "gguf_blocks.h"
 #include "lora_simd.h"
 #include "prefetch_ahead.h"
 #include "work_split.h"
@@ -45,106 +39,11 @@ using namespace sf_ew;
 
 namespace {
 
-constexpr int NV = 4;        // vectors per column block (linear.cpp's)
-constexpr int NB = NV * VW;  // columns per block
+using namespace sf_gguf;
+
 constexpr int MR = SF_EW_NATIVE_VW == 16 ? 6 : 2;  // rows per register strip (linear.cpp's)
-constexpr int QK = 32;       // weights per GGUF block (along k)
 constexpr int KC = 64;       // k widened per pass: KC x NB floats (16 KB with AVX-512) stay in L1
 constexpr int64_t kParallelMacs = 1 << 15;
-
-enum Kind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-
-template <int KIND>
-constexpr int64_t record_bytes() {  // one group of one column block
-    return (KIND == Q4_1 ? 4 : 2) * NB + (KIND == Q8_0 ? QK * NB : QK * NB / 2);
-}
-
-// VW bytes widened to int32 lanes (zero-extended for uint8_t, sign-extended for int8_t): one
-// vpmovzxbd / vpmovsxbd on AVX-512 and AVX2 (GCC scalarises the generic conversion), the vector
-// extensions elsewhere.
-template <typename B>
-inline vi widen(const B* p) {
-    constexpr bool is_signed = std::is_signed_v<B>;
-#if SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return reinterpret_cast<vi>(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-#elif SF_EW_VW == 8 && defined(__AVX2__)
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    return reinterpret_cast<vi>(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
-#else
-    typedef B vb __attribute__((vector_size(VW)));
-    vb bytes;
-    std::memcpy(&bytes, p, sizeof(bytes));
-    return __builtin_convertvector(bytes, vi);
-#endif
-}
-
-inline float half_to_float(uint16_t h) {
-    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {  // subnormal: normalise
-        int e = -1;
-        uint32_t m = man;
-        do { ++e; m <<= 1; } while (!(m & 0x400u));
-        bits = sign | uint32_t(112 - e) << 23 | ((m & 0x3ffu) << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-
-// NB fp16 scales as NV float vectors (vcvtph2ps with F16C, which every AVX2 CPU has).
-inline void load_scales(const uint16_t* h, vf (&out)[NV]) {
-    for (int j = 0; j < NV; ++j) {
-#if SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
-        out[j] = reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + j * VW))));
-#elif SF_EW_VW == 8 && defined(__F16C__)
-        out[j] = reinterpret_cast<vf>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j * VW))));
-#else
-        float f[VW];
-        for (int i = 0; i < VW; ++i) f[i] = half_to_float(h[j * VW + i]);
-        out[j] = loadu(f);
-#endif
-    }
-}
-
-// The group record `rec` widened into buf[0..QK)[NB] (row k of NB floats).
-template <int KIND>
-inline void widen_group(const uint8_t* rec, float* buf) {
-    vf d[NV], m[NV];
-    load_scales(reinterpret_cast<const uint16_t*>(rec), d);
-    if constexpr (KIND == Q4_1) load_scales(reinterpret_cast<const uint16_t*>(rec) + NB, m);
-    const uint8_t* q = rec + (KIND == Q4_1 ? 4 : 2) * NB;
-    for (int k = 0; k < QK; ++k) {
-        float* out = buf + k * NB;
-        if constexpr (KIND == Q8_0) {
-            const int8_t* qk = reinterpret_cast<const int8_t*>(q) + k * NB;
-            for (int j = 0; j < NV; ++j)
-                storeu(out + j * VW, __builtin_convertvector(widen(qk + j * VW), vf) * d[j]);
-        } else {
-            const uint8_t* qk = q + k * (NB / 2);
-            for (int c = 0; c < NV / 2; ++c) {
-                const vi v = widen(qk + c * VW);
-                const vi nib[2] = {v & 15, v >> 4};
-                for (int h = 0; h < 2; ++h) {
-                    const int j = 2 * c + h;
-                    vf w;
-                    if constexpr (KIND == Q4_0)
-                        w = d[j] * __builtin_convertvector(nib[h] - 8, vf);
-                    else  // numpy rounds d * q before adding m: no fused multiply-add here
-                        w = rounded(d[j] * __builtin_convertvector(nib[h], vf)) + m[j];
-                    storeu(out + j * VW, w);
-                }
-            }
-        }
-    }
-}
 
 // Rows x[0..R) (row stride sx) times the widened weights w[0..kn)[NB], added to acc: linear.cpp's
 // float32 strip, the same chain of multiply-adds.
@@ -204,7 +103,8 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
             int64_t sy, int64_t M, const sf_lora::Deltas* lora = nullptr) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;
-    const int64_t groups = K / QK, block_bytes = groups * record_bytes<KIND>();
+    constexpr int64_t per_group = record_bytes(KIND) / groups_per_record(KIND);  // on average, for prefetching
+    const int64_t block_bytes = K / record_k(KIND) * record_bytes(KIND);
     const int64_t blocks = (N + out_cols - 1) / out_cols;
     // Column blocks over the threads, rows cut into chunks where they alone do not share evenly
     // (work_split.h; each chunk widens its block again).
@@ -226,14 +126,17 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
             if (static_cast<int64_t>(parked.size()) < rows * NB) parked.resize(rows * NB);
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kn = K - k0 < KC ? K - k0 : KC;
-                for (int64_t g = 0; g < kn / QK; ++g)
-                    widen_group<KIND>(wb + (k0 / QK + g) * record_bytes<KIND>(), buf + g * QK * NB);
+                for (int64_t g = 0; g < kn / QK; ++g) {
+                    const int64_t gi = k0 / QK + g;
+                    widen_group<KIND>(wb + gi / groups_per_record(KIND) * record_bytes(KIND),
+                                      static_cast<int>(gi % groups_per_record(KIND)), buf + g * QK * NB);
+                }
                 const bool first = k0 == 0, last = k0 + kn >= K;
                 const float* d = last && lora != nullptr
                                      ? sf_lora::block_addend<float, GATED>({lora}, N, m0, rows, n0, cols) : nullptr;
                 const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
                 const sf_ahead::Share next =
-                    next_chunk(w, wb, block_bytes, record_bytes<KIND>(), K, k0 + KC, KC, sp.next_block(it, M));
+                    next_chunk(w, wb, block_bytes, per_group, K, k0 + KC, KC, sp.next_block(it, M));
                 for_each_strip<MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
                     sf_ahead::fetch(sf_ahead::strip_share<MR>(next.p, next.bytes, m, rows));
@@ -271,6 +174,12 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
 // bit equality). Packed layout per (column block, group): d[NB] fp16, (Q4_1: m[NB] fp16), then
 // 8 quads of k, each NV vectors of VW columns x 4 consecutive k (byte 4 i + e: column i, k 4 quad
 // + e, vpdpbusd's order); Q4 packs vectors 2c and 2c + 1 as the low and high nibbles of one chunk.
+// Q5_0, Q5_1 and the K-quants: gguf_blocks.h's record header, and per group the low nibbles in
+// that quad layout, then per quad and vector its high bits (high_quad). Their integers are
+// 0..63 (Q6_K's and Q5_0's offsets taken off per group as Q4_0's, through sum xq), so the AVX2
+// pair sums stay below 2 * 63 * 127; Q6_K's two 16-k halves are summed and scaled apart:
+//   Q5_0: d s (sum q xq - 16 sum xq)      Q5_1: d s sum q xq + m sum x
+//   Q4_K, Q5_K: d sc s sum q xq - dmin mn sum x      Q6_K: per half, d sc s (sum q xq - 32 sum xq)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && SF_EW_VW == 16 && SF_EW_NATIVE_VW == 16
 #define SF_Q4_DOT 1  // 512-bit vpdpbusd
 #elif defined(__AVX2__) && SF_EW_VW == 8 && SF_EW_NATIVE_VW == 8
@@ -288,21 +197,24 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
 constexpr int DOT_MR = SF_Q4_DOT_MR;  // rows per strip: int and float sums in registers
 constexpr int DOT_KC = 256;                     // k unpacked per pass: KC x NB bytes in L1
 constexpr int GQ = QK / 4;                      // quads per group
+constexpr int DOT_KINDS = (1 << NKINDS) - 1;     // kinds with this form: all
 #if SF_Q4_DOT == 1
 typedef __m512i ivec;
 #else
 typedef __m256i ivec;
 #endif
 
-template <int KIND>
-constexpr int64_t dot_record_bytes() {
-    return (KIND == Q4_1 ? 4 : 2) * NB + (KIND == Q8_0 ? QK * NB : QK * NB / 2);
-}
-// Q4_0's and Q8_0's (VNNI: stored w + 128) offsets of the unsigned weight byte.
+// Q4_0's, Q5_0's, Q6_K's and Q8_0's (VNNI: stored w + 128) offsets of the unsigned weight byte.
 template <int KIND>
 constexpr int32_t weight_offset() {
-    return KIND == Q4_0 ? 8 : (KIND == Q8_0 && SF_Q4_DOT == 1) ? 128 : 0;
+    return KIND == Q4_0 ? 8 : KIND == Q5_0 ? 16 : KIND == Q6_K ? 32 : (KIND == Q8_0 && SF_Q4_DOT == 1) ? 128 : 0;
 }
+// Scale sets per group: Q6_K's two 16-k halves each have their own.
+template <int KIND>
+constexpr int halves() { return KIND == Q6_K ? 2 : 1; }
+// Kinds with a per-group term in sum x: + m sum x (Q4_1, Q5_1), - dmin mn sum x (Q4_K, Q5_K).
+template <int KIND>
+constexpr bool has_min() { return KIND == Q4_1 || KIND == Q5_1 || KIND == Q4_K || KIND == Q5_K; }
 
 inline ivec load_iv(const void* p) {
 #if SF_Q4_DOT == 1
@@ -319,11 +231,12 @@ inline void store_iv(void* p, ivec v) {
 #endif
 }
 
-// Rows of x quantized per 32-k group: xq [M][K] int8, and per (row, group) s, sum x, sum xq.
+// Rows of x quantized per 32-k group: xq [M][K] int8, and per (row, group) s, sum x, sum xq
+// and sum xq per 16-k half (Q6_K's sub-blocks).
 struct QuantRows {
     std::vector<int8_t> q;
     std::vector<float> scale, sum;
-    std::vector<int32_t> qsum;
+    std::vector<int32_t> qsum, qhalf;
 };
 
 // VW int32 lanes (in [-127, 127]) stored as VW bytes: one vpmovdb on AVX-512, two packs on AVX2.
@@ -339,7 +252,8 @@ inline void store_i8(int8_t* p, vi v) {
 #endif
 }
 
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* sum, int32_t* qsum) {
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* sum, int32_t* qsum,
+                         int32_t* qhalf) {
     for (int64_t g = 0; g < K / QK; ++g) {
         const float* xg = x + g * QK;
         vf amax{}, total{};
@@ -358,21 +272,24 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, flo
             t += sums[i];
         }
         const float s = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
-        vi qs{};
+        vi qs[2] = {};  // per 16-k half
         for (int i = 0; i < QK / VW; ++i) {
             // Nearest (ties to even) by the 1.5 * 2^23 trick on the rounded product (a fused
             // multiply-add would round ties differently from torch.round(x * inv)); |x * inv| <= 127.
             const vf r = (rounded(v[i] * inv) + 12582912.0f) - 12582912.0f;
             const vi qi = __builtin_convertvector(r, vi);
-            qs += qi;
+            qs[i * VW / 16] += qi;
             store_i8(q + g * QK + i * VW, qi);
         }
-        int32_t qt = 0, qlanes[VW];
-        std::memcpy(qlanes, &qs, sizeof(qlanes));
-        for (int i = 0; i < VW; ++i) qt += qlanes[i];
+        int32_t qt[2] = {}, qlanes[VW];
+        for (int h = 0; h < 2; ++h) {
+            std::memcpy(qlanes, &qs[h], sizeof(qlanes));
+            for (int i = 0; i < VW; ++i) qt[h] += qlanes[i];
+            qhalf[2 * g + h] = qt[h];
+        }
         scale[g] = s;
         sum[g] = t;
-        qsum[g] = qt;
+        qsum[g] = qt[0] + qt[1];
     }
 }
 
@@ -420,6 +337,70 @@ inline void unpack_group(const uint8_t* rec, uint8_t* wq, uint8_t* ws, float* d,
     }
 }
 
+// The high bits (HB per weight) of one quad-layout vector of 4 VW bytes, as bytes: stored in
+// 4 VW HB / 8 bytes, weight byte p's at byte p % that, from bit (p / that) HB.
+template <int HB>
+inline ivec high_quad(const uint8_t* h) {
+#if SF_Q4_DOT == 1
+    const __m512i x = HB == 1 ? _mm512_set1_epi64(*reinterpret_cast<const int64_t*>(h))
+                              : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    const __m512i n = HB == 1 ? _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0) : _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0);
+    return _mm512_and_si512(_mm512_srlv_epi64(x, n), _mm512_set1_epi8((1 << HB) - 1));
+#else
+    __m256i v;
+    if constexpr (HB == 1) {
+        int32_t w;
+        std::memcpy(&w, h, 4);
+        v = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    } else {
+        int64_t w;
+        std::memcpy(&w, h, 8);
+        v = _mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_setr_epi64x(0, 2, 4, 6));
+    }
+    return _mm256_and_si256(v, _mm256_set1_epi8((1 << HB) - 1));
+#endif
+}
+
+// Group `sub` of a Q5_0 / Q5_1 / K-quant record unpacked as unpack_group's: wq's bytes the
+// integers q (0..63), a [halves][NB] the groups' scales (d, or d sc), b [NB] the minimum term's.
+template <int KIND>
+inline void unpack_group_hb(const uint8_t* rec, int sub, uint8_t* wq, float* a, float* b) {
+    constexpr int HB = high_bits(KIND), VB = 4 * VW;
+    vf av[NV], a2[NV], bv[NV];
+    group_scales<KIND>(rec, sub, av, a2, bv);
+    for (int j = 0; j < NV; ++j) {
+        storeu(a + j * VW, av[j]);
+        if constexpr (halves<KIND>() == 2) storeu(a + NB + j * VW, a2[j]);
+        if constexpr (has_min<KIND>()) storeu(b + j * VW, bv[j]);
+    }
+    const uint8_t* q = rec + head_bytes(KIND) * NB + sub * group_bytes(KIND);
+    const uint8_t* hq = q + QK * NB / 2;
+    for (int qd = 0; qd < GQ; ++qd) {
+        for (int c = 0; c < NV / 2; ++c) {
+            const ivec v = load_iv(q + (qd * NV / 2 + c) * VB);
+#if SF_Q4_DOT == 1
+            ivec nib[2] = {_mm512_and_si512(v, _mm512_set1_epi8(15)),
+                           _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15))};
+#else
+            ivec nib[2] = {_mm256_and_si256(v, _mm256_set1_epi8(15)),
+                           _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15))};
+#endif
+            for (int h = 0; h < 2; ++h) {
+                const int j = 2 * c + h;
+                if constexpr (HB > 0) {
+                    const ivec hi = high_quad<HB>(hq + (qd * NV + j) * (VB * HB / 8));
+#if SF_Q4_DOT == 1
+                    nib[h] = _mm512_or_si512(nib[h], _mm512_slli_epi16(hi, 4));
+#else
+                    nib[h] = _mm256_or_si256(nib[h], _mm256_slli_epi16(hi, 4));
+#endif
+                }
+                store_iv(wq + (qd * NV + j) * VB, nib[h]);
+            }
+        }
+    }
+}
+
 // s += the 4-k dot products of weight bytes w (unsigned; Q8_0 on AVX2: |w|, with ws the signed
 // weights) and the broadcast xq quad xb.
 template <int KIND>
@@ -437,50 +418,56 @@ inline ivec dot4(ivec s, ivec w, const uint8_t* ws, ivec xb) {
 template <int KIND, int R>
 inline void dot_strip(const QuantRows& xr, int64_t K, int64_t m, int64_t k0, int64_t groups, const uint8_t* wq,
                       const uint8_t* ws, const float* dbuf, const float* mbuf, vf (&acc)[DOT_MR][NV]) {
-    constexpr int VB = 4 * VW;
+    constexpr int VB = 4 * VW, H = halves<KIND>();
     const int64_t G = K / QK;
     for (int64_t g = 0; g < groups; ++g) {
-        ivec s[DOT_MR][NV];
-        for (int r = 0; r < R; ++r)
-            for (int j = 0; j < NV; ++j) s[r][j] = ivec{};
-        const int64_t kg = k0 + g * QK;
-        for (int qd = 0; qd < GQ; ++qd) {
-            ivec xb[DOT_MR];
-            for (int r = 0; r < R; ++r) {
-                int32_t quad;
-                std::memcpy(&quad, xr.q.data() + (m + r) * K + kg + 4 * qd, 4);
+        const int64_t kg = k0 + g * QK, gi = kg / QK;
+        for (int h = 0; h < H; ++h) {  // each half's integer sums scaled by its own scale
+            ivec s[DOT_MR][NV];
+            for (int r = 0; r < R; ++r)
+                for (int j = 0; j < NV; ++j) s[r][j] = ivec{};
+            for (int qd = h * GQ / H; qd < (h + 1) * GQ / H; ++qd) {
+                ivec xb[DOT_MR];
+                for (int r = 0; r < R; ++r) {
+                    int32_t quad;
+                    std::memcpy(&quad, xr.q.data() + (m + r) * K + kg + 4 * qd, 4);
 #if SF_Q4_DOT == 1
-                xb[r] = _mm512_set1_epi32(quad);
+                    xb[r] = _mm512_set1_epi32(quad);
 #else
-                xb[r] = _mm256_set1_epi32(quad);
+                    xb[r] = _mm256_set1_epi32(quad);
 #endif
+                }
+                const int64_t off = ((g * GQ + qd) * NV) * VB;
+                for (int j = 0; j < NV; ++j) {
+                    const ivec w = load_iv(wq + off + j * VB);
+                    for (int r = 0; r < R; ++r) s[r][j] = dot4<KIND>(s[r][j], w, ws + off + j * VB, xb[r]);
+                }
             }
-            const int64_t off = ((g * GQ + qd) * NV) * VB;
-            for (int j = 0; j < NV; ++j) {
-                const ivec w = load_iv(wq + off + j * VB);
-                for (int r = 0; r < R; ++r) s[r][j] = dot4<KIND>(s[r][j], w, ws + off + j * VB, xb[r]);
-            }
-        }
-        const int64_t gi = kg / QK;
-        float xs[DOT_MR], xsum[DOT_MR];
-        int32_t corr[DOT_MR];
-        for (int r = 0; r < R; ++r) {
-            const int64_t row = (m + r) * G + gi;
-            xs[r] = xr.scale[row];
-            xsum[r] = xr.sum[row];
-            corr[r] = weight_offset<KIND>() * xr.qsum[row];
-        }
-        for (int j = 0; j < NV; ++j) {  // each scale vector loaded once for the strip's rows
-            const vf dj = loadu(dbuf + g * NB + j * VW);
+            float xs[DOT_MR], xsum[DOT_MR];
+            int32_t corr[DOT_MR];
             for (int r = 0; r < R; ++r) {
-                vi si;
-                std::memcpy(&si, &s[r][j], sizeof(si));
-                if constexpr (weight_offset<KIND>() != 0) si -= corr[r];
-                acc[r][j] += __builtin_convertvector(si, vf) * (dj * xs[r]);
+                const int64_t row = (m + r) * G + gi;
+                xs[r] = xr.scale[row];
+                xsum[r] = xr.sum[row];
+                corr[r] = weight_offset<KIND>() * (H == 2 ? xr.qhalf[2 * row + h] : xr.qsum[row]);
             }
-            if constexpr (KIND == Q4_1) {
-                const vf mj = loadu(mbuf + g * NB + j * VW);
-                for (int r = 0; r < R; ++r) acc[r][j] += mj * xsum[r];
+            for (int j = 0; j < NV; ++j) {  // each scale vector loaded once for the strip's rows
+                const vf dj = loadu(dbuf + (g * H + h) * NB + j * VW);
+                for (int r = 0; r < R; ++r) {
+                    vi si;
+                    std::memcpy(&si, &s[r][j], sizeof(si));
+                    if constexpr (weight_offset<KIND>() != 0) si -= corr[r];
+                    acc[r][j] += __builtin_convertvector(si, vf) * (dj * xs[r]);
+                }
+                if constexpr (has_min<KIND>()) {
+                    const vf mj = loadu(mbuf + g * NB + j * VW);
+                    for (int r = 0; r < R; ++r) {
+                        if constexpr (KIND == Q4_1 || KIND == Q5_1)
+                            acc[r][j] += mj * xsum[r];
+                        else
+                            acc[r][j] -= mj * xsum[r];
+                    }
+                }
             }
         }
     }
@@ -500,7 +487,9 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
                 int64_t sy, int64_t M, const sf_lora::Deltas* lora = nullptr) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;
-    const int64_t G = K / QK, block_bytes = G * dot_record_bytes<KIND>();
+    const int64_t G = K / QK, block_bytes = K / record_k(KIND) * record_bytes(KIND);
+    constexpr int64_t per_group = record_bytes(KIND) / groups_per_record(KIND);  // on average, for prefetching
+    constexpr int GPR = groups_per_record(KIND), H = halves<KIND>();
     const int64_t blocks = (N + out_cols - 1) / out_cols;
     const int threads = omp_get_max_threads();
     const sf_split::Split sp = sf_split::split(M, blocks, DOT_MR, threads, M * blocks * NB * K >= 4 * kParallelMacs);
@@ -511,15 +500,16 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
     xr.scale.resize(M * G);
     xr.sum.resize(M * G);
     xr.qsum.resize(M * G);
+    xr.qhalf.resize(2 * M * G);
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
             quantize_row(x + r * sx, K, xr.q.data() + r * K, xr.scale.data() + r * G, xr.sum.data() + r * G,
-                         xr.qsum.data() + r * G);
+                         xr.qsum.data() + r * G, xr.qhalf.data() + 2 * r * G);
         alignas(64) uint8_t wq[DOT_KC * NB];
         alignas(64) uint8_t ws[KIND == Q8_0 && SF_Q4_DOT == 2 ? DOT_KC * NB : 1];
-        alignas(64) float dbuf[DOT_KC / QK * NB], mbuf[KIND == Q4_1 ? DOT_KC / QK * NB : 1];
+        alignas(64) float dbuf[DOT_KC / QK * NB * H], mbuf[has_min<KIND>() ? DOT_KC / QK * NB : 1];
         std::vector<float> parked;
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; ++it) {
@@ -532,16 +522,22 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
             if (static_cast<int64_t>(parked.size()) < rows * NB) parked.resize(rows * NB);
             for (int64_t k0 = 0; k0 < K; k0 += DOT_KC) {
                 const int64_t groups = (K - k0 < DOT_KC ? K - k0 : DOT_KC) / QK;
-                for (int64_t g = 0; g < groups; ++g)
-                    unpack_group<KIND>(wb + (k0 / QK + g) * dot_record_bytes<KIND>(), wq + g * QK * NB,
-                                       ws + (KIND == Q8_0 && SF_Q4_DOT == 2 ? g * QK * NB : 0), dbuf + g * NB,
-                                       mbuf + (KIND == Q4_1 ? g * NB : 0));
+                for (int64_t g = 0; g < groups; ++g) {
+                    const int64_t gi = k0 / QK + g;
+                    const uint8_t* rec = wb + gi / GPR * record_bytes(KIND);
+                    if constexpr (KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0)
+                        unpack_group<KIND>(rec, wq + g * QK * NB, ws + (KIND == Q8_0 && SF_Q4_DOT == 2 ? g * QK * NB : 0),
+                                           dbuf + g * NB, mbuf + (KIND == Q4_1 ? g * NB : 0));
+                    else
+                        unpack_group_hb<KIND>(rec, static_cast<int>(gi % GPR), wq + g * QK * NB, dbuf + g * H * NB,
+                                              mbuf + (has_min<KIND>() ? g * NB : 0));
+                }
                 const bool first = k0 == 0, last = k0 + groups * QK >= K;
                 const float* d = last && lora != nullptr
                                      ? sf_lora::block_addend<float, GATED>({lora}, N, m0, rows, n0, cols) : nullptr;
                 const int64_t* row_slot = lora == nullptr ? nullptr : lora->row_slot + m0;
                 const sf_ahead::Share next =
-                    next_chunk(w, wb, block_bytes, dot_record_bytes<KIND>(), K, k0 + DOT_KC, DOT_KC, sp.next_block(it, M));
+                    next_chunk(w, wb, block_bytes, per_group, K, k0 + DOT_KC, DOT_KC, sp.next_block(it, M));
                 for_each_strip<DOT_MR>(rows, [&](auto r, int64_t m) {
                     constexpr int R = decltype(r)::value;
                     sf_ahead::fetch(sf_ahead::strip_share<DOT_MR>(next.p, next.bytes, m, rows));
@@ -581,59 +577,81 @@ void linear_packed(const int64_t* a, const sf_lora::Deltas* lora = nullptr) {
 
 extern "C" {
 
-// Output columns per packed block (linear.cpp's NB) and bytes per (block, group) record by kind.
+// Output columns per packed block (linear.cpp's NB) and bytes per (block, record) by kind
+// (gguf_blocks.h's Kind; a record covers 32 k, a K-quant's 256).
 int sf_q4_block_width(void) { return NB; }
 int64_t sf_q4_record_bytes(int kind) {
-    return kind == Q4_0 ? record_bytes<Q4_0>() : kind == Q4_1 ? record_bytes<Q4_1>() : record_bytes<Q8_0>();
+    static constexpr int64_t bytes[NKINDS] = {record_bytes(Q4_0), record_bytes(Q4_1), record_bytes(Q8_0),
+                                              record_bytes(Q5_0), record_bytes(Q5_1), record_bytes(Q4_K),
+                                              record_bytes(Q5_K), record_bytes(Q6_K)};
+    return kind < 0 || kind >= NKINDS ? 0 : bytes[kind];
 }
 
 // Packed arguments (int64 slots): x, x row stride, packed w, N (output columns; a gated weight's
-// intermediate size), K (a multiple of 32), bias (float32 in the packed column order, or 0), y,
-// y row stride, M.
-void sf_q4_linear_q4_0(const int64_t* a) { linear_packed<Q4_0, false>(a); }
-void sf_q4_linear_q4_1(const int64_t* a) { linear_packed<Q4_1, false>(a); }
-void sf_q4_linear_q8_0(const int64_t* a) { linear_packed<Q8_0, false>(a); }
-void sf_q4_linear_silu_mul_q4_0(const int64_t* a) { linear_packed<Q4_0, true>(a); }
-void sf_q4_linear_silu_mul_q4_1(const int64_t* a) { linear_packed<Q4_1, true>(a); }
-void sf_q4_linear_silu_mul_q8_0(const int64_t* a) { linear_packed<Q8_0, true>(a); }
+// intermediate size), K (a multiple of the kind's record k), bias (float32 in the packed column
+// order, or 0), y, y row stride, M.
+#define SF_Q4_FLOAT(name, KIND)                                                        \
+    void sf_q4_linear_##name(const int64_t* a) { linear_packed<KIND, false>(a); } \
+    void sf_q4_linear_silu_mul_##name(const int64_t* a) { linear_packed<KIND, true>(a); }
+SF_Q4_FLOAT(q4_0, Q4_0)
+SF_Q4_FLOAT(q4_1, Q4_1)
+SF_Q4_FLOAT(q8_0, Q8_0)
+SF_Q4_FLOAT(q5_0, Q5_0)
+SF_Q4_FLOAT(q5_1, Q5_1)
+SF_Q4_FLOAT(q4_k, Q4_K)
+SF_Q4_FLOAT(q5_k, Q5_K)
+SF_Q4_FLOAT(q6_k, Q6_K)
+#undef SF_Q4_FLOAT
 
 // The integer form: 1 AVX-512 VNNI, 2 AVX2 (vpmaddubsw), 0 absent (its entry points do nothing).
 int sf_q4_dot_products(void) { return SF_Q4_DOT; }
+// Which kinds have the integer form in this build: bit `kind` set.
+#if SF_Q4_DOT
+int sf_q4_dot_kinds(void) { return DOT_KINDS; }
+#else
+int sf_q4_dot_kinds(void) { return 0; }
+#endif
 // The same arguments, over weights packed for the integer form (quant4.py: form="dot").
 #if SF_Q4_DOT
-void sf_q4_dot_q4_0(const int64_t* a) { linear_dot_packed<Q4_0, false>(a); }
-void sf_q4_dot_q4_1(const int64_t* a) { linear_dot_packed<Q4_1, false>(a); }
-void sf_q4_dot_q8_0(const int64_t* a) { linear_dot_packed<Q8_0, false>(a); }
-void sf_q4_dot_silu_mul_q4_0(const int64_t* a) { linear_dot_packed<Q4_0, true>(a); }
-void sf_q4_dot_silu_mul_q4_1(const int64_t* a) { linear_dot_packed<Q4_1, true>(a); }
-void sf_q4_dot_silu_mul_q8_0(const int64_t* a) { linear_dot_packed<Q8_0, true>(a); }
+#define SF_Q4_DOT_FN(name, KIND)                                                     \
+    void sf_q4_dot_##name(const int64_t* a) { linear_dot_packed<KIND, false>(a); } \
+    void sf_q4_dot_silu_mul_##name(const int64_t* a) { linear_dot_packed<KIND, true>(a); }
 #else
-void sf_q4_dot_q4_0(const int64_t*) {}
-void sf_q4_dot_q4_1(const int64_t*) {}
-void sf_q4_dot_q8_0(const int64_t*) {}
-void sf_q4_dot_silu_mul_q4_0(const int64_t*) {}
-void sf_q4_dot_silu_mul_q4_1(const int64_t*) {}
-void sf_q4_dot_silu_mul_q8_0(const int64_t*) {}
+#define SF_Q4_DOT_FN(name, KIND)                 \
+    void sf_q4_dot_##name(const int64_t*) {} \
+    void sf_q4_dot_silu_mul_##name(const int64_t*) {}
 #endif
+SF_Q4_DOT_FN(q4_0, Q4_0)
+SF_Q4_DOT_FN(q4_1, Q4_1)
+SF_Q4_DOT_FN(q8_0, Q8_0)
+SF_Q4_DOT_FN(q5_0, Q5_0)
+SF_Q4_DOT_FN(q5_1, Q5_1)
+SF_Q4_DOT_FN(q4_k, Q4_K)
+SF_Q4_DOT_FN(q5_k, Q5_K)
+SF_Q4_DOT_FN(q6_k, Q6_K)
+#undef SF_Q4_DOT_FN
 
-// Any of the above by number (kind: Kind, Q4_0 / Q4_1 / Q8_0; dot: the integer form; gated:
-// silu_mul), plus the rows' LoRA deltas where `lora` (an sf_lora::Deltas) is given, for
-// decoder.cpp's projections.
+// Any of the above by number (kind: Kind; dot: the integer form; gated: silu_mul), plus the
+// rows' LoRA deltas where `lora` (an sf_lora::Deltas) is given, for decoder.cpp's projections.
 void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated, const void* lora) {
     const auto* e = static_cast<const sf_lora::Deltas*>(lora);
     using Fn = void (*)(const int64_t*, const sf_lora::Deltas*);
-    static constexpr Fn plain[2][3] = {{linear_packed<Q4_0, false>, linear_packed<Q4_1, false>, linear_packed<Q8_0, false>},
-                                       {linear_packed<Q4_0, true>, linear_packed<Q4_1, true>, linear_packed<Q8_0, true>}};
+#define SF_Q4_ROW(G) {linear_packed<Q4_0, G>, linear_packed<Q4_1, G>, linear_packed<Q8_0, G>, linear_packed<Q5_0, G>, \
+                      linear_packed<Q5_1, G>, linear_packed<Q4_K, G>, linear_packed<Q5_K, G>, linear_packed<Q6_K, G>}
+    static constexpr Fn plain[2][NKINDS] = {SF_Q4_ROW(false), SF_Q4_ROW(true)};
+#undef SF_Q4_ROW
 #if SF_Q4_DOT
-    static constexpr Fn integer[2][3] = {
-        {linear_dot_packed<Q4_0, false>, linear_dot_packed<Q4_1, false>, linear_dot_packed<Q8_0, false>},
-        {linear_dot_packed<Q4_0, true>, linear_dot_packed<Q4_1, true>, linear_dot_packed<Q8_0, true>}};
+#define SF_Q4_ROW(G) {linear_dot_packed<Q4_0, G>, linear_dot_packed<Q4_1, G>, linear_dot_packed<Q8_0, G>, \
+                      linear_dot_packed<Q5_0, G>, linear_dot_packed<Q5_1, G>, linear_dot_packed<Q4_K, G>, \
+                      linear_dot_packed<Q5_K, G>, linear_dot_packed<Q6_K, G>}
+    static constexpr Fn integer[2][NKINDS] = {SF_Q4_ROW(false), SF_Q4_ROW(true)};
+#undef SF_Q4_ROW
 #else
-    static constexpr Fn integer[2][3] = {};
-    if (dot) return;  // no integer form in this build (the Python side never packs one for it)
+    static constexpr Fn integer[2][NKINDS] = {};
 #endif
-    if (kind < 0 || kind > 2) return;
-    (dot ? integer : plain)[gated ? 1 : 0][kind](a, e);
+    if (kind < 0 || kind >= NKINDS) return;
+    const Fn fn = (dot ? integer : plain)[gated ? 1 : 0][kind];
+    if (fn != nullptr) fn(a, e);  // a kind without the integer form: the Python side never packs one
 }
 
 }  // extern "C"

@@ -50,7 +50,7 @@ int sf_attn_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, floa
                                 int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
                                 int block_size, int64_t num_blocks, float scale, int window, int k_layout,
                                 int num_splits, int rows_target, int num_threads, int64_t* stats, int dry_run,
-                                int kv_bf16, int q_bf16);
+                                int kv_kind, int q_bf16);
 int sf_attn_write_kv_f32(const float* k, int64_t k_st, int64_t k_sh, const float* v, int64_t v_st, int64_t v_sh,
                          float* k_cache, float* v_cache, const int64_t* slot_mapping, int num_tokens, int num_kv_heads,
                          int head_dim, int block_size, int64_t num_blocks, int k_layout, int num_threads);
@@ -61,6 +61,8 @@ int sf_attn_write_kv_bf16(const uint16_t* k, int64_t k_st, int64_t k_sh, const u
 int sf_attn_paged_attention_f32_packed(const int64_t* p, float scale);
 int sf_attn_write_kv_f32_packed(const int64_t* p);
 int sf_attn_write_kv_bf16_packed(const int64_t* p);
+int sf_attn_write_kv_i8_f32_packed(const int64_t* p);   // into int8 caches (kv_int8.h)
+int sf_attn_write_kv_i8_bf16_packed(const int64_t* p);
 
 // quant4.cpp (GGUF blocks: kind 0 Q4_0, 1 Q4_1, 2 Q8_0)
 int sf_q4_block_width(void);
@@ -78,6 +80,19 @@ void sf_q4_dot_q8_0(const int64_t* a);
 void sf_q4_dot_silu_mul_q4_0(const int64_t* a);
 void sf_q4_dot_silu_mul_q4_1(const int64_t* a);
 void sf_q4_dot_silu_mul_q8_0(const int64_t* a);
+int sf_q4_dot_kinds(void);
+// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the same two forms, gated or not.
+#define SF_Q4_DECLARE(name)                                   \
+    void sf_q4_linear_##name(const int64_t* a);               \
+    void sf_q4_linear_silu_mul_##name(const int64_t* a);      \
+    void sf_q4_dot_##name(const int64_t* a);                  \
+    void sf_q4_dot_silu_mul_##name(const int64_t* a);
+SF_Q4_DECLARE(q5_0)
+SF_Q4_DECLARE(q5_1)
+SF_Q4_DECLARE(q4_k)
+SF_Q4_DECLARE(q5_k)
+SF_Q4_DECLARE(q6_k)
+#undef SF_Q4_DECLARE
 void sf_q4_linear_any(const int64_t* a, int kind, int dot, int gated, const void* lora);
 
 // decoder.cpp

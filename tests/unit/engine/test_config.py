@@ -26,7 +26,7 @@ def test_prefix_caching_is_on_by_default_and_parsed_as_a_bool():
     ({"model": "/m", "attention_backend": "cudnn"}, "attention_backend"),
     ({"model": "/m", "scheduler_policy": "fifo"}, "scheduler_policy"),
     ({"model": "/m", "dtype": "int8"}, "dtype"),
-    ({"model": "/m", "kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+    ({"model": "/m", "kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ({"model": "/m", "kv_watermark": "1.5"}, "kv_watermark"),
     ({"model": "/m", "first_token_deadline_tokens_per_s": "0"}, "first_token_deadline_tokens_per_s"),
     ({"model": "/m", "prompt_order": "sjf"}, "prompt_order"),

@@ -23,6 +23,7 @@ from splitfuse.models.gguf_checkpoint import SUPPORTED_ARCHITECTURES, GGUFError,
 from gguf_files import write_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npy")
 
 
 def _transformers_greedy(gguf_file: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -53,10 +54,26 @@ def test_converted_gguf_matches_transformers_gguf_loading(tiny_model_factory, tm
     assert converted.parent == tmp_path / "cache"
     cfg = json.loads((converted / "config.json").read_text())
     assert cfg["model_type"] == arch and cfg["dtype"] == ("float16" if quant == Q.F16 else "float32")
+    # No weights in the folder: the engine read them from the file.
+    assert [p.name for p in converted.iterdir() if p.suffix in WEIGHT_SUFFIXES] == []
     # Found again, not converted again; a folder holding the file names it too.
-    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    stamp = (converted / "config.json").stat().st_mtime_ns
     assert prepare_checkpoint(gguf_file) == str(converted) == prepare_checkpoint(tmp_path)
-    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (converted / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_a_folder_of_the_older_format_is_converted_again(tiny_llama, tmp_path):
+    """A cache folder from the version that wrote the weights dequantized (its marker without a
+    format) is replaced whole at the next start: config and tokenizer, no weights."""
+    gguf_file = write_gguf(tiny_llama, tmp_path / "tiny.gguf")
+    out = Path(prepare_checkpoint(gguf_file, tmp_path / "out"))
+    marker = json.loads((out / "splitfuse_gguf.json").read_text())
+    assert marker.pop("format") == 2
+    (out / "splitfuse_gguf.json").write_text(json.dumps(marker))  # as the older version wrote it
+    (out / "model.safetensors").write_bytes(b"old weights")
+    assert prepare_checkpoint(gguf_file, out) == str(out)
+    assert [p.name for p in out.iterdir() if p.suffix in WEIGHT_SUFFIXES] == []
+    assert json.loads((out / "splitfuse_gguf.json").read_text())["format"] == 2
 
 
 def test_a_checkpoint_directory_passes_through(tiny_llama):
@@ -105,17 +122,19 @@ def test_two_gguf_files_in_one_folder_ask_which(tiny_llama, tmp_path):
 
 
 @pytest.mark.slow  # the 135M-parameter model
-def test_the_trained_models_conversion_equals_transformers_gguf_loading(trained_model):
+def test_the_trained_models_tensors_equal_transformers_gguf_loading(trained_model):
+    """Every tensor as the loader reads it from the file (dequantized alone, q/k rows in Hugging
+    Face's order) equals transformers' own GGUF loading of the file."""
     pytest.importorskip("accelerate", reason="transformers' GGUF model loading needs accelerate (dev extra)")
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from splitfuse.launcher.default_model import packaged_gguf
+    from splitfuse.models.gguf_checkpoint import gguf_source
 
-    gguf_file = packaged_gguf()
-    reference = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+    source = gguf_source(trained_model)
+    reference = AutoModelForCausalLM.from_pretrained(source.file.parent, gguf_file=source.file.name,
                                                      dtype=torch.float32).state_dict()
-    ours = load_file(str(Path(trained_model) / "model.safetensors"))
+    tensors = source.tensors()
+    ours = {name: tensors.read(t, torch.float32) for name, t in tensors}
     assert set(reference) - set(ours) == {"lm_head.weight"}  # tied to the embedding
     for name, tensor in ours.items():
         assert torch.equal(tensor, reference[name]), name

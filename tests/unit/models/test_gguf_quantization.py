@@ -1,6 +1,6 @@
 """quantization="gguf" / "gguf-exact": the config's checks, and the loader's blocks read back
 from the GGUF file a checkpoint was converted from (the trained SmolLM2 Q4_1 file, where its
-package is installed) dequantizing to exactly the converted checkpoint's float32 weights, in
+package is installed) dequantizing to exactly the weights the float load reads from it, in
 Hugging Face's row order (llama.cpp's rotary interleave of q and k undone) and stacked as the
 fused projections stack them; and without the C++ kernels the float weights run."""
 
@@ -23,21 +23,20 @@ def test_config_checks(mode):
         EngineConfig(model="m", quantization="gguf4")
 
 
-def test_blocks_read_back_equal_the_converted_weights(trained_model):
-    from safetensors import safe_open
-
+def test_blocks_read_back_equal_the_dequantized_weights(trained_model):
     from splitfuse.kernels.cpu import quant4
     from splitfuse.models.gguf_checkpoint import gguf_source
 
     source = gguf_source(trained_model)
     assert source is not None
-    f = safe_open(f"{trained_model}/model.safetensors", framework="pt")
+    tensors = source.tensors()
     for names in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"],
                   ["self_attn.o_proj"], ["mlp.down_proj"]):
         hf = [f"model.layers.3.{n}.weight" for n in names]
         kind, rows = source.blocks(hf)
         assert kind == "Q4_1"
-        assert torch.equal(quant4.dequantize(kind, rows), torch.cat([f.get_tensor(n) for n in hf]))
+        assert torch.equal(quant4.dequantize(kind, rows), torch.cat([tensors.read(tensors.of(n), torch.float32)
+                                                                    for n in hf]))
     assert source.blocks(["model.embed_tokens.weight"])[0] == "Q8_0"
     assert source.blocks(["model.norm.weight"]) is None  # F32: not a packed type
 
@@ -103,8 +102,9 @@ def test_embedding_on_the_files_blocks(tiny_model_factory, tmp_path, monkeypatch
     plain, exact = results["none"], results["gguf-exact"]
     assert exact[3] == quant and exact[4] == 0
     assert plain[3] is None and plain[4] > 0
-    # A tied head's packed Q8_0 blocks serve the lookups: the table is held once.
-    assert exact[5] == (tied and quant == "Q8_0") and not plain[5]
+    # A tied head's packed blocks (gguf-exact: the float form, any kind) serve the lookups: the
+    # table is held once.
+    assert exact[5] == tied and not plain[5]
     vocab_bytes = plain[4] // 32 * quant4.BLOCK_BYTES[quant]
     assert exact[2][quant.lower()] >= vocab_bytes
     assert exact[2]["float32"] < plain[2]["float32"] - vocab_bytes  # the table is gone
