@@ -242,7 +242,7 @@ def _q4_kernel(weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockSou
             why = f"its input size {weight.shape[-1]} is not a multiple of 32"
         elif not why:
             why = ("no GGUF source file for this checkpoint" if source is None
-                   else "its blocks are not all Q4_0, Q4_1 or Q8_0 of one type")
+                   else "its blocks are in a type the packed kernel does not take")
         if why not in _logged_q4_fallback:
             _logged_q4_fallback.add(why)
             log.warning("splitfuse: quantization=%s: a projection keeps the float kernel (%s)", quantization, why)
