@@ -141,6 +141,11 @@ def write_gguf(checkpoint: str, out: Path, *, arch: str | None = None, quant: Q 
         else:
             packed = gguf.quants.quantize(data, kind) if kind in gguf.quants._type_traits else data.astype(np.int8)
             w.add_tensor(gname, packed, raw_shape=packed.shape, raw_dtype=kind)
+    return _write(w, out)
+
+
+def _write(w: "gguf.GGUFWriter", out: Path) -> Path:
+    """Header, metadata and tensors of `w` written to its file `out`."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -189,8 +194,4 @@ def write_random_gguf(checkpoint: str, out: Path, *, layers: int, hidden: int, i
     for name, (rows, cols) in matrices.items():
         packed = _random_blocks(rows, cols, quant, rng)
         w.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=quant)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return _write(w, out)
