@@ -105,11 +105,8 @@ def attach_gguf_blocks(model: nn.Module, source: GGUFSource, leave_unread: bool)
         if module is model.lm_head:
             candidates = [[_EMBED if tied else "lm_head.weight"]]
         else:
-            fused = f".{name.rsplit('.', 1)[-1]}."
-            parts = [p for p, (ours, _) in FUSED.items() if ours == fused]  # a fused projection's, in order
-            hf = [name.replace(fused[:-1], p[:-1]) + ".weight" for p in parts] or [f"{name}.weight"]
-            # A file that stores the projection fused (Phi-3's attn_qkv, ffn_up) has it under our name.
-            candidates = [hf, [f"{name}.weight"]]
+            # Its parts in the file, or (Phi-3's attn_qkv, ffn_up: stored fused) itself by our name.
+            candidates = [_read_as(f"{name}.weight"), [f"{name}.weight"]]
         module.gguf_blocks = lambda c=candidates: next((b for names in c if (b := source.blocks(names))), None)
         if leave_unread and not (module is model.lm_head and tied):
             if any(source.packed_kind(names) for names in candidates):

@@ -91,22 +91,26 @@ def unpermute_rotary(w: torch.Tensor, heads: int, name: str, field: str) -> torc
     rows = w.shape[0]
     if heads <= 0 or rows % (2 * heads):
         raise GGUFError(f"tensor {name!r} has {rows} rows, which {field} = {heads} does not split into heads "
-                              f"of an even number of rows: the file's metadata and tensors disagree")
+                        f"of an even number of rows: the file's metadata and tensors disagree")
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def check_readable(t: Any) -> None:
     """Raise GGUFError when the gguf package cannot dequantize `t`'s type (tried on its
     first row only)."""
+    if t.tensor_type.name not in _PLAIN:
+        _dequantize(t, np.asarray(t.data[:1]))
+
+
+def _dequantize(t: Any, data: np.ndarray) -> np.ndarray:
+    """`data` (blocks of `t`'s type) as floats, by the gguf package; GGUFError where it cannot."""
     import gguf
 
-    if t.tensor_type.name in _PLAIN:
-        return
     try:
-        gguf.quants.dequantize(np.asarray(t.data[:1]), t.tensor_type)
+        return gguf.quants.dequantize(data, t.tensor_type)
     except NotImplementedError as e:
         raise GGUFError(f"tensor {t.name!r} has type {t.tensor_type.name}, which the gguf package cannot "
-                              f"dequantize") from e
+                        f"dequantize") from e
 
 
 def _layout(t: Any) -> tuple[type, tuple[int, ...]]:
@@ -156,19 +160,13 @@ class GGUFTensors:
 
     def read(self, t: Any, dtype: torch.dtype) -> torch.Tensor:
         """`t` dequantized alone into `dtype`, in Hugging Face's layout."""
-        import gguf
-
         kind = t.tensor_type.name
         data = self._bytes(t)
         if kind in _PLAIN:
             w = torch.from_numpy(data)
             w = w.view(torch.bfloat16) if kind == "BF16" else w  # stored as raw 16-bit words
         else:
-            try:
-                w = torch.from_numpy(gguf.quants.dequantize(data, t.tensor_type))
-            except NotImplementedError as e:
-                raise GGUFError(f"tensor {t.name!r} has type {kind}, which the gguf package cannot "
-                                      f"dequantize") from e
+            w = torch.from_numpy(_dequantize(t, data))
         w = self._unpermute(t, w.reshape(shape_of(t)))
         if self.arch == "gemma3" and is_shifted_norm(t.name):  # stored as 1 + w, subtracted in float32
             w = w.float() - 1
