@@ -227,6 +227,26 @@ def test_integer_form_of_k_quants_and_q5_matches_its_reference(kind, rows):
     torch.testing.assert_close(gated, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.skipif(not DOT, reason="no integer form in this build (needs AVX-512 VNNI or AVX2)")
+@pytest.mark.parametrize("kind", OLD_KINDS + NEW_KINDS)
+@pytest.mark.parametrize("gated", [False, True])
+def test_integer_form_one_row_equals_its_row_of_a_batch(kind, gated):
+    """A lone row (a single sequence's decode) reads the packed records directly instead of
+    through the pass buffer: each row alone gives its row of the batched product bit for bit,
+    over a partial block, K of several passes (768 = 3 x 256) and the bias."""
+    g = _gen("dot-row", kind, gated)
+    blocks, _ = _quantized(kind, 2 * 75 if gated else 75, 768, g)
+    b = None if gated else torch.randn(75, generator=g)
+    packed = quant4.pack_quantized(kind, blocks, b, gated=gated, form="dot")
+    x = torch.randn(4, 768, generator=g)
+    x[2, 64:96] = 0  # a group of zeros (scale 0)
+    batch = quant4.linear(x, packed)
+    for r in range(4):
+        alone = quant4.linear(x[r:r + 1], packed)
+        assert torch.equal(alone[0], batch[r]), f"row {r}"
+    assert torch.equal(quant4.linear(x[1:2], packed), quant4.linear(x[1:3], packed)[:1])
+
+
 def test_strided_rows_and_given_output():
     g = _gen("strided")
     blocks, w = _quantized("Q4_1", 70, 64, g)

@@ -237,6 +237,9 @@ struct QuantRows {
     std::vector<int8_t> q;
     std::vector<float> scale, sum;
     std::vector<int32_t> qsum, qhalf;
+
+    QuantRows(int64_t M, int64_t K)
+        : q(M * K), scale(M * K / QK), sum(M * K / QK), qsum(M * K / QK), qhalf(2 * M * K / QK) {}
 };
 
 // VW int32 lanes (in [-127, 127]) stored as VW bytes: one vpmovdb on AVX-512, two packs on AVX2.
@@ -293,50 +296,6 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, flo
     }
 }
 
-// One (column block, group) record unpacked into the pass buffer: wq [GQ][NV] vectors of bytes
-// (Q8_0 on AVX2: |w|, and the signed w in ws), d and m as floats [NB].
-template <int KIND>
-inline void unpack_group(const uint8_t* rec, uint8_t* wq, uint8_t* ws, float* d, float* m) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(rec);
-    vf dv[NV], mv[NV];
-    load_scales(h, dv);
-    for (int j = 0; j < NV; ++j) storeu(d + j * VW, dv[j]);
-    if constexpr (KIND == Q4_1) {
-        load_scales(h + NB, mv);
-        for (int j = 0; j < NV; ++j) storeu(m + j * VW, mv[j]);
-    }
-    const uint8_t* q = rec + (KIND == Q4_1 ? 4 : 2) * NB;
-    constexpr int VB = 4 * VW;  // bytes per vector
-    for (int qd = 0; qd < GQ; ++qd) {
-        if constexpr (KIND == Q8_0) {
-            for (int j = 0; j < NV; ++j) {
-                const ivec w = load_iv(q + (qd * NV + j) * VB);
-#if SF_Q4_DOT == 1
-                store_iv(wq + (qd * NV + j) * VB, w);
-                (void)ws;
-#else
-                const ivec sw = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // w
-                store_iv(wq + (qd * NV + j) * VB, _mm256_abs_epi8(sw));
-                store_iv(ws + (qd * NV + j) * VB, sw);
-#endif
-            }
-        } else {
-            for (int c = 0; c < NV / 2; ++c) {
-                const ivec v = load_iv(q + (qd * NV / 2 + c) * VB);
-#if SF_Q4_DOT == 1
-                const ivec lo = _mm512_and_si512(v, _mm512_set1_epi8(15));
-                const ivec hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
-#else
-                const ivec lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
-                const ivec hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
-#endif
-                store_iv(wq + (qd * NV + 2 * c) * VB, lo);
-                store_iv(wq + (qd * NV + 2 * c + 1) * VB, hi);
-            }
-        }
-    }
-}
-
 // The high bits (HB per weight) of one quad-layout vector of 4 VW bytes, as bytes: stored in
 // 4 VW HB / 8 bytes, weight byte p's at byte p % that, from bit (p / that) HB.
 template <int HB>
@@ -361,21 +320,26 @@ inline ivec high_quad(const uint8_t* h) {
 #endif
 }
 
-// Group `sub` of a Q5_0 / Q5_1 / K-quant record unpacked as unpack_group's: wq's bytes the
-// integers q (0..63), a [halves][NB] the groups' scales (d, or d sc), b [NB] the minimum term's.
+// Quad qd's NV weight vectors of a group whose quants start at q (high bits at q + QK NB / 2):
+// bytes the integers (Q4: 0..15, with high bits 0..63; Q8_0 with VNNI: w + 128); Q8_0 on AVX2:
+// |w| in w, and the signed weights in ws (unset for every other case).
 template <int KIND>
-inline void unpack_group_hb(const uint8_t* rec, int sub, uint8_t* wq, float* a, float* b) {
+inline void quad_weights(const uint8_t* q, int qd, ivec (&w)[NV], ivec (&ws)[NV]) {
     constexpr int HB = high_bits(KIND), VB = 4 * VW;
-    vf av[NV], a2[NV], bv[NV];
-    group_scales<KIND>(rec, sub, av, a2, bv);
-    for (int j = 0; j < NV; ++j) {
-        storeu(a + j * VW, av[j]);
-        if constexpr (halves<KIND>() == 2) storeu(a + NB + j * VW, a2[j]);
-        if constexpr (has_min<KIND>()) storeu(b + j * VW, bv[j]);
-    }
-    const uint8_t* q = rec + head_bytes(KIND) * NB + sub * group_bytes(KIND);
-    const uint8_t* hq = q + QK * NB / 2;
-    for (int qd = 0; qd < GQ; ++qd) {
+    if constexpr (KIND == Q8_0) {
+        for (int j = 0; j < NV; ++j) {
+            const ivec raw = load_iv(q + (qd * NV + j) * VB);
+#if SF_Q4_DOT == 1
+            w[j] = raw;
+            (void)ws;
+#else
+            ws[j] = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));  // w
+            w[j] = _mm256_abs_epi8(ws[j]);
+#endif
+        }
+    } else {
+        (void)ws;
+        const uint8_t* hq = q + QK * NB / 2;
         for (int c = 0; c < NV / 2; ++c) {
             const ivec v = load_iv(q + (qd * NV / 2 + c) * VB);
 #if SF_Q4_DOT == 1
@@ -395,8 +359,50 @@ inline void unpack_group_hb(const uint8_t* rec, int sub, uint8_t* wq, float* a, 
                     nib[h] = _mm256_or_si256(nib[h], _mm256_slli_epi16(hi, 4));
 #endif
                 }
-                store_iv(wq + (qd * NV + j) * VB, nib[h]);
+                w[j] = nib[h];
             }
+        }
+    }
+}
+
+// A group's quants in a record: after the header, `sub` groups in.
+template <int KIND>
+inline const uint8_t* group_quants(const uint8_t* rec, int sub) {
+    return rec + head_bytes(KIND) * NB + sub * group_bytes(KIND);
+}
+
+// Group `sub` of record `rec`: a [halves][NB] its scales (d, or d sc), b [NB] its minimum
+// term's (m, or dmin mn), as floats.
+template <int KIND>
+inline void group_factors(const uint8_t* rec, int sub, vf (&a)[NV], vf (&a2)[NV], vf (&b)[NV]) {
+    if constexpr (KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0) {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(rec);
+        load_scales(h, a);
+        if constexpr (KIND == Q4_1) load_scales(h + NB, b);
+    } else {
+        group_scales<KIND>(rec, sub, a, a2, b);
+    }
+}
+
+// One group unpacked into the pass buffer: wq [GQ][NV] vectors of bytes (Q8_0 on AVX2: |w|, and
+// the signed w in ws), a [halves][NB] and b [NB] as group_factors'.
+template <int KIND>
+inline void unpack_group(const uint8_t* rec, int sub, uint8_t* wq, uint8_t* ws, float* a, float* b) {
+    constexpr int VB = 4 * VW;
+    vf av[NV], a2[NV], bv[NV];
+    group_factors<KIND>(rec, sub, av, a2, bv);
+    for (int j = 0; j < NV; ++j) {
+        storeu(a + j * VW, av[j]);
+        if constexpr (halves<KIND>() == 2) storeu(a + NB + j * VW, a2[j]);
+        if constexpr (has_min<KIND>()) storeu(b + j * VW, bv[j]);
+    }
+    const uint8_t* q = group_quants<KIND>(rec, sub);
+    for (int qd = 0; qd < GQ; ++qd) {
+        ivec w[NV], sw[NV];
+        quad_weights<KIND>(q, qd, w, sw);
+        for (int j = 0; j < NV; ++j) {
+            store_iv(wq + (qd * NV + j) * VB, w[j]);
+            if constexpr (KIND == Q8_0 && SF_Q4_DOT == 2) store_iv(ws + (qd * NV + j) * VB, sw[j]);
         }
     }
 }
@@ -404,14 +410,49 @@ inline void unpack_group_hb(const uint8_t* rec, int sub, uint8_t* wq, float* a, 
 // s += the 4-k dot products of weight bytes w (unsigned; Q8_0 on AVX2: |w|, with ws the signed
 // weights) and the broadcast xq quad xb.
 template <int KIND>
-inline ivec dot4(ivec s, ivec w, const uint8_t* ws, ivec xb) {
+inline ivec dot4(ivec s, ivec w, ivec ws, ivec xb) {
 #if SF_Q4_DOT == 1
     (void)ws;
     return _mm512_dpbusd_epi32(s, w, xb);
 #else
-    const ivec x = KIND == Q8_0 ? _mm256_sign_epi8(xb, load_iv(ws)) : xb;
+    const ivec x = KIND == Q8_0 ? _mm256_sign_epi8(xb, ws) : xb;
     return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
+}
+
+// Four int8 activations (one quad of k) in every 32-bit lane.
+inline ivec broadcast_quad(const int8_t* p) {
+    int32_t quad;
+    std::memcpy(&quad, p, 4);
+#if SF_Q4_DOT == 1
+    return _mm512_set1_epi32(quad);
+#else
+    return _mm256_set1_epi32(quad);
+#endif
+}
+
+// acc += a group's (or half's) integer sums s, less the weights' offset times sum xq (corr),
+// times the weights' scale a and the activations' xs; then the minimum's term (b: m, or dmin mn)
+// times the group's sum x.
+template <int KIND>
+inline void scale_in(vf& acc, ivec s, int32_t corr, vf a, float xs) {
+    vi si;
+    std::memcpy(&si, &s, sizeof(si));
+    if constexpr (weight_offset<KIND>() != 0) si -= corr;
+    acc += __builtin_convertvector(si, vf) * (a * xs);
+}
+template <int KIND>
+inline void min_in(vf& acc, vf b, float xsum) {
+    if constexpr (KIND == Q4_1 || KIND == Q5_1)
+        acc += b * xsum;
+    else if constexpr (has_min<KIND>())
+        acc -= b * xsum;
+}
+
+// The offset correction of half h of row `row`'s group (row * G + group).
+template <int KIND>
+inline int32_t offset_sum(const QuantRows& xr, int64_t row, int h) {
+    return weight_offset<KIND>() * (halves<KIND>() == 2 ? xr.qhalf[2 * row + h] : xr.qsum[row]);
 }
 
 // Rows [0..R) of the quantized x (from row m, k0) against the pass's unpacked groups, into acc.
@@ -428,46 +469,57 @@ inline void dot_strip(const QuantRows& xr, int64_t K, int64_t m, int64_t k0, int
                 for (int j = 0; j < NV; ++j) s[r][j] = ivec{};
             for (int qd = h * GQ / H; qd < (h + 1) * GQ / H; ++qd) {
                 ivec xb[DOT_MR];
-                for (int r = 0; r < R; ++r) {
-                    int32_t quad;
-                    std::memcpy(&quad, xr.q.data() + (m + r) * K + kg + 4 * qd, 4);
-#if SF_Q4_DOT == 1
-                    xb[r] = _mm512_set1_epi32(quad);
-#else
-                    xb[r] = _mm256_set1_epi32(quad);
-#endif
-                }
+                for (int r = 0; r < R; ++r) xb[r] = broadcast_quad(xr.q.data() + (m + r) * K + kg + 4 * qd);
                 const int64_t off = ((g * GQ + qd) * NV) * VB;
                 for (int j = 0; j < NV; ++j) {
                     const ivec w = load_iv(wq + off + j * VB);
-                    for (int r = 0; r < R; ++r) s[r][j] = dot4<KIND>(s[r][j], w, ws + off + j * VB, xb[r]);
+                    const ivec sw = KIND == Q8_0 && SF_Q4_DOT == 2 ? load_iv(ws + off + j * VB) : w;
+                    for (int r = 0; r < R; ++r) s[r][j] = dot4<KIND>(s[r][j], w, sw, xb[r]);
                 }
-            }
-            float xs[DOT_MR], xsum[DOT_MR];
-            int32_t corr[DOT_MR];
-            for (int r = 0; r < R; ++r) {
-                const int64_t row = (m + r) * G + gi;
-                xs[r] = xr.scale[row];
-                xsum[r] = xr.sum[row];
-                corr[r] = weight_offset<KIND>() * (H == 2 ? xr.qhalf[2 * row + h] : xr.qsum[row]);
             }
             for (int j = 0; j < NV; ++j) {  // each scale vector loaded once for the strip's rows
-                const vf dj = loadu(dbuf + (g * H + h) * NB + j * VW);
+                const vf aj = loadu(dbuf + (g * H + h) * NB + j * VW);
+                const vf bj = has_min<KIND>() ? loadu(mbuf + g * NB + j * VW) : vf{};
                 for (int r = 0; r < R; ++r) {
-                    vi si;
-                    std::memcpy(&si, &s[r][j], sizeof(si));
-                    if constexpr (weight_offset<KIND>() != 0) si -= corr[r];
-                    acc[r][j] += __builtin_convertvector(si, vf) * (dj * xs[r]);
+                    const int64_t row = (m + r) * G + gi;
+                    scale_in<KIND>(acc[r][j], s[r][j], offset_sum<KIND>(xr, row, h), aj, xr.scale[row]);
+                    min_in<KIND>(acc[r][j], bj, xr.sum[row]);
                 }
-                if constexpr (has_min<KIND>()) {
-                    const vf mj = loadu(mbuf + g * NB + j * VW);
-                    for (int r = 0; r < R; ++r) {
-                        if constexpr (KIND == Q4_1 || KIND == Q5_1)
-                            acc[r][j] += mj * xsum[r];
-                        else
-                            acc[r][j] -= mj * xsum[r];
-                    }
-                }
+            }
+        }
+    }
+}
+
+// Bytes ahead of a lone row's reading that it asks the memory for: at one row the block's
+// integer work is too short for the hardware prefetcher alone to keep the stream full.
+constexpr int64_t ROW_AHEAD = 4096;
+
+// One row of the quantized x against column block wb, straight from the packed records (no pass
+// buffer: a lone row would unpack each weight only to read it once). The same operations in the
+// same order as dot_strip's: equal sums, bit for bit.
+template <int KIND>
+inline void dot_row(const QuantRows& xr, int64_t K, const uint8_t* wb, vf (&acc)[NV]) {
+    constexpr int H = halves<KIND>(), GPR = groups_per_record(KIND);
+    constexpr int64_t per_group = record_bytes(KIND) / GPR;
+    for (int64_t gi = 0; gi < K / QK; ++gi) {
+        const char* ahead = reinterpret_cast<const char*>(wb) + gi * per_group + ROW_AHEAD;
+        for (int64_t o = 0; o < per_group; o += 64) __builtin_prefetch(ahead + o, 0, 0);
+        const uint8_t* rec = wb + gi / GPR * record_bytes(KIND);
+        const int sub = static_cast<int>(gi % GPR);
+        vf a[NV], a2[NV], b[NV];
+        group_factors<KIND>(rec, sub, a, a2, b);
+        const uint8_t* q = group_quants<KIND>(rec, sub);
+        for (int h = 0; h < H; ++h) {
+            ivec s[NV] = {};
+            for (int qd = h * GQ / H; qd < (h + 1) * GQ / H; ++qd) {
+                const ivec xb = broadcast_quad(xr.q.data() + gi * QK + 4 * qd);
+                ivec w[NV], sw[NV];
+                quad_weights<KIND>(q, qd, w, sw);
+                for (int j = 0; j < NV; ++j) s[j] = dot4<KIND>(s[j], w[j], KIND == Q8_0 && SF_Q4_DOT == 2 ? sw[j] : w[j], xb);
+            }
+            for (int j = 0; j < NV; ++j) {
+                scale_in<KIND>(acc[j], s[j], offset_sum<KIND>(xr, gi, h), h == 0 ? a[j] : a2[j], xr.scale[gi]);
+                min_in<KIND>(acc[j], b[j], xr.sum[gi]);
             }
         }
     }
@@ -482,10 +534,31 @@ inline void store_dot(vf (&acc)[DOT_MR][NV], const float* bias, float* y, int64_
     store<R, GATED>(tmp, bias, y, sy, cols, lora_d, row_slot);
 }
 
+// One row (a lone sequence's decode step): column blocks over the threads, each straight from
+// its packed records (dot_row).
+template <int KIND, bool GATED>
+void linear_dot_row(const float* x, const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
+                    const sf_lora::Deltas* lora) {
+    constexpr int64_t out_cols = GATED ? NB / 2 : NB;
+    const int64_t block_bytes = K / record_k(KIND) * record_bytes(KIND), blocks = (N + out_cols - 1) / out_cols;
+    QuantRows xr(1, K);
+    quantize_row(x, K, xr.q.data(), xr.scale.data(), xr.sum.data(), xr.qsum.data(), xr.qhalf.data());
+#pragma omp parallel for schedule(static) if (blocks * NB * K >= 4 * kParallelMacs)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t n0 = b * out_cols, cols = N - n0 < out_cols ? N - n0 : out_cols;
+        vf acc[DOT_MR][NV] = {};
+        dot_row<KIND>(xr, K, w + b * block_bytes, acc[0]);
+        const float* d = lora != nullptr ? sf_lora::block_addend<float, GATED>({lora}, N, 0, 1, n0, cols) : nullptr;
+        store_dot<1, GATED>(acc, bias == nullptr ? nullptr : bias + b * NB, y + n0, 0, cols, d,
+                            lora == nullptr ? nullptr : lora->row_slot);
+    }
+}
+
 template <int KIND, bool GATED>
 void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, const float* bias, float* y,
                 int64_t sy, int64_t M, const sf_lora::Deltas* lora = nullptr) {
     if (M <= 0 || N <= 0 || K <= 0) return;
+    if (M == 1) return linear_dot_row<KIND, GATED>(x, w, N, K, bias, y, lora);
     constexpr int64_t out_cols = GATED ? NB / 2 : NB;
     const int64_t G = K / QK, block_bytes = K / record_k(KIND) * record_bytes(KIND);
     constexpr int64_t per_group = record_bytes(KIND) / groups_per_record(KIND);  // on average, for prefetching
@@ -495,12 +568,7 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
     const sf_split::Split sp = sf_split::split(M, blocks, DOT_MR, threads, M * blocks * NB * K >= 4 * kParallelMacs);
     const int64_t chunk_rows = sp.chunk_rows, items = sp.items;
     const bool par = sp.par;
-    QuantRows xr;
-    xr.q.resize(M * K);
-    xr.scale.resize(M * G);
-    xr.sum.resize(M * G);
-    xr.qsum.resize(M * G);
-    xr.qhalf.resize(2 * M * G);
+    QuantRows xr(M, K);
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
@@ -525,12 +593,9 @@ void linear_dot(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t
                 for (int64_t g = 0; g < groups; ++g) {
                     const int64_t gi = k0 / QK + g;
                     const uint8_t* rec = wb + gi / GPR * record_bytes(KIND);
-                    if constexpr (KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0)
-                        unpack_group<KIND>(rec, wq + g * QK * NB, ws + (KIND == Q8_0 && SF_Q4_DOT == 2 ? g * QK * NB : 0),
-                                           dbuf + g * NB, mbuf + (KIND == Q4_1 ? g * NB : 0));
-                    else
-                        unpack_group_hb<KIND>(rec, static_cast<int>(gi % GPR), wq + g * QK * NB, dbuf + g * H * NB,
-                                              mbuf + (has_min<KIND>() ? g * NB : 0));
+                    unpack_group<KIND>(rec, static_cast<int>(gi % GPR), wq + g * QK * NB,
+                                       ws + (KIND == Q8_0 && SF_Q4_DOT == 2 ? g * QK * NB : 0), dbuf + g * H * NB,
+                                       mbuf + (has_min<KIND>() ? g * NB : 0));
                 }
                 const bool first = k0 == 0, last = k0 + groups * QK >= K;
                 const float* d = last && lora != nullptr
