@@ -36,6 +36,20 @@ def _quads(qb: torch.Tensor, vw: int) -> torch.Tensor:
     return quads.permute(*range(n), n, n + 2, n + 3, n + 1).reshape(*lead, QK // 4, 4, 4 * vw)
 
 
+def _planes(high: torch.Tensor, hb: int) -> torch.Tensor:
+    """The integer form's high bits [..., quad, NV, 4 VW] (hb bits each) as planes of 4 VW
+    bytes: slot s = (quad % Q) NV + vector (Q = 8 / (NV hb) quads a plane) at bits [s hb, s hb +
+    hb) of each byte, so the kernel takes a vector's bits out of a whole plane with one shift
+    and one mask (Q6_K: a plane a quad; Q5: a plane per two quads)."""
+    *lead, quads, nv, vb = high.shape
+    per = 8 // (nv * hb)  # quads a plane
+    slots = high.reshape(*lead, quads // per, per * nv, vb)
+    packed = slots[..., 0, :].clone()
+    for s in range(1, per * nv):
+        packed |= slots[..., s, :] << (s * hb)
+    return packed
+
+
 def records(f: Fields, order: torch.Tensor, nb: int, dot: bool = False) -> torch.Tensor:
     """uint8 [column blocks, K / BLOCK_K, record bytes]: the fields of the rows `order` names
     (linear.py's column order; -1: padding), NB columns a block; `dot`: the integer form's
@@ -52,13 +66,8 @@ def records(f: Fields, order: torch.Tensor, nb: int, dot: bool = False) -> torch
         pairs = (quads & 15).reshape(*quads.shape[:-2], 2, 2, nb)
         parts = [(pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(blocks, r, gpr, -1)]
         hb = HIGH_BITS.get(f.kind, 0)
-        if hb:  # byte p of a vector: at byte p % HS of its HS = NB hb / 8, from bit (p // HS) hb
-            lanes = 8 // hb
-            high = (quads >> 4).reshape(*quads.shape[:-1], lanes, nb * hb // 8)
-            packed = high[..., 0, :].clone()
-            for t in range(1, lanes):
-                packed |= high[..., t, :] << (t * hb)
-            parts.append(packed.reshape(blocks, r, gpr, -1))
+        if hb:  # planes of 4 VW bytes: byte p holds byte p's high bits of 8 / hb vectors (see _planes)
+            parts.append(_planes(quads >> 4, hb).reshape(blocks, r, gpr, -1))
         groups = torch.cat(parts, dim=-1).reshape(blocks, r, -1)
     elif f.kind == "Q8_0":
         groups = qb.contiguous().view(torch.uint8).reshape(blocks, r, -1)

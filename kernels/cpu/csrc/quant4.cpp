@@ -175,7 +175,7 @@ void linear(const float* x, int64_t sx, const uint8_t* w, int64_t N, int64_t K, 
 // 8 quads of k, each NV vectors of VW columns x 4 consecutive k (byte 4 i + e: column i, k 4 quad
 // + e, vpdpbusd's order); Q4 packs vectors 2c and 2c + 1 as the low and high nibbles of one chunk.
 // Q5_0, Q5_1 and the K-quants: gguf_blocks.h's record header, and per group the low nibbles in
-// that quad layout, then per quad and vector its high bits (high_quad). Their integers are
+// that quad layout, then the high bits in planes (high_at_4). Their integers are
 // 0..63 (Q6_K's and Q5_0's offsets taken off per group as Q4_0's, through sum xq), so the AVX2
 // pair sums stay below 2 * 63 * 127; Q6_K's two 16-k halves are summed and scaled apart:
 //   Q5_0: d s (sum q xq - 16 sum xq)      Q5_1: d s sum q xq + m sum x
@@ -296,27 +296,21 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, flo
     }
 }
 
-// The high bits (HB per weight) of one quad-layout vector of 4 VW bytes, as bytes: stored in
-// 4 VW HB / 8 bytes, weight byte p's at byte p % that, from bit (p / that) HB.
+// Vector j of quad qd's high bits (HB per weight), moved to bits [4, 4 + HB) of each byte: the
+// group's planes (gguf_layout._planes) hold Q = 8 / (NV HB) quads each, slot (qd % Q) NV + j at
+// bits [slot HB, slot HB + HB) of each byte; a 16-bit shift by at most 4 keeps every byte's bits
+// within it once masked.
 template <int HB>
-inline ivec high_quad(const uint8_t* h) {
+inline ivec high_at_4(const uint8_t* planes, int qd, int j) {
+    constexpr int Q = 8 / (NV * HB), VB = 4 * VW;
+    const ivec plane = load_iv(planes + (qd / Q) * VB);
+    const int shift = 4 - ((qd % Q) * NV + j) * HB;  // left if positive
 #if SF_Q4_DOT == 1
-    const __m512i x = HB == 1 ? _mm512_set1_epi64(*reinterpret_cast<const int64_t*>(h))
-                              : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-    const __m512i n = HB == 1 ? _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0) : _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0);
-    return _mm512_and_si512(_mm512_srlv_epi64(x, n), _mm512_set1_epi8((1 << HB) - 1));
+    const ivec moved = shift >= 0 ? _mm512_slli_epi16(plane, shift) : _mm512_srli_epi16(plane, -shift);
+    return _mm512_and_si512(moved, _mm512_set1_epi8(((1 << HB) - 1) << 4));
 #else
-    __m256i v;
-    if constexpr (HB == 1) {
-        int32_t w;
-        std::memcpy(&w, h, 4);
-        v = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    } else {
-        int64_t w;
-        std::memcpy(&w, h, 8);
-        v = _mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_setr_epi64x(0, 2, 4, 6));
-    }
-    return _mm256_and_si256(v, _mm256_set1_epi8((1 << HB) - 1));
+    const ivec moved = shift >= 0 ? _mm256_slli_epi16(plane, shift) : _mm256_srli_epi16(plane, -shift);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(((1 << HB) - 1) << 4));
 #endif
 }
 
@@ -352,11 +346,10 @@ inline void quad_weights(const uint8_t* q, int qd, ivec (&w)[NV], ivec (&ws)[NV]
             for (int h = 0; h < 2; ++h) {
                 const int j = 2 * c + h;
                 if constexpr (HB > 0) {
-                    const ivec hi = high_quad<HB>(hq + (qd * NV + j) * (VB * HB / 8));
 #if SF_Q4_DOT == 1
-                    nib[h] = _mm512_or_si512(nib[h], _mm512_slli_epi16(hi, 4));
+                    nib[h] = _mm512_or_si512(nib[h], high_at_4<HB>(hq, qd, j));
 #else
-                    nib[h] = _mm256_or_si256(nib[h], _mm256_slli_epi16(hi, 4));
+                    nib[h] = _mm256_or_si256(nib[h], high_at_4<HB>(hq, qd, j));
 #endif
                 }
                 w[j] = nib[h];
