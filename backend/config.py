@@ -21,7 +21,7 @@ GGUF_QUANTIZATIONS = ("gguf", "gguf-exact")  # the blocks of the GGUF file a che
 LOAD_QUANTIZATIONS = ("q4_0", "q4_1", "q8_0")  # any float checkpoint quantized into GGUF blocks at load
 # Those run the GGUF block kernel (float32 activations, whole rows: no tensor parallelism).
 BLOCK_QUANTIZATIONS = GGUF_QUANTIZATIONS + LOAD_QUANTIZATIONS
-QUANTIZATIONS = ("none", "int8") + BLOCK_QUANTIZATIONS
+QUANTIZATIONS = ("auto", "none", "int8") + BLOCK_QUANTIZATIONS
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
@@ -118,17 +118,21 @@ class EngineConfig(_FromStrings):
     kernels (dense models, float32 or bfloat16, float or int8 projections, the KV cache in the
     model's dtype, no tensor parallelism): the same kernels and results without the Python between
     them. false runs them layer by layer in Python."""
-    quantization: str = "none"
-    """none | int8 | gguf | gguf-exact | q4_0 | q4_1 | q8_0. int8 quantizes the projections' weights at load (per output
-    channel) and their activations per token at run time (CPU, oneDNN); the LM head and MoE
+    quantization: str = "auto"
+    """auto | none | int8 | gguf | gguf-exact | q4_0 | q4_1 | q8_0. auto: gguf for a checkpoint
+    converted from a quantized GGUF file where the block kernel runs (CPU, float32, one rank),
+    else none (logged with the reason). int8 quantizes the projections' weights at load (per
+    output channel) and their activations per token at run time (CPU, oneDNN); the LM head and MoE
     routers stay float. gguf / gguf-exact (a checkpoint converted from a GGUF file, float32, CPU):
-    the projections multiply the file's own Q4_0 / Q4_1 / Q8_0 blocks, kept packed in memory at
-    about the file's size; gguf with int8 activations per 32-k group (llama.cpp's arithmetic,
-    integer dot products), gguf-exact widening the blocks to float32 in registers (the same
-    results as the dequantized float32 model, bit for bit). Other tensors stay float. q4_0 / q4_1 /
-    q8_0 (any float checkpoint, run in float32, CPU): the projections quantized at load into
-    GGUF's blocks of that kind (32 weights a block, round to nearest: 4.5 / 5 / 8.5 bits a weight)
-    and run as gguf; the LM head and the embedding in Q8_0 blocks."""
+    the projections, the LM head and the embedding keep the file's own blocks (Q4_0, Q4_1, Q8_0,
+    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; a mixed file each tensor in its own type) packed in memory at
+    about the file's size, never dequantized whole; gguf multiplies them with int8 activations per
+    32-k group (llama.cpp's arithmetic, integer dot products), gguf-exact widens them to float32 in
+    registers (the dequantized float32 model's results, bit for bit). Other tensors stay float.
+    none dequantizes a GGUF file's weights at load. q4_0 / q4_1 / q8_0 (any float checkpoint, run
+    in float32, CPU): the projections quantized at load into GGUF's blocks of that kind (32
+    weights a block, round to nearest: 4.5 / 5 / 8.5 bits a weight) and run as gguf; the LM head
+    and the embedding in Q8_0 blocks."""
     speculative_method: str = "none"
     """none | ngram | draft: propose tokens cheaply and verify them in one pass (speculative
     decoding). ngram looks the sequence's last tokens up earlier in its own text; draft runs

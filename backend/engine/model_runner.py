@@ -27,6 +27,7 @@ from splitfuse.models.loader import load_model, log_load, read_hf_config
 from splitfuse.parallel.group import RankGroup, rank_device
 from splitfuse.parallel.sharding import Sharder, local_args
 from splitfuse.engine.batch import RaggedBatch
+from splitfuse.engine.quantization import resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +99,12 @@ class ModelRunner:
             # the engine steps on the thread that built it.
             torch.set_flush_denormal(True)
             keep_freed_memory()
-        self.dtype = resolve_dtype(config.dtype, self.args, self.device, config.quantization)
+        self.quantization = resolve_quantization(config, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.args, self.device, self.quantization)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype,
-                                                     config.quantization)
-        check_quantization(config.quantization, self.device)
+                                                     self.quantization)
+        check_quantization(self.quantization, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attention_backend)
         self.kernels = KernelSet.create(self.attention_backend, self.dtype)
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
@@ -133,9 +135,9 @@ class ModelRunner:
         started = time.perf_counter()
         self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device, shard=shard,
                                 all_reduce=group.all_reduce if group is not None else None,
-                                quantization=config.quantization)
+                                quantization=self.quantization)
         self._attach_lora()
-        self.model.prepare_linears(self.linear_backend, config.quantization)
+        self.model.prepare_linears(self.linear_backend, self.quantization)
         log_load(config.model, time.perf_counter() - started, self.weight_memory_summary())
         if not self.num_kv_blocks:
             self._size_kv_cache()
@@ -143,9 +145,9 @@ class ModelRunner:
                  "linear_backend=%s (requested %s) quantization=%s weights=%s threads=%d", self.device,
                  str(self.dtype).removeprefix("torch."), str(self.kv_cache_dtype).removeprefix("torch."),
                  self.attention_backend, config.attention_backend,
-                 self.linear_backend, config.linear_backend, config.quantization, self.weight_memory_summary(),
+                 self.linear_backend, config.linear_backend, self.quantization, self.weight_memory_summary(),
                  torch.get_num_threads())
-        if config.quantization == "int8":
+        if self.quantization == "int8":
             log.warning("splitfuse: quantization=int8 costs quality: weights per output channel and activations "
                         "per token in int8 raised a trained model's perplexity over float32 by about 3% with "
                         "the C++ kernel (AVX-512 VNNI; 8-bit activations on every ISA) and 9% through oneDNN's 7-bit "

@@ -276,6 +276,10 @@ class GGUFSource:
             self._tensors = GGUFTensors(index, self.file, arch, heads, heads if kv is None else int(kv))
         return self._tensors
 
+    def quantized(self) -> bool:
+        """Whether any of the file's tensors is in a block type the packed kernel takes."""
+        return any(t.tensor_type.name in PACKED_TYPES for _, t in self.tensors())
+
     def packed_kind(self, hf_names: list[str]) -> str | None:
         """The block type the packed kernel takes the named weights in (stacked in order: a fused
         projection's parts), read from the file's index alone; None unless every part is stored in

@@ -96,7 +96,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"{self.instance}: splitfuse engine ready: device={runner.device} "
             f"dtype={str(runner.dtype).removeprefix('torch.')} attention_backend={runner.attention_backend} "
-            f"linear_backend={runner.linear_backend} quantization={config.quantization} "
+            f"linear_backend={runner.linear_backend} quantization={runner.quantization} "
             f"weights={runner.weight_memory_summary()} threads={torch.get_num_threads()} "
             f"decoder layers in {runner.decoder_layers}; {config}; {self.server}")
 

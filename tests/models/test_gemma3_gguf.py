@@ -51,7 +51,7 @@ def test_gemma3_270m_greedy_matches_transformers_gguf(gemma3_gguf):
                                  max_new_tokens=MAX_TOKENS, do_sample=False)
             refs.append(out[0, len(p):].tolist())
     del model
-    with LLM(checkpoint, dtype="float32", enable_prefix_caching=False, max_model_len=64, num_kv_blocks=16) as llm:
+    with LLM(checkpoint, dtype="float32", quantization="none", enable_prefix_caching=False, max_model_len=64, num_kv_blocks=16) as llm:
         assert llm.engine.runner.args.architecture == "gemma3_text"
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     got = [o.token_ids for o in outs]

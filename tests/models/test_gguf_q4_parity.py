@@ -29,6 +29,7 @@ if not quant4.available():
 
 
 def _generate(model: str, prompts: list[list[int]], max_tokens: int, **kw):
+    kw.setdefault("quantization", "none")  # the dequantized float32 model unless a test says otherwise
     with LLM(model, dtype="float32", enable_prefix_caching=False, **kw) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
         return [o.token_ids for o in outs], llm.engine.runner.model.weight_memory()

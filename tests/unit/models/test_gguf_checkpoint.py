@@ -47,7 +47,7 @@ def test_converted_gguf_matches_transformers_gguf_loading(tiny_model_factory, tm
     gguf_file = write_gguf(tiny_model_factory(arch), tmp_path / f"tiny-{arch}.gguf", quant=quant)
     prompts = [[1, 5, 9, 200, 17, 33], [1] + list(range(40, 90))]
     want = _transformers_greedy(gguf_file, prompts, 10)
-    with LLM(str(gguf_file), dtype="float32") as llm:
+    with LLM(str(gguf_file), dtype="float32", quantization="none") as llm:  # dequantized, as transformers
         got = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
         converted = Path(llm.engine.config.model)
     assert [o.token_ids for o in got] == want

@@ -110,3 +110,42 @@ def test_embedding_on_the_files_blocks(tiny_model_factory, tmp_path, monkeypatch
     assert exact[2]["float32"] < plain[2]["float32"] - vocab_bytes  # the table is gone
     assert exact[1] == plain[1]
     assert len(exact[0]) == len(plain[0]) and all(torch.equal(a, b) for a, b in zip(exact[0], plain[0]))
+
+
+@pytest.fixture(scope="module")
+def converted_ggufs(tiny_model_factory, tmp_path_factory):
+    """A tiny Llama written as a Q8_0 and as an F16 GGUF, each converted (config and tokenizer)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from gguf_files import write_gguf
+    from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+
+    root = tmp_path_factory.mktemp("auto-quantization")
+    out = {}
+    for quant in (Q.Q8_0, Q.F16):
+        gguf_file = write_gguf(tiny_model_factory("llama"), root / f"tiny-{quant.name}.gguf", quant=quant)
+        out[quant.name] = prepare_checkpoint(gguf_file, root / f"converted-{quant.name}")
+    return out
+
+
+def test_auto_runs_a_quantized_gguf_packed_and_everything_else_unquantized(converted_ggufs, tiny_llama, caplog):
+    """quantization=auto: gguf for a quantized file where the block kernel runs; none for a float
+    GGUF, a plain checkpoint, or where the kernel cannot run the blocks (the reason logged)."""
+    from splitfuse.engine.quantization import resolve_quantization
+    from splitfuse.kernels.cpu import quant4
+
+    cpu = torch.device("cpu")
+    q8, f16 = converted_ggufs["Q8_0"], converted_ggufs["F16"]
+    assert EngineConfig(model="m").quantization == "auto"
+    assert resolve_quantization(EngineConfig(model=q8), cpu) == ("gguf" if quant4.available() else "none")
+    assert resolve_quantization(EngineConfig(model=f16), cpu) == "none"
+    assert resolve_quantization(EngineConfig(model=tiny_llama), cpu) == "none"
+    with caplog.at_level("WARNING", logger="splitfuse.engine.quantization"):
+        assert resolve_quantization(EngineConfig(model=q8, dtype="bfloat16"), cpu) == "none"
+        assert resolve_quantization(EngineConfig(model=q8, tensor_parallel_size=2), cpu) == "none"
+        assert resolve_quantization(EngineConfig(model=q8), torch.device("meta")) == "none"
+    reasons = [r.getMessage() for r in caplog.records]
+    assert len(reasons) == 3 and all("dequantized at load" in r for r in reasons), reasons
+    assert "dtype=bfloat16" in reasons[0] and "tensor parallelism" in reasons[1] and "for CPUs" in reasons[2]
+    for explicit in ("none", "gguf-exact", "int8"):
+        assert resolve_quantization(EngineConfig(model=q8, quantization=explicit), cpu) == explicit
