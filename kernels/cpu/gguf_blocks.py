@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "BLOCK_K", "FP16_FIELDS", "Fields", "HIGH_BITS", "KINDS", "OFFSET", "QK", "dequantize",
-           "group_scales", "parse", "weights"]
+__all__ = ["BLOCK_BYTES", "BLOCK_K", "FP16_FIELDS", "Fields", "HIGH_BITS", "KINDS", "OFFSET", "QK", "check_rows",
+           "dequantize", "group_scales", "parse", "weights"]
 
 QK = 32  # k per group (the kernels' unit)
 KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # csrc/gguf_blocks.h's Kind, in order
@@ -75,14 +75,20 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def parse(kind: str, rows: torch.Tensor) -> Fields:
-    """`rows` [N, K / BLOCK_K * BLOCK_BYTES] uint8 (CPU) read into `kind`'s fields."""
+def check_rows(kind: str, rows: torch.Tensor) -> None:
+    """Raise ValueError unless `rows` is a uint8 CPU matrix of whole `kind` blocks."""
     if kind not in BLOCK_BYTES:
         raise ValueError(f"unsupported block type {kind!r} (supported: {', '.join(KINDS)})")
     bb = BLOCK_BYTES[kind]
     if rows.dtype is not torch.uint8 or rows.dim() != 2 or rows.shape[1] % bb or not rows.is_cpu:
         raise ValueError(f"{kind} rows must be a uint8 CPU matrix of whole {bb}-byte blocks, got {rows.dtype} "
                          f"{tuple(rows.shape)}")
+
+
+def parse(kind: str, rows: torch.Tensor) -> Fields:
+    """`rows` [N, K / BLOCK_K * BLOCK_BYTES] uint8 (CPU) read into `kind`'s fields."""
+    check_rows(kind, rows)
+    bb = BLOCK_BYTES[kind]
     n = rows.shape[0]
     b = rows.contiguous().view(n, -1, bb)
     if kind == "Q8_0":

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from .build import Entries, bind
-from .gguf_blocks import BLOCK_BYTES, BLOCK_K, KINDS, OFFSET, QK, Fields, dequantize, group_scales, parse, weights
+from .gguf_blocks import (BLOCK_BYTES, BLOCK_K, KINDS, OFFSET, QK, Fields, check_rows, dequantize, group_scales, parse,
+                          weights)
 from .gguf_layout import by_column, records, unpack
 from .linear import _column_order, _input, _output, _per_column
 
@@ -179,11 +180,17 @@ class PackedQuantWeight:
         return torch.float32  # what the kernel takes and returns
 
 
+# Weights parsed and laid out at a time: the packing's temporaries (a few bytes a weight) stay near
+# 64 MB whatever the tensor's size (a 128k-row LM head is 0.4-0.5 GB of blocks).
+CHUNK_WEIGHTS = 1 << 23
+
+
 def pack_quantized(kind: str, rows: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   gated: bool = False, form: str = "float") -> PackedQuantWeight:
+                   gated: bool = False, form: str = "float", chunk_weights: int = CHUNK_WEIGHTS) -> PackedQuantWeight:
     """GGUF `kind` blocks `rows` [N, K / 32 * block bytes] rearranged for the kernel's `form`
     ("float" or "dot"); `bias` [N] kept as float32. `gated`: SwiGLU's gate_up weight (N = 2I,
-    gate rows first)."""
+    gate rows first). The output is allocated once and filled a few column blocks at a time (about
+    `chunk_weights` weights; at least one block): only those blocks' rows are read from `rows`."""
     kernels = _entries.need()
     lib = kernels.lib
     if form not in FORMS:
@@ -192,20 +199,30 @@ def pack_quantized(kind: str, rows: torch.Tensor, bias: torch.Tensor | None = No
         raise RuntimeError("the integer form of the GGUF block kernel needs a build with AVX-512 VNNI or AVX2")
     if form == "dot" and kind not in kernels.dot_kinds:
         raise ValueError(f"pack_quantized: the integer form takes {', '.join(kernels.dot_kinds)}, got {kind}")
-    f = parse(kind, rows)
-    n, k = f.q.shape
+    check_rows(kind, rows)
+    n, k = rows.shape[0], rows.shape[1] // BLOCK_BYTES[kind] * BLOCK_K[kind]
     if gated and n & 1:
         raise ValueError(f"pack_quantized: a gated weight needs an even number of rows (gate, up), got {n}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"pack_quantized: bias must be [{n}], got {tuple(bias.shape)}")
     nb = int(lib.sf_q4_block_width())
     order = _column_order(n, nb, gated)
-    if form == "float" or kind not in ("Q4_0", "Q4_1", "Q8_0"):
-        data = records(f, order, nb, dot=form == "dot")
-    else:
-        data = _dot_records(f, order, nb)
-    if data.shape[-1] != lib.sf_q4_record_bytes(KINDS.index(kind)):
-        raise AssertionError("quant4.cpp's record size differs from this packing")
+    blocks = order.numel() // nb
+    data = torch.empty(blocks, k // BLOCK_K[kind], lib.sf_q4_record_bytes(KINDS.index(kind)), dtype=torch.uint8)
+    step = max(1, chunk_weights // (nb * k))  # column blocks a chunk
+    for b0 in range(0, blocks, step):
+        part = order[b0 * nb:(b0 + step) * nb]
+        valid = part >= 0
+        local = torch.full_like(part, -1)  # the chunk's columns, numbered in its own rows
+        local[valid] = torch.arange(int(valid.sum()))
+        f = parse(kind, rows[part[valid]])
+        if form == "float" or kind not in ("Q4_0", "Q4_1", "Q8_0"):
+            chunk = records(f, local, nb, dot=form == "dot")
+        else:
+            chunk = _dot_records(f, local, nb)
+        if chunk.shape[1:] != data.shape[1:]:
+            raise AssertionError("quant4.cpp's record size differs from this packing")
+        data[b0:b0 + chunk.shape[0]] = chunk
     return PackedQuantWeight(kind, data, n // 2 if gated else n, k, _per_column(bias, order), gated, form)
 
 

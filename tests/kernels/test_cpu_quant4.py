@@ -278,13 +278,13 @@ def test_bad_inputs_raise():
 @pytest.mark.slow  # a second kernel build
 @pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler")
 def test_avx2_build_passes_these_tests():
-    """The same tests with the library built for x86-64-v3 (AVX2 + FMA, 8-lane vectors, 32-column
-    blocks): the code a Zen 3 runs."""
+    """The same tests (and the chunked packing's) with the library built for x86-64-v3 (AVX2 +
+    FMA, 8-lane vectors, 32-column blocks): the code a Zen 3 runs."""
     if "avx512f" not in build.cpu_flags():
         pytest.skip("this CPU has no AVX-512: the normal run already covers its widest path")
     env = dict(os.environ, SPLITFUSE_CPU_ISA="avx2")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
-                          __file__],
+                          __file__, str(Path(__file__).with_name("test_cpu_quant4_chunks.py"))],
                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     probe = subprocess.run([sys.executable, "-c", "from splitfuse.kernels.cpu import build, linear, quant4; "
