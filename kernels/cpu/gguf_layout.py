@@ -1,8 +1,8 @@
 """The packed layouts of GGUF blocks: `records` rearranges a kind's fields into column blocks of
 NB columns, the float form's (csrc/gguf_blocks.h describes it) or, for the kinds with high bits
 and the K-quants, the integer form's (csrc/quant4.cpp: the same header, each group's integers in
-quads of 4 k); `unpack` reads rows back from the float form's (the embedding's lookups in a tied
-LM head's packed copy)."""
+quads of 4 k); `unpack` reads rows back from either form's (the embedding's lookups in a tied LM
+head's packed copy)."""
 
 from __future__ import annotations
 
@@ -86,9 +86,10 @@ def records(f: Fields, order: torch.Tensor, nb: int, dot: bool = False) -> torch
     return torch.cat([*head, groups], dim=-1).contiguous()
 
 
-def unpack(kind: str, data: torch.Tensor, nb: int, ids: torch.Tensor, like: Fields) -> Fields:
-    """The fields of rows `ids` from float-form records `data` (as `records` made them from
-    fields shaped like `like`, whose tensors give the dtypes and sub-block counts)."""
+def unpack(kind: str, data: torch.Tensor, nb: int, ids: torch.Tensor, like: Fields, dot: bool = False) -> Fields:
+    """The fields of rows `ids` from records `data` (as `records` made them from fields shaped
+    like `like`, whose tensors give the dtypes and sub-block counts): the float form's, or with
+    `dot` the integer form's (any kind but Q8_0, whose integer form is offset binary)."""
     t, (blocks, r, _) = ids.numel(), data.shape
     block, lane = ids // nb, ids % nb
     recs = data[block]  # [T, R, record bytes]
@@ -101,7 +102,9 @@ def unpack(kind: str, data: torch.Tensor, nb: int, ids: torch.Tensor, like: Fiel
         off += s * nb * size
     gpr = BLOCK_K[kind] // QK
     groups = recs[..., off:].reshape(t, r, gpr, -1)
-    if kind == "Q8_0":
+    if dot:
+        q = _dot_quants(kind, groups, nb, lane)
+    elif kind == "Q8_0":
         q = groups.reshape(t, r, gpr, QK, nb)[rows, :, :, :, lane].view(torch.int8)
     else:
         vw = nb // 4
@@ -118,3 +121,24 @@ def unpack(kind: str, data: torch.Tensor, nb: int, ids: torch.Tensor, like: Fiel
     names = [name for name, v in (("m", like.m), ("sc", like.sc), ("mn", like.mn)) if v is not None]
     return Fields(kind, q, d.reshape(t, r), **{name: (v.reshape(t, r) if name == "m" else v)
                                                 for name, v in zip(names, rest)})
+
+
+def _dot_quants(kind: str, groups: torch.Tensor, nb: int, lane: torch.Tensor) -> torch.Tensor:
+    """The integer form's q of columns `lane` from their records' groups [T, R, gpr, bytes]:
+    [T, R, gpr, quad, 4] (k = 4 quad + e). Column v VW + i is byte 4 i + e of vector v: in
+    the nibbles of chunk v // 2 (low for even v), then in its high bits (see `records`)."""
+    t, r, gpr, _ = groups.shape
+    vw, rows = nb // 4, torch.arange(t)
+    v, p = lane // vw, 4 * (lane % vw).view(t, 1) + torch.arange(4)  # p: [T, 4] bytes of the vector
+    at = (t, r, gpr, QK // 4, 4)
+    low = groups[..., :QK * nb // 2].reshape(t, r, gpr, QK // 4, 2, nb)[rows, :, :, :, v // 2]  # [T, R, gpr, quad, NB]
+    byte = low.gather(-1, p.view(t, 1, 1, 1, 4).expand(at))
+    q = (byte >> (4 * (v % 2)).view(t, 1, 1, 1, 1).to(torch.uint8)) & 15
+    hb = HIGH_BITS.get(kind, 0)
+    if hb:
+        hs = nb * hb // 8  # bytes of a vector's high bits
+        high = groups[..., QK * nb // 2:].reshape(t, r, gpr, QK // 4, 4, hs)[rows, :, :, :, v]  # [T, R, gpr, quad, HS]
+        hbyte = high.gather(-1, (p % hs).view(t, 1, 1, 1, 4).expand(at))
+        shift = (p // hs * hb).view(t, 1, 1, 1, 4).to(torch.uint8)
+        q = q | (((hbyte >> shift) & ((1 << hb) - 1)) << 4)
+    return q

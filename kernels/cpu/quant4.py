@@ -114,18 +114,17 @@ def quantize(kind: str, weight: torch.Tensor) -> torch.Tensor:
 
 
 def lookup_rows(weight: "PackedQuantWeight", ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of an ungated packed weight (the float form of any kind, or Q8_0's integer
-    form), as float32 [len(ids), K] with the values `dequantize` gives them: the packed copy of a
-    tied LM head serves the embedding's lookups, so the table is held once. Reads each row's
-    bytes where the packing put them (`can_lookup` says which weights this takes)."""
+    """Rows `ids` of an ungated packed weight (either form, any kind), as float32 [len(ids), K]
+    with the values `dequantize` gives them: the packed copy of a tied LM head serves the
+    embedding's lookups, so the table is held once. Reads each row's bytes where the packing put
+    them (`can_lookup` says which weights this takes)."""
     if not can_lookup(weight):
-        raise ValueError(f"lookup_rows: an ungated float-form or Q8_0 weight, got {weight.kind} "
-                         f"(gated {weight.gated}, form {weight.form})")
+        raise ValueError(f"lookup_rows: an ungated weight, got a gated {weight.kind} one")
     ids = ids.reshape(-1).long()
-    if weight.form == "float":
+    if weight.form == "float" or weight.kind != "Q8_0":
         nb = _entries.need().lib.sf_q4_block_width()
         like = parse(weight.kind, torch.zeros(1, BLOCK_BYTES[weight.kind], dtype=torch.uint8))
-        return weights(unpack(weight.kind, weight.data, nb, ids, like))
+        return weights(unpack(weight.kind, weight.data, nb, ids, like, dot=weight.form == "dot"))
     nb = weight.data.shape[-1] // (2 + QK)  # a Q8_0 record: NB fp16 scales, then QK x NB int8
     blocks, groups = weight.data.shape[:2]
     block, lane = ids // nb, ids % nb
@@ -136,7 +135,7 @@ def lookup_rows(weight: "PackedQuantWeight", ids: torch.Tensor) -> torch.Tensor:
 
 
 def can_lookup(weight: "PackedQuantWeight") -> bool:
-    return not weight.gated and (weight.form == "float" or weight.kind == "Q8_0")
+    return not weight.gated
 
 
 def dot_reference(x: torch.Tensor, kind: str, rows: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

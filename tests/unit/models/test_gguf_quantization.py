@@ -149,3 +149,33 @@ def test_auto_runs_a_quantized_gguf_packed_and_everything_else_unquantized(conve
     assert "dtype=bfloat16" in reasons[0] and "tensor parallelism" in reasons[1] and "for CPUs" in reasons[2]
     for explicit in ("none", "gguf-exact", "int8"):
         assert resolve_quantization(EngineConfig(model=q8, quantization=explicit), cpu) == explicit
+
+
+def test_a_tied_table_is_held_once_under_gguf(tiny_model_factory, tmp_path, monkeypatch):
+    """Under gguf a tied head runs the integer form (where the build has it) and its packed
+    blocks serve the embedding's lookups too: the engine's weight bytes count the table once (the
+    kernels' packed blocks and nothing else), the float table is freed, and a looked-up row is
+    the file's row as the `gguf` package dequantizes it."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of splitfuse-triton")
+    from gguf_files import Q, write_gguf
+
+    from splitfuse import LLM
+    from splitfuse.kernels.cpu import quant4
+    from splitfuse.layers.linear import Linear
+
+    if not quant4.available():
+        pytest.skip("the C++ CPU kernels are not built")
+    monkeypatch.setenv("SPLITFUSE_GGUF_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tiny_model_factory("llama", tie_word_embeddings=True), tmp_path / "tied.gguf", quant=Q.Q4_1)
+    with LLM(str(path), dtype="float32", quantization="gguf", enable_prefix_caching=False) as llm:
+        model = llm.engine.runner.model
+        embedding, head = model.model.embed_tokens, model.lm_head.kernel
+        assert head.packed.form == ("dot" if "Q4_1" in quant4.dot_kinds() else "float")
+        assert embedding.head_blocks is head.packed and embedding.blocks is None
+        assert embedding.weight.numel() == 0
+        kernels = [m.kernel.weight_bytes.get("q4_1", 0) for m in model.modules() if isinstance(m, Linear)]
+        assert model.weight_memory()["q4_1"] == sum(kernels)
+        ids = torch.tensor([[0, 7, head.out_features - 1], [3, 3, 64]])
+        table = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+        rows = torch.from_numpy(gguf.quants.dequantize(table.data, table.tensor_type))
+        assert torch.equal(embedding(ids), rows[ids])
