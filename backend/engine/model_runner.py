@@ -12,7 +12,7 @@ import torch
 from splitfuse.engine.block_manager import longest_sequence, pool_blocks_for
 from splitfuse.config import BLOCK_QUANTIZATIONS, EngineConfig
 from splitfuse.utils.cpu_budget import available_cpus
-from splitfuse.utils.host_allocator import keep_freed_memory
+from splitfuse.utils.host_allocator import keep_freed_memory, release_freed_memory
 from splitfuse.utils.memory_budget import AUTO_KV_SHARE, auto_kv_cache_bytes, memory_bound
 from splitfuse.kernels.cpu.paged_attention import huge_page_empty
 from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
@@ -138,6 +138,7 @@ class ModelRunner:
                                 quantization=self.quantization)
         self._attach_lora()
         self.model.prepare_linears(self.linear_backend, self.quantization)
+        release_freed_memory()  # packing's temporaries, before the KV pool is allocated
         log_load(config.model, time.perf_counter() - started, self.weight_memory_summary())
         if not self.num_kv_blocks:
             self._size_kv_cache()

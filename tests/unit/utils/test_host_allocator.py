@@ -58,3 +58,34 @@ def test_cpu_engine_start_applies_it(tiny_llama, monkeypatch):
     monkeypatch.setattr(host_allocator, "_applied", None)
     LLM(tiny_llama, device="cpu")
     assert host_allocator._applied is True
+
+
+# Allocate 240 MB in heap-sized blocks, free it: kept by the settings, then handed back.
+_RELEASE = """
+import ctypes, ctypes.util
+from splitfuse.utils.host_allocator import keep_freed_memory, release_freed_memory
+from splitfuse.utils.process_memory import resident_bytes
+assert keep_freed_memory()
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+base = resident_bytes()
+blocks = [libc.malloc(8 << 20) for _ in range(30)]
+for b in blocks:
+    ctypes.memset(b, 1, 8 << 20)
+for b in blocks:
+    libc.free(b)
+kept = resident_bytes()
+assert release_freed_memory()
+print(kept - base, resident_bytes() - base)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc_trim is Linux-only")
+def test_release_hands_kept_memory_back():
+    """What the settings keep (packing's temporaries at start) goes back to the OS on release."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True, text=True, check=True, env=env)
+    kept, released = (int(v) for v in out.stdout.split())
+    assert kept > 200 << 20, f"the freed blocks were not kept ({kept >> 20} MB): the test no longer tests release"
+    assert released < 40 << 20, f"{released >> 20} MB still resident after the release"
