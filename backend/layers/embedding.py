@@ -31,8 +31,8 @@ class Embedding(nn.Module):
         projections), keep the file's blocks of the table (when it stores them in a kind `quant4`
         reads), or under q8_0 the table quantized, in place of the float table's rows; returns
         whether it did. `head_blocks`: a tied LM head's packed blocks of this same table, looked
-        up in place where `quant4.lookup_rows` reads that packing (any type in gguf-exact; Q8_0 in
-        gguf), so that no second copy is read or quantized. The caller frees the float weight (a tied LM head may still need it)."""
+        up in place (`quant4.lookup_rows` reads either form of any kind), so that no second copy
+        is read or quantized. The caller frees the float weight (a tied LM head may still need it)."""
         file_blocks, self.gguf_blocks = self.gguf_blocks, None  # holds the GGUF file open
         if head_blocks is not None and quant4.can_lookup(head_blocks):
             self.head_blocks = head_blocks
