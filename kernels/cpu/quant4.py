@@ -208,7 +208,7 @@ def pack_quantized(kind: str, rows: torch.Tensor, bias: torch.Tensor | None = No
     order = _column_order(n, nb, gated)
     blocks = order.numel() // nb
     data = torch.empty(blocks, k // BLOCK_K[kind], lib.sf_q4_record_bytes(KINDS.index(kind)), dtype=torch.uint8)
-    step = max(1, chunk_weights // (nb * k))  # column blocks a chunk
+    step = max(1, chunk_weights // max(1, nb * k))  # column blocks a chunk
     for b0 in range(0, blocks, step):
         part = order[b0 * nb:(b0 + step) * nb]
         valid = part >= 0
