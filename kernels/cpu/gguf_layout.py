@@ -126,7 +126,7 @@ def unpack(kind: str, data: torch.Tensor, nb: int, ids: torch.Tensor, like: Fiel
 def _dot_quants(kind: str, groups: torch.Tensor, nb: int, lane: torch.Tensor) -> torch.Tensor:
     """The integer form's q of columns `lane` from their records' groups [T, R, gpr, bytes]:
     [T, R, gpr, quad, 4] (k = 4 quad + e). Column v VW + i is byte 4 i + e of vector v: in
-    the nibbles of chunk v // 2 (low for even v), then in its high bits (see `records`)."""
+    the nibbles of chunk v // 2 (low for even v), then in its high bits' planes (`_planes`)."""
     t, r, gpr, _ = groups.shape
     vw, rows = nb // 4, torch.arange(t)
     v, p = lane // vw, 4 * (lane % vw).view(t, 1) + torch.arange(4)  # p: [T, 4] bytes of the vector
@@ -135,10 +135,11 @@ def _dot_quants(kind: str, groups: torch.Tensor, nb: int, lane: torch.Tensor) ->
     byte = low.gather(-1, p.view(t, 1, 1, 1, 4).expand(at))
     q = (byte >> (4 * (v % 2)).view(t, 1, 1, 1, 1).to(torch.uint8)) & 15
     hb = HIGH_BITS.get(kind, 0)
-    if hb:
-        hs = nb * hb // 8  # bytes of a vector's high bits
-        high = groups[..., QK * nb // 2:].reshape(t, r, gpr, QK // 4, 4, hs)[rows, :, :, :, v]  # [T, R, gpr, quad, HS]
-        hbyte = high.gather(-1, (p % hs).view(t, 1, 1, 1, 4).expand(at))
-        shift = (p // hs * hb).view(t, 1, 1, 1, 4).to(torch.uint8)
+    if hb:  # planes of NB bytes, `per` quads each (see _planes)
+        per = 8 // (4 * hb)
+        planes = groups[..., QK * nb // 2:].reshape(t, r, gpr, QK // 4 // per, nb).repeat_interleave(per, dim=3)
+        hbyte = planes.gather(-1, p.view(t, 1, 1, 1, 4).expand(at))  # [T, R, gpr, quad, 4]
+        slot = (torch.arange(QK // 4) % per).view(1, QK // 4) * 4 + v.view(t, 1)  # [T, quad]
+        shift = (slot * hb).view(t, 1, 1, QK // 4, 1).to(torch.uint8)
         q = q | (((hbyte >> shift) & ((1 << hb) - 1)) << 4)
     return q
