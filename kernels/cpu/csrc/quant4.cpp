@@ -502,8 +502,10 @@ inline void dot_row(const QuantRows& xr, int64_t K, const uint8_t* wb, vf (&acc)
         vf a[NV], a2[NV], b[NV];
         group_factors<KIND>(rec, sub, a, a2, b);
         const uint8_t* q = group_quants<KIND>(rec, sub);
+#pragma GCC unroll 2
         for (int h = 0; h < H; ++h) {
             ivec s[NV] = {};
+#pragma GCC unroll 8
             for (int qd = h * GQ / H; qd < (h + 1) * GQ / H; ++qd) {
                 const ivec xb = broadcast_quad(xr.q.data() + gi * QK + 4 * qd);
                 ivec w[NV], sw[NV];
