@@ -82,8 +82,10 @@ def run_ours(model_dir: str, reqs: list[dict], params: dict[str, str]) -> dict:
             "    t=time.perf_counter(); llm.generate([r['prompt']], SamplingParams(max_tokens=r['max_tokens'],"
             " temperature=0.0, ignore_eos=True)); single.append(time.perf_counter()-t)\n"
             "runner=llm.engine.runner\n"
+            "from splitfuse.kernels.cpu import build\n"
             "json.dump({'wall_s': wall, 'single_stream_s': single, 'attention_backend': runner.attention_backend,"
-            " 'linear_backend': runner.linear_backend, 'weights': runner.weight_memory_summary(),"
+            " 'linear_backend': runner.linear_backend, 'kernels_isa': build.library_isa(),"
+            " 'quantization': runner.quantization, 'weights': runner.weight_memory_summary(),"
             " 'outputs': [list(o.token_ids) for o in outs]}, open(sys.argv[2],'w'))\n"
         )
         subprocess.run([sys.executable, "-c", code, str(req_path), str(out_path), json.dumps(params), model_dir,

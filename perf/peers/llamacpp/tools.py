@@ -32,9 +32,11 @@ def tool(name: str) -> Path:
 
 
 def version() -> str:
-    """What build.sh recorded: the sdist's version and llama-bench --version."""
+    """What build.sh recorded (the sdist's version and llama-bench --version), after the build's
+    folder name (build: -DGGML_NATIVE=ON; build-avx2: AVX2 + FMA only)."""
     f = bin_dir().parent / "VERSION.txt"
-    return " / ".join(line.strip() for line in f.read_text().splitlines() if line.strip()) if f.is_file() else "?"
+    recorded = " / ".join(line.strip() for line in f.read_text().splitlines() if line.strip()) if f.is_file() else "?"
+    return f"{bin_dir().parent.name}: {recorded}"
 
 
 def gguf_file(model: str | os.PathLike) -> Path:
