@@ -48,15 +48,21 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
-def _apply() -> bool:
-    name = ctypes.util.find_library("c")
+def _glibc(name: str, argtypes: list, restype: type):
+    """The C library's function `name`, typed; None where there is none (not glibc)."""
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
     except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def _apply() -> bool:
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    if mallopt is None:
         log.info("splitfuse: no glibc mallopt here; host allocator left at its defaults")
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = all(mallopt(param, value) == 1 for param, value in (
         (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (_M_TRIM_THRESHOLD, TRIM_BYTES), (_M_TOP_PAD, TOP_PAD_BYTES)))
     if ok:
@@ -69,10 +75,8 @@ def _apply() -> bool:
 
 def release_freed_memory() -> bool:
     """Return the heaps' free pages to the OS now (glibc's malloc_trim); False without glibc."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
+    trim = _glibc("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+    if trim is None:
         return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
