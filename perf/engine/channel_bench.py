@@ -113,6 +113,7 @@ def run(kind: str, batch: int, steps: int) -> dict:
     """Time `steps` round trips of `batch` sequences over `kind` with a child engine."""
     ctx = mp.get_context("fork")
     cleanup = []
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # children joined before this run
     if kind == "pipe":
         from multiprocessing.connection import Listener
 
@@ -154,14 +155,15 @@ def run(kind: str, batch: int, steps: int) -> dict:
         times.append(time.perf_counter() - t)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     child.join()
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # this child's, as it is the last joined
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # now with this run's child
+    engine_cpu = (kids1.ru_utime - kids0.ru_utime) + (kids1.ru_stime - kids0.ru_stime)
     for c in cleanup:
         c()
     times.sort()
     ours = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     return {"channel": kind, "batch": batch, "steps": steps, "p50_us": times[len(times) // 2] * 1e6,
             "p99_us": times[int(len(times) * 0.99)] * 1e6, "front_cpu_us_per_step": ours / steps * 1e6,
-            "engine_cpu_us_per_step_cumulative": (kids.ru_utime + kids.ru_stime) / steps * 1e6}  # warm-up included
+            "engine_cpu_us_per_step": engine_cpu / steps * 1e6}  # its warm-up included
 
 
 def main() -> None:
@@ -178,12 +180,6 @@ def main() -> None:
             records.append(rec)
             print(f"[channel] {kind:4s} batch {batch:4d}: p50 {rec['p50_us']:7.1f} us, p99 {rec['p99_us']:7.1f} us, "
                   f"front CPU {rec['front_cpu_us_per_step']:6.1f} us/step", flush=True)
-    # Children's CPU accumulates over runs: take differences in run order for the engine side.
-    previous = 0.0
-    for rec in records:
-        total = rec.pop("engine_cpu_us_per_step_cumulative") * rec["steps"]
-        rec["engine_cpu_us_per_step"] = (total - previous) / rec["steps"]
-        previous = total
     doc = {"benchmark": "engine channel round trip", "command": " ".join([".venv/bin/python", *sys.argv]),
            "commit": git_commit(), "time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "cpu_flags": cpu_flags(),
