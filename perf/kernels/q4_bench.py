@@ -22,6 +22,11 @@ rows per second through that one matrix (a token's share of a decode step):
     .venv/bin/python perf/kernels/q4_bench.py --kernels --threads 1
     SPLITFUSE_CPU_ISA=avx2 .venv/bin/python perf/kernels/q4_bench.py --kernels --out perf/results/X-avx2
 
+`--shapes`, `--rows` and `--copies` choose other cases: with `--copies 4` each call takes the next of
+four copies of the weight, so a large one (an 8B's 14336x4096 gate_up) is read from memory:
+
+    .venv/bin/python perf/kernels/q4_bench.py --kernels --kinds Q4_K,Q6_K --shapes 14336x4096 --rows 1 --copies 4
+
 Writes kernels.json and kernels.md under --out (default perf/results/2026-11-29-kquant).
 """
 
@@ -94,20 +99,22 @@ def kernel_bench(args) -> None:
 
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    rows_list, records = [1, 2, 4, 8], []
-    for n, k in ((2048, 2048), (8192, 2048)):
+    rows_list, records = [int(r) for r in args.rows.split(",")], []
+    for n, k in (tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")):
         for kind in args.kinds.split(","):
             blocks = random_blocks(kind, n, k, gen)
             for form in [f for f in quant4.FORMS if f == "float" or kind in quant4.dot_kinds()]:
-                packed = quant4.pack_quantized(kind, blocks, form=form)
+                # Copies used in turn: with enough of them the weights come from memory, not the caches.
+                copies = [quant4.pack_quantized(kind, blocks, form=form) for _ in range(args.copies)]
+                packed = copies[0]
                 for m in rows_list:
                     x, out = torch.randn(m, k, generator=gen), torch.empty(m, n)
-                    for _ in range(3):
-                        quant4.linear(x, packed, out=out)
+                    for c in copies:
+                        quant4.linear(x, c, out=out)
                     times = []
-                    for _ in range(args.repeats):
+                    for i in range(args.repeats):
                         t = time.perf_counter()
-                        quant4.linear(x, packed, out=out)
+                        quant4.linear(x, copies[i % len(copies)], out=out)
                         times.append(time.perf_counter() - t)
                     med = sorted(times)[len(times) // 2]
                     rec = {"weight": f"{n}x{k}", "kind": kind, "form": form, "rows": m, "us": med * 1e6,
@@ -158,6 +165,10 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="time the block kernel alone (see above)")
     ap.add_argument("--kinds", default="Q4_0,Q4_K,Q6_K,Q5_0,Q8_0", help="with --kernels: block types")
     ap.add_argument("--repeats", type=int, default=30, help="with --kernels: timed calls per case")
+    ap.add_argument("--shapes", default="2048x2048,8192x2048", help="with --kernels: weights NxK")
+    ap.add_argument("--rows", default="1,2,4,8", help="with --kernels: rows per call")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="with --kernels: copies of each weight called in turn (several: read from memory)")
     args = ap.parse_args()
     args.out = args.out or RESULTS / ("2026-11-29-kquant" if args.kernels else "2026-11-27-q4")
     if args.kernels:

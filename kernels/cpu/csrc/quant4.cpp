@@ -484,10 +484,9 @@ inline void dot_strip(const QuantRows& xr, int64_t K, int64_t m, int64_t k0, int
 }
 
 // A lone row's software prefetch, spread over its quads: at one row the integer work per byte
-// is too short for the hardware prefetchers alone to keep the stream full. Measured on a Zen 4
-// (one row of a 14336x4096 Q4_K, one thread, from DRAM): the AVX-512 build reads 11 GB/s with
-// prefetches into L1 (t0 or nta, at any distance) and 20 GB/s with prefetcht1 8 KB ahead; the
-// AVX2 build 27 GB/s with prefetchnta 4 KB ahead and 17-19 GB/s with t1 or t2.
+// is too short for the hardware prefetchers alone to keep the stream full. Which level and how
+// far ahead were measured per build (docs/gguf_blocks.md): into L1 starved the AVX-512 build's
+// stream from memory, into L2 starved the AVX2 build's.
 #if SF_Q4_DOT == 1
 constexpr int ROW_PREFETCH_LOCALITY = 2;  // __builtin_prefetch's: 2 = prefetcht1
 constexpr int64_t ROW_AHEAD = 8192;
