@@ -50,9 +50,13 @@ METRICS_INTERVAL_S = 0.5
 # time: with many requests in flight a sweep at every tick cost 20% of the throughput on a 2-core
 # machine, and a 3% share was nearly a quarter of the serving path's CPU with 64 streams. A
 # cancellation is then noticed within ~100 sweep times: 0.3-0.8 s with 32 requests live on a busy
-# 2-core machine (perf/results/README.md, s34). Requests that came through the ensemble are never
-# seen cancelled (Triton 2.51 does not forward it; tests/serving/test_cancel.py).
+# 2-core machine (perf/results/README.md, s34). The slowing stops at CANCEL_POLL_MAX_INTERVAL_S: a
+# sweep's time includes waiting for the GIL behind the engine thread, so on a loaded machine the
+# share alone pushed the next sweep seconds away, and a client that had left was noticed only
+# after its generation had ended. Requests that came through the ensemble are never seen
+# cancelled (Triton 2.51 does not forward it; tests/serving/test_cancel.py).
 CANCEL_POLL_MIN_INTERVAL_S = 0.02
+CANCEL_POLL_MAX_INTERVAL_S = 0.5
 CANCEL_POLL_MAX_SHARE = 0.01
 
 
@@ -290,7 +294,8 @@ class TritonPythonModel:
                 if now >= next_sweep:
                     self._check_cancelled()
                     took = time.perf_counter() - now
-                    next_sweep = now + max(CANCEL_POLL_MIN_INTERVAL_S, took / CANCEL_POLL_MAX_SHARE)
+                    wait = min(CANCEL_POLL_MAX_INTERVAL_S, max(CANCEL_POLL_MIN_INTERVAL_S, took / CANCEL_POLL_MAX_SHARE))
+                    next_sweep = now + wait
                 self.balance.touch()
                 for stop_key in self.control.take_stops():
                     self._abort_handle(stop_key)
