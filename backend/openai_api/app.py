@@ -39,6 +39,9 @@ from splitfuse.openai_api.logprobs import check_budget as check_logprob_budget
 from splitfuse.openai_api.config import ApiConfig
 from splitfuse.openai_api.prompts import Prompts
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from splitfuse.openai_api.response_output import Echo, ResponseOutput, response_events
+from splitfuse.openai_api.responses_request import ResponsesRequest, parse_responses, responses_names, \
+    responses_param
 from splitfuse.openai_api.triton_llm import GenerationError, Step, TritonLLM
 
 log = logging.getLogger("splitfuse.openai_api")
@@ -62,7 +65,7 @@ class ClientGone(Exception):
     """The HTTP client disconnected while its generation was running."""
 
 
-ChoiceOutput = ChatChoiceOutput | CompletionChoiceOutput
+ChoiceOutput = ChatChoiceOutput | CompletionChoiceOutput | ResponseOutput
 
 
 @dataclass
@@ -80,6 +83,8 @@ class Job:
     """Choice i's output assembly."""
     guide_param: str | None = None
     """The parameter the output's guide came from (response_format or tools)."""
+    responses: bool = False
+    """Answered in the Responses API's shape (its one choice a ResponseOutput)."""
 
     def choice_inputs(self, i: int) -> dict[str, Any]:
         """Choice i's `llm` inputs: its own seed, and streamed when it must report its first
@@ -202,7 +207,19 @@ class OpenAIServer:
 
     def chat_job(self, raw: bytes) -> Job:
         """A /v1/chat/completions body -> its generation (runs in the tokenizing threads)."""
-        req = parse(ChatCompletionRequest, decode_json(raw))
+        return self._chat_request_job(parse(ChatCompletionRequest, decode_json(raw)), R.new_id("chatcmpl"))
+
+    def responses_job(self, raw: bytes) -> Job:
+        """A /v1/responses body -> its generation: the chat request it says (responses_request.py)."""
+        req: ResponsesRequest = parse_responses(decode_json(raw))
+        with responses_names():
+            job = self._chat_request_job(req.chat_request(), R.new_id("resp"))
+        chat_output, echo = job.new_output, Echo.of(req)
+        job.new_output = lambda i: ResponseOutput(job.meta, echo, chat_output(i))  # type: ignore[arg-type]
+        job.responses, job.guide_param = True, responses_param(job.guide_param)
+        return job
+
+    def _chat_request_job(self, req: ChatCompletionRequest, job_id: str) -> Job:
         req.check()
         model = self.check_model(req.model)
         ids = self.prompts.chat(req)
@@ -217,7 +234,7 @@ class OpenAIServer:
             if guide[1]:
                 inputs["guided_decoding_guide"] = guide[1]
         mode = req.tool_mode()
-        return Job(chat=True, meta=R.Meta(R.new_id("chatcmpl"), req.model), prompt_ids=ids, inputs=inputs,
+        return Job(chat=True, meta=R.Meta(job_id, req.model), prompt_ids=ids, inputs=inputs,
                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
                    n=req.n, new_output=lambda i: ChatChoiceOutput(i, mode, req.logprobs, self.prompts.token_strings),
                    guide_param=None if guide is None else "tools" if mode == "forced" else "response_format")
@@ -242,7 +259,11 @@ class OpenAIServer:
                     outputs[i].step(step)
 
         await _watch_disconnect(request, collect())
-        use = R.usage(n_in or len(job.prompt_ids), sum(o.tokens.num_output for o in outputs))
+        n_out = sum(o.tokens.num_output for o in outputs)
+        if job.responses:
+            assert isinstance(outputs[0], ResponseOutput)
+            return outputs[0].body(outputs[0].status(), (n_in or len(job.prompt_ids), n_out))
+        use = R.usage(n_in or len(job.prompt_ids), n_out)
         choices = [o.whole() for o in outputs]
         return R.chat(job.meta, choices, use) if job.chat else R.completion(job.meta, choices, use)
 
@@ -253,7 +274,13 @@ class OpenAIServer:
         except BaseException:
             await items.aclose()
             raise
-        return StreamingResponse(self._events(job, items, first), media_type="text/event-stream")
+        if job.responses:
+            output = job.new_output(0)
+            assert isinstance(output, ResponseOutput)
+            events = response_events(output, items, first, len(job.prompt_ids))
+        else:
+            events = self._events(job, items, first)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     async def _events(self, job: Job, items: AsyncIterator[tuple[int, Step]],
                       first: tuple[int, Step]) -> AsyncIterator[str]:
@@ -404,6 +431,10 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
                                          openapi.ChatCompletionChunk))
     async def chat_completions(request: Request):
         return await run(server.chat_job, request)
+
+    @app.post("/v1/responses", **openapi.responses_route())
+    async def responses(request: Request):
+        return await run(server.responses_job, request)
 
     return app
 

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from splitfuse.openai_api.auth import OPEN_PATHS
+from splitfuse.openai_api.openapi_responses import ResponseObject, ResponseStreamEvent
 from splitfuse.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from splitfuse.openai_api.responses_request import ResponsesRequest
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
@@ -179,9 +181,9 @@ class Health(_Answer):
     triton_llm_ready: bool
 
 
-_REQUESTS = (CompletionRequest, ChatCompletionRequest)
+_REQUESTS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest)
 _ANSWERS = (ErrorResponse, CompletionResponse, ChatCompletionResponse, CompletionChunk, ChatCompletionChunk, ModelCard,
-            ModelList, Health)
+            ModelList, Health, ResponseObject, ResponseStreamEvent)
 _REFS, _DEFS = models_json_schema([(m, "validation") for m in _REQUESTS] + [(m, "serialization") for m in _ANSWERS],
                                   ref_template="#/components/schemas/{model}")
 
@@ -212,13 +214,29 @@ def _errors(*codes: int) -> dict[int, dict]:
     return {c: _json(ErrorResponse, ERRORS[c]) for c in codes}
 
 
-def _events(chunk: type[BaseModel]) -> dict:
+def _events(chunk: type[BaseModel], done: bool = True) -> dict:
     """A server-sent event of a stream (Open API 3.1: `schema` describes each event): a chunk, an
-    error that ended the generation mid-stream, or the closing `[DONE]`."""
+    error that ended the generation mid-stream, or the closing `[DONE]`; a Responses stream's
+    events are named (`event:`) by their type and end with a terminal event, not `[DONE]`."""
     json_data = {"type": "string", "contentMediaType": "application/json",
-                 "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}
+                 "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]} if done else _ref(chunk)}
+    if not done:
+        return {"type": "object", "required": ["event", "data"],
+                "properties": {"event": {"type": "string"}, "data": json_data}}
     return {"type": "object", "required": ["data"],
             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
+
+
+def responses_route() -> dict[str, Any]:
+    """Keyword arguments of POST /v1/responses."""
+    route = generation_route(ResponsesRequest, ResponseObject, ResponseStreamEvent)
+    route["responses"][200] = {
+        "description": "the response object, or with `stream: true` server-sent events: response.created, "
+                       "response.in_progress, the output items' events, then response.completed (or "
+                       "response.incomplete / response.failed)",
+        "content": {"application/json": {"schema": _ref(ResponseObject)},
+                    "text/event-stream": {"schema": _events(ResponseStreamEvent, done=False)}}}
+    return route
 
 
 def generation_route(request: type[BaseModel], answer: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:

@@ -143,6 +143,22 @@ def served(tiny_llama, tmp_path_factory):
         warnings.warn(f"tritonserver exited with code {code} (killed: {server.killed}); log: {server.log_file}")
 
 
+# The engine's limit for prompt + generation that the shared OpenAI front passes (the test
+# server's KV pool could not hold one sequence of the checkpoint's 4096 positions).
+FRONT_MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="session")
+def openai_front(served, tmp_path_factory):
+    """One OpenAI front for `served`, shared by the modules that need no front of their own."""
+    from openai_helpers import start_api, stop_api
+
+    api = start_api(served.model_dir, served.grpc_url, tmp_path_factory.mktemp("openai-front"), "api",
+                    "--max-model-len", str(FRONT_MAX_MODEL_LEN))
+    yield api
+    stop_api(api)
+
+
 @pytest.fixture(scope="session")
 def offline_llm(served):
     """The offline engine with the server's settings, for output comparisons."""
