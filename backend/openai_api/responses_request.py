@@ -35,6 +35,8 @@ REFUSED = {
 }
 # The chat request's parameter names as a Responses client knows them (errors name these).
 CHAT_TO_RESPONSES = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+PART_TYPES = ("input_text", "output_text")
 _FALSE_OR_NULL = WithJsonSchema({"anyOf": [{"type": "boolean", "enum": [False]}, {"type": "null"}]})
 
 
@@ -117,7 +119,8 @@ class ResponsesRequest(Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
 
     model: str
-    input: str | list[InputItem] = Field(min_length=1)
+    input: Annotated[Annotated[list[InputItem], Field(min_length=1)] | Annotated[str, Field(min_length=1)],
+                     Field(union_mode="left_to_right")]
     instructions: str | None = None
     """A system message before the input."""
     max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -134,11 +137,22 @@ class ResponsesRequest(Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
 
-    @field_validator("input")
+    @field_validator("input", mode="before")
     @classmethod
-    def _not_empty(cls, v: str | list) -> str | list:
-        if isinstance(v, str) and not v:
+    def _text_items(cls, v: Any) -> Any:
+        """Clear words for what is not built (the union's own errors name its members)."""
+        if v == "" or v == []:
             raise ValueError("input is empty")
+        for i, item in enumerate(v if isinstance(v, list) else []):
+            kind = _item_type(item)
+            if isinstance(kind, str) and kind not in ITEM_TYPES:
+                raise ValueError(f"input[{i}] has type {kind!r}: only {', '.join(ITEM_TYPES)} items are supported")
+            content = item.get("content") if isinstance(item, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind not in PART_TYPES:
+                    raise ValueError(f"input[{i}].content[{j}] has type {kind!r}: only text parts "
+                                     f"({', '.join(PART_TYPES)}) are supported")
         return v
 
     @field_validator("tools", mode="before")
@@ -196,6 +210,7 @@ def parse_responses(body: Any) -> ResponsesRequest:
         for name, why in REFUSED.items():
             if body.get(name) is not None:
                 raise ApiError(400, f"{name} is not supported: {why}", param=name)
+        body = {k: v for k, v in body.items() if k not in REFUSED}  # null: as if absent
     return parse(ResponsesRequest, body)
 
 
