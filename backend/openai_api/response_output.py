@@ -59,7 +59,7 @@ class Echo:
         return cls(instructions=req.instructions, max_output_tokens=req.max_output_tokens,
                    temperature=1.0 if req.temperature is None else req.temperature,
                    top_p=1.0 if req.top_p is None else req.top_p,
-                   text={"format": {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)},
+                   text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
                    tool_choice=choice if isinstance(choice, str) else choice.model_dump(),
                    tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
                    parallel_tool_calls=req.parallel_tool_calls is not False, metadata=req.metadata)

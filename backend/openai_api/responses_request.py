@@ -19,7 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator
 
 from splitfuse.openai_api.protocol import INT32_MAX, ApiError, ChatCompletionRequest, ChatMessage, parse
-from splitfuse.openai_api.response_format import JsonObjectFormat, JsonSchemaFormat, JsonSchemaSpec, TextFormat
+from splitfuse.openai_api.response_format import NAME_PATTERN, JsonObjectFormat, JsonSchemaFormat, JsonSchemaSpec, \
+    TextFormat
 from splitfuse.openai_api.strict import Strict
 from splitfuse.openai_api.tools import MAX_TOOLS, CalledFunction, FunctionDefinition, FunctionName, \
     NamedToolChoice, Tool, ToolCall
@@ -101,7 +102,7 @@ class FunctionTool(FunctionDefinition):
 
 class FunctionChoice(Strict):
     type: Literal["function"]
-    name: str
+    name: str = Field(pattern=NAME_PATTERN)
 
 
 class FlatJsonSchemaFormat(JsonSchemaSpec):
@@ -197,11 +198,13 @@ class ResponsesRequest(Strict):
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
             choice = NamedToolChoice(type="function", function=FunctionName(name=choice.name))
-        return ChatCompletionRequest(
-            model=self.model, messages=self.messages(), max_completion_tokens=self.max_output_tokens,
-            temperature=self.temperature, top_p=self.top_p, stream=self.stream,
-            tools=[t.chat_tool() for t in self.tools] if self.tools else None, tool_choice=choice,
-            response_format=fmt)
+        # Validated as a chat body is (a field this model let through that chat refuses is a 400
+        # naming it, see responses_names), its parts already models.
+        return parse(ChatCompletionRequest, {
+            "model": self.model, "messages": self.messages(), "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream,
+            "tools": [t.chat_tool() for t in self.tools] if self.tools else None, "tool_choice": choice,
+            "response_format": fmt})
 
 
 def parse_responses(body: Any) -> ResponsesRequest:

@@ -6,7 +6,6 @@ what the document says is invalid. A failure here is a bug in the front or in it
 from __future__ import annotations
 
 import pytest
-from openai_helpers import start_api, stop_api
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra")
 pytest.importorskip("fastapi", reason="fastapi/uvicorn are in the serve extra")
@@ -24,14 +23,12 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 pytestmark = pytest.mark.serving
 
-# As in test_openai_api.py: the engine's limit for prompt + generation on the test server.
-MAX_MODEL_LEN = 2048
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
 # Each operation, fuzzed one by one (schemathesis' pytest loader, from_fixture, does not run
 # under pytest 9); the first test keeps this list equal to the document's.
 OPERATIONS = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/models/{name}"),
-              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses")]
 EXAMPLES = 40
 
 
@@ -54,11 +51,8 @@ def ieee_floats():
 
 
 @pytest.fixture(scope="module")
-def fuzzed_api(served, tmp_path_factory):
-    api = start_api(served.model_dir, served.grpc_url, tmp_path_factory.mktemp("openai-fuzz"), "api",
-                    "--max-model-len", str(MAX_MODEL_LEN))
-    yield api
-    stop_api(api)
+def fuzzed_api(openai_front):
+    return openai_front
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +82,7 @@ def _for_served_model(case, model: str):
         case.path_parameters["name"] = model
     if isinstance(case.body, dict):
         case.body["model"] = model
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = case.body.get(name)
             # The document's integers include 1.0-style floats, which the front takes as ints.
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -121,6 +115,7 @@ PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
 TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
     "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+FLAT_TOOL = {"type": "function", **TOOL["function"]}  # the Responses API's shape
 
 
 def test_answers_that_generate_match_the_document(api_schema, fuzzed_api):
@@ -141,6 +136,13 @@ def test_answers_that_generate_match_the_document(api_schema, fuzzed_api):
              "top_logprobs": 2, "n": 2},
             forced, {**forced, "stream": True},
             {"messages": MESSAGES, "max_tokens": 8, "response_format": {"type": "json_object"}},
+        ],
+        "/v1/responses": [
+            {"input": "hello", "instructions": "be terse", "max_output_tokens": 4, "metadata": {"k": "v"}},
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}],
+             "max_output_tokens": 4, "stream": True},
+            {"input": "hello", "max_output_tokens": 40, "tools": [FLAT_TOOL], "tool_choice": "required"},
+            {"input": "hello", "max_output_tokens": 8, "text": {"format": {"type": "json_object"}}},
         ],
     }
     statuses = []

@@ -33,6 +33,7 @@ TOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "prope
     ({**BODY, "tools": [{"type": "web_search_preview"}]}, "tools", "'web_search_preview'"),
     ({**BODY, "tools": [TOOL, {"type": "file_search", "vector_store_ids": []}]}, "tools", "tools[1]"),
     ({**BODY, "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "tool_choice"),
+    ({**BODY, "tool_choice": {"type": "function", "name": "a b"}}, "tool_choice", "tool_choice"),
     ({**BODY, "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ({**BODY, "max_output_tokens": "8"}, "max_output_tokens", "max_output_tokens"),
     ({**BODY, "temperature": 3}, "temperature", "temperature"),
@@ -60,7 +61,8 @@ def test_the_request_is_said_as_a_chat_request():
     req = parse_responses({
         "model": "m", "instructions": "be terse", "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9,
         "stream": True, "tools": [TOOL], "tool_choice": {"type": "function", "name": "f"},
-        "input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                               {"type": "input_text", "text": "b"}]},
                   {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
                    "content": [{"type": "output_text", "text": "thinking", "annotations": []}]},
                   {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{\"a\": 1}"},
