@@ -179,3 +179,23 @@ def test_a_failed_generation_ends_the_stream_with_response_failed():
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "engine broke"}
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_the_route_is_behind_the_api_key_and_the_body_bound(tiny_llama):
+    """In process, no Triton: what is refused before a generation starts."""
+    from fastapi.testclient import TestClient
+
+    from splitfuse.openai_api.app import build_app
+    from splitfuse.openai_api.config import ApiConfig
+
+    config = ApiConfig(model_dir=tiny_llama, api_key="k", max_body_bytes=4096)
+    with TestClient(build_app(config)) as client:
+        body = {**BODY, "previous_response_id": "resp_1"}
+        assert client.post("/v1/responses", json=body).status_code == 401
+        keyed = {"Authorization": "Bearer k"}
+        refused = client.post("/v1/responses", json=body, headers=keyed)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+        big = client.post("/v1/responses", json={**BODY, "input": "x" * 5000}, headers=keyed)
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        doc = client.get("/openapi.json").json()
+        assert doc["paths"]["/v1/responses"]["post"]["security"] == [{"bearer": []}]
