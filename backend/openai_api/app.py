@@ -262,7 +262,7 @@ class OpenAIServer:
         n_out = sum(o.tokens.num_output for o in outputs)
         if job.responses:
             assert isinstance(outputs[0], ResponseOutput)
-            return outputs[0].body(outputs[0].status(), (n_in or len(job.prompt_ids), n_out))
+            return outputs[0].whole((n_in or len(job.prompt_ids), n_out))
         use = R.usage(n_in or len(job.prompt_ids), n_out)
         choices = [o.whole() for o in outputs]
         return R.chat(job.meta, choices, use) if job.chat else R.completion(job.meta, choices, use)

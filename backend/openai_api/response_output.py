@@ -132,6 +132,10 @@ class ResponseOutput:
         status = self.status()
         return [self._event(f"response.{status}", response=self.body(status, usage))]
 
+    def whole(self, usage: tuple[int, int]) -> dict:
+        """The answer of a request that did not stream, once every step was fed."""
+        return self.body(self.status(), usage)
+
     def failed(self, message: str) -> list[dict]:
         return [self._event("response.failed", response=self.body("failed", error=message))]
 

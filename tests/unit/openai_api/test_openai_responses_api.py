@@ -138,7 +138,7 @@ def test_text_streams_as_one_message_and_adds_up_to_the_whole_answer():
     assert body["status"] == "completed" and body["output"][0]["content"][0]["text"] == "hello you"
     assert body["usage"] == {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 3,
                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 6}
-    assert body == out.body("completed", (3, 3))
+    assert body == out.whole((3, 3))
     final = _sdk_accumulated(events)._completed_response
     assert final.output_text == "hello you" and final.id == "resp-1"
 
