@@ -37,10 +37,9 @@ MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="module")
-def api(served, tmp_path_factory):
-    a = start_api(served.model_dir, served.grpc_url, tmp_path_factory.mktemp("openai"), "api", "--max-model-len", str(MAX_MODEL_LEN))
-    yield a
-    stop_api(a)
+def api(openai_front):
+    """The session's shared front (conftest.py), started with --max-model-len MAX_MODEL_LEN."""
+    return openai_front
 
 
 def _used_blocks(served) -> float:
