@@ -10,6 +10,9 @@
   prompts in deadline order would make one late, the one with the most tokens left goes last),
   so as many requests as possible get their first token in time. A deferred prompt returns to
   deadline order once its wait reaches twice its deadline's allowance, so none starves.
+
+Each order ranks the prompts of one request priority (SamplingParams.priority): the scheduler puts
+higher priorities first, and the goodput rule reckons finishing times in that order.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class PromptOrder:
         if prompt_tokens_per_s > 0:
             finish = now + step_s  # when the first token of the last prompt kept so far would come
             kept: list[tuple[int, int, int]] = []  # max-heap by tokens left: (-tokens, arrival, id)
-            for seq in sorted(prompts, key=lambda s: (self.deadline(s), s.arrival)):
+            # In the order they run: by request priority, then deadline.
+            for seq in sorted(prompts, key=lambda s: (-s.params.priority, self.deadline(s), s.arrival)):
                 due = self.deadline(seq)
                 tokens = seq.num_uncomputed_tokens
                 protected = now - seq.arrival_time >= 2 * (due - seq.arrival_time)

@@ -9,9 +9,16 @@ Policies:
 - orca (baseline): whole prompts join the running decode batch.
 
 The scheduler never touches tensors; it asks the BlockManager for room. When a running
-sequence cannot get a block, the newest sequence is preempted (its KV freed, to be
+sequence cannot get a block, the last one in running order is preempted (its KV freed, to be
 recomputed later). Every request is checked at admission to fit the pool on its own, so
-the oldest sequence can always make progress: no deadlock.
+the first one in running order can always make progress: no deadlock.
+
+Request priority (SamplingParams.priority, HIGHER first): running sequences are kept by priority,
+then arrival, so decodes run highest priority first and the victim of a preemption is the
+lowest-priority sequence, the newest among equals. The waiting queue is in priority order, each
+priority in the prompt order below; a waiting prompt of higher priority also goes before the
+rest of a lower-priority prompt being split. Strict: a steady load of higher priority can keep a
+lower one waiting. With all priorities equal (the default 0) nothing changes.
 
 Speculative decoding: a decoding sequence with proposed tokens (`draft_token_ids`) gets up to
 all of them after its one token, from the budget the step's decodes leave, when the step
@@ -95,7 +102,7 @@ class Scheduler:
         self.max_loras = max_loras
         self.prompt_order = PromptOrder(prompt_order, first_token_deadline_tokens_per_s, token_budget)
         self._running_loras: Counter[str] = Counter()
-        self._lora_blocked: Sequence | None = None  # the oldest waiting sequence max_loras holds back
+        self._lora_blocked: Sequence | None = None  # the first waiting sequence max_loras holds back
         self._lora_blocked_steps = 0  # steps it has been so
         self._schedule_fn = {
             "splitfuse": self._schedule_splitfuse,
@@ -103,8 +110,8 @@ class Scheduler:
             "orca": self._schedule_orca,
         }[policy]
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # kept in arrival order
-        self._running_arrivals: list[int] = []
+        self.running: list[Sequence] = []  # kept in running order: priority (highest first), then arrival
+        self._running_keys: list[tuple[int, int]] = []
         self.num_preemptions = 0  # over the scheduler's life, for tests and metrics
 
     # ---- queue management -------------------------------------------------------------
@@ -113,16 +120,35 @@ class Scheduler:
         self._enqueue(seq, front=False)
 
     def _enqueue(self, seq: Sequence, front: bool) -> None:
-        """Queue `seq` by its priority (prompt_order.py); in arrival order at the back (a new
-        request) or the front (a preempted one, to be recomputed first)."""
-        if not self.prompt_order.by_deadline:
-            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
-            return
-        key = self.prompt_order.priority(seq)
-        idx = len(self.waiting)
-        while idx and self.prompt_order.priority(self.waiting[idx - 1]) > key:
-            idx -= 1
-        self.waiting.insert(idx, seq)
+        """Queue `seq` after every waiting sequence of higher priority and before every one of lower;
+        among its equals by the prompt order (prompt_order.py): in arrival order at the back (a new
+        request) or at the front (a preempted one, to be recomputed first), or by deadline."""
+        waiting = self.waiting
+        if self.prompt_order.by_deadline:
+            key = self._prompt_key(seq)
+            idx = len(waiting)
+            while idx and self._prompt_key(waiting[idx - 1]) > key:
+                idx -= 1
+        elif front:
+            idx = 0
+            while idx < len(waiting) and waiting[idx].params.priority > seq.params.priority:
+                idx += 1
+        else:  # the common case (equal priorities) stops at once
+            idx = len(waiting)
+            while idx and waiting[idx - 1].params.priority < seq.params.priority:
+                idx -= 1
+        waiting.insert(idx, seq)
+
+    def _prompt_key(self, seq: Sequence) -> tuple:
+        """Sort key of prompts with a prompt order by deadline: priority, then that order's key."""
+        return -seq.params.priority, *self.prompt_order.priority(seq)
+
+    def _goes_before(self, split: Sequence, new: Sequence) -> bool:
+        """Whether the rest of a prompt being split runs before a new prompt: by deadline, as the
+        order ranks them; by arrival, unless the new one has a higher priority."""
+        if self.prompt_order.by_deadline:
+            return self._prompt_key(split) < self._prompt_key(new)
+        return split.params.priority >= new.params.priority
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence from wherever it is and free its blocks."""
@@ -170,8 +196,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_decodes(out, self.token_budget)
         # Then prompts: in arrival order those already being split (their blocks were reserved at
-        # admission) before new ones; by deadline all of them in priority order. The last one
-        # scheduled is cut to fill the budget exactly.
+        # admission) before new ones of their priority; by deadline all of them in key order. The
+        # last one scheduled is cut to fill the budget exactly.
         split = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
         order = self.prompt_order
         if order.order == "goodput" and order.tokens_per_s is not None:
@@ -180,13 +206,13 @@ class Scheduler:
             step_s = self.token_budget / order.tokens_per_s
             now = time.monotonic() if now is None else now
             if order.defer_hopeless(split + list(self.waiting), now, prompt_rate, step_s):
-                self.waiting = deque(sorted(self.waiting, key=order.priority))
+                self.waiting = deque(sorted(self.waiting, key=self._prompt_key))
         if order.by_deadline:
-            split.sort(key=order.priority)
+            split.sort(key=self._prompt_key)
         admitting = True  # until a new prompt does not fit (FIFO: none after it either)
         while budget > 0:
-            head = self._next_waiting(out) if admitting and (order.by_deadline or not split) else None
-            if split and (head is None or order.priority(split[0]) < order.priority(head)):
+            head = self._next_waiting(out) if admitting else None
+            if split and (head is None or self._goes_before(split[0], head)):
                 seq = split.pop(0)
             elif head is None:
                 break
@@ -233,8 +259,9 @@ class Scheduler:
 
     # ---- shared steps -------------------------------------------------------------------
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
-        """Schedule one token for each running sequence that has exactly one to compute,
-        oldest first, preempting the newest sequences when a block is missing."""
+        """Schedule one token for each running sequence that has exactly one to compute, in
+        running order, preempting from the end of that order when a block is missing (the victim
+        is never one already scheduled this step)."""
         block_size = self.blocks.block_size
         running = SequenceStatus.RUNNING
         for seq in list(self.running):
@@ -259,7 +286,7 @@ class Scheduler:
         return self._schedule_drafts(out, budget)
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
-        """Give the step's decodes their proposed tokens, oldest first, from the budget left,
+        """Give the step's decodes their proposed tokens, in running order, from the budget left,
         each as far as the pool allows without dipping into the watermark (a proposal never
         preempts anyone)."""
         if not self.may_speculate(len(out.chunks)):  # always so with speculation off: no scan
@@ -288,7 +315,7 @@ class Scheduler:
                 and len(self._running_loras) >= self.max_loras)
 
     def _track_lora_blocked(self) -> None:
-        """Note the oldest waiting sequence max_loras holds back, and for how many steps."""
+        """Note the first waiting sequence max_loras holds back, and for how many steps."""
         blocked = None
         if self.max_loras is not None and len(self._running_loras) >= self.max_loras:
             blocked = next((s for s in self.waiting if self._lora_waits(s.params.lora_name)), None)
@@ -298,9 +325,9 @@ class Scheduler:
             self._lora_blocked, self._lora_blocked_steps = blocked, 0
 
     def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
-        """The waiting sequence to admit next: the oldest, past those whose adapter waits for a
-        slot (max_loras), and past a starved one only for base requests. None when admission
-        stops this step."""
+        """The waiting sequence to admit next: the first in the queue, past those whose adapter
+        waits for a slot (max_loras), and past a starved one only for base requests. None when
+        admission stops this step."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return None
         if out.preempted:
@@ -337,9 +364,10 @@ class Scheduler:
             out.prefix_cache_queries += seq.num_tokens
             out.prefix_cache_hits += seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
-        idx = bisect.bisect(self._running_arrivals, seq.arrival)
+        key = (-seq.params.priority, seq.arrival)
+        idx = bisect.bisect(self._running_keys, key)
         self.running.insert(idx, seq)
-        self._running_arrivals.insert(idx, seq.arrival)
+        self._running_keys.insert(idx, key)
         if lora is not None:
             self._running_loras[lora] += 1
         return True
@@ -357,7 +385,7 @@ class Scheduler:
     def _remove_running(self, seq: Sequence) -> None:
         idx = self.running.index(seq)
         del self.running[idx]
-        del self._running_arrivals[idx]
+        del self._running_keys[idx]
         lora = seq.params.lora_name
         if lora is not None:
             self._running_loras[lora] -= 1

@@ -27,6 +27,9 @@ MAX_CACHE_SALT_LENGTH = 256
 MAX_REPETITION_PENALTY = 2.0
 # OpenAI's bound on top_logprobs: every alternative is a row of the response per output token.
 MAX_TOP_LOGPROBS = 20
+# Request priorities lie in [-MAX_PRIORITY, MAX_PRIORITY]: room for many classes, and a bound
+# that keeps a value from another system's convention (or a typo) from being taken silently.
+MAX_PRIORITY = 1000
 
 TopLogprobs = list[tuple[int, float]]
 """One output token's most likely alternatives: (token id, log-prob), most likely first."""
@@ -67,6 +70,10 @@ class SamplingParams:
     when the grammar is complete."""
     lora_name: str | None = None
     """The LoRA adapter (EngineConfig.lora_modules) to generate with; None: the base model."""
+    priority: int = 0
+    """Scheduling class, in [-MAX_PRIORITY, MAX_PRIORITY]: HIGHER is served first (vLLM's is the
+    other way round). Waiting prompts are admitted by priority, then arrival; under KV pressure
+    the lowest-priority running sequence is preempted first. It never changes what is sampled."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +137,9 @@ class SamplingParams:
             isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH
         ):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LENGTH} characters")
+        _check_int("priority", self.priority, minimum=None)
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority}")
         if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
             raise ValueError(f"lora_name must be a non-empty string or None, got {self.lora_name!r}")
 

@@ -23,6 +23,7 @@ class Request:
     output_len: int
     arrive_step: int
     abort_step: int | None
+    priority: int = 0
 
 
 requests_st = st.lists(
@@ -63,7 +64,7 @@ def simulate(requests, policy, budget, block_size, extra_blocks, max_num_seqs, w
     if prompts is None:
         prompts = [list(range(3, 3 + r.prompt_len)) for r in requests]
     seqs = [
-        Sequence(f"r{i}", prompts[i], SamplingParams(max_tokens=r.output_len), arrival=i)
+        Sequence(f"r{i}", prompts[i], SamplingParams(max_tokens=r.output_len, priority=r.priority), arrival=i)
         for i, r in enumerate(requests)
     ]
     slots: list[list[int | None]] = [[None] * block_size for _ in range(total)]
@@ -168,11 +169,11 @@ def check_splitfuse(sched, out, before, budget):
             assert len(sched.running) >= sched.max_num_seqs or not sched.blocks.can_admit(head, head.num_tokens)
     order = sched.prompt_order
     if order.by_deadline:
-        # Prompt chunks by priority (deferred last, then earliest deadline), being split or new;
-        # the queue in that order.
-        due = [order.priority(c.seq) for c, decode in zip(out.chunks, kinds) if not decode]
+        # Prompt chunks by key (request priority, deferred last, then earliest deadline), being
+        # split or new; the queue in that order.
+        due = [sched._prompt_key(c.seq) for c, decode in zip(out.chunks, kinds) if not decode]
         assert due == sorted(due), "a prompt ran before one of higher priority"
-        queued = [order.priority(s) for s in sched.waiting]
+        queued = [sched._prompt_key(s) for s in sched.waiting]
         assert queued == sorted(queued), "the queue is out of priority order"
 
 
