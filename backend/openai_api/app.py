@@ -111,7 +111,7 @@ def sampling_inputs(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
     if top_logprobs:
         inputs["return_top_log_probs"] = top_logprobs
     for name in ("presence_penalty", "frequency_penalty", "seed", "top_k", "min_tokens", "repetition_penalty",
-                 "ignore_eos", "cache_salt"):
+                 "ignore_eos", "cache_salt", "priority"):
         value = getattr(req, name)
         if value is not None:
             inputs[name] = value

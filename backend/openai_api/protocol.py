@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 from splitfuse.openai_api.response_format import JsonObjectFormat, JsonSchemaFormat, ResponseFormat, format_guide
 from splitfuse.openai_api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCall, ToolChoice, forced_call_schema, \
     tools_problem
-from splitfuse.engine.sequence import MAX_CACHE_SALT_LENGTH, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
+from splitfuse.engine.sequence import MAX_CACHE_SALT_LENGTH, MAX_PRIORITY, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 from splitfuse.structured.guide import MAX_GUIDE_LENGTH
 
 
@@ -87,6 +87,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_LENGTH)
     """Keys the prefix cache (vLLM's name): cached KV is shared only between requests with the same salt."""
+    priority: int | None = Field(default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    """Scheduling class (vLLM's name, the opposite sense): HIGHER is served first; absent: 0."""
     # Accepted, no effect.
     user: str | None = None
     metadata: dict[str, Any] | None = None

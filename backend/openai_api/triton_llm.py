@@ -32,7 +32,7 @@ INPUT_DTYPES = {
     "return_num_input_tokens": ("BOOL", np.bool_), "return_num_output_tokens": ("BOOL", np.bool_),
     "cache_salt": ("BYTES", np.object_), "return_top_log_probs": ("INT32", np.int32),
     "guided_decoding_guide_type": ("BYTES", np.object_), "guided_decoding_guide": ("BYTES", np.object_),
-    "lora_name": ("BYTES", np.object_),
+    "lora_name": ("BYTES", np.object_), "priority": ("INT32", np.int32),
 }
 
 

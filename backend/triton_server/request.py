@@ -228,6 +228,9 @@ def _sampling_kwargs(request: Mapping[str, np.ndarray], default_temperature: flo
     salt = _scalar(request, "cache_salt", str)
     if salt is not None:
         kwargs["cache_salt"] = salt
+    priority = _scalar(request, "priority", int)
+    if priority is not None:  # SamplingParams names it when out of range
+        kwargs["priority"] = priority
     lora = _scalar(request, "lora_name", str)
     if lora is not None:
         if not lora:  # checked here so that the error names the Triton input

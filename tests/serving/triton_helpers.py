@@ -27,7 +27,7 @@ INPUT_DTYPES = {
     "return_num_cached_tokens": "BOOL", "stop": "BOOL", "apply_chat_template": "BOOL",
     "cache_salt": "BYTES", "return_stop_handle": "BOOL", "stop_handle": "BYTES",
     "guided_decoding_guide_type": "BYTES", "guided_decoding_guide": "BYTES", "return_top_log_probs": "INT32",
-    "lora_name": "BYTES",
+    "lora_name": "BYTES", "priority": "INT32",
 }
 NP_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32,
              "BOOL": np.bool_, "INT64": np.int64, "FP64": np.float64}

@@ -237,6 +237,18 @@ def test_log_prob_token_strings_keep_their_leading_space(tmp_path, kind):
     assert len(pieces) > 1 and all(s.strip() == "\ufffd" for s in pieces)
 
 
+@pytest.mark.parametrize("model, body", [(CompletionRequest, GOOD), (ChatCompletionRequest, CHAT)])
+def test_priority_goes_to_the_llm_input_and_is_bounded_as_in_the_engine(model, body):
+    inputs = sampling_inputs(parse(model, {**body, "priority": -1000}), 8, logprobs=False)
+    (tensor,) = [t for t in build_inputs(inputs) if t.name() == "priority"]
+    assert inputs["priority"] == -1000 and tensor.datatype() == "INT32" and tensor.shape() == [1, 1]
+    assert "priority" not in sampling_inputs(parse(model, body), 8, logprobs=False)  # the server's default, 0
+    for bad in (1001, -1001, 1.5, "1"):
+        with pytest.raises(ApiError, match="priority") as e:
+            parse(model, {**body, "priority": bad})
+        assert e.value.status == 400 and e.value.param == "priority"
+
+
 def test_repetition_penalty_is_bounded_at_the_front_as_in_the_engine():
     # Above the engine's ceiling: refused here (400 naming it), not after a round trip to Triton.
     with pytest.raises(ApiError, match="repetition_penalty") as e:

@@ -79,6 +79,15 @@ def test_cache_salt_and_stop_handle_requests_are_parsed():
         parse_request({**BASE, "cache_salt": np.array([[b""]], np.object_)})
 
 
+def test_priority_is_parsed_defaults_to_0_and_is_bounded_naming_the_input():
+    assert parse_request({**BASE, "priority": t(-1000, np.int32)}).params.priority == -1000
+    assert parse_request({**BASE, "priority": t(1000, np.int32)}).params.priority == 1000
+    assert parse_request(BASE).params.priority == 0
+    for bad in (1001, -1001):
+        with pytest.raises(ValueError, match=r"priority must be in \[-1000, 1000\], got " + str(bad)):
+            parse_request({**BASE, "priority": t(bad, np.int32)})
+
+
 def test_return_top_log_probs_sets_k_and_refuses_outside_0_to_20():
     parsed = parse_request({**BASE, "return_top_log_probs": t(5, np.int32)})
     assert parsed.return_top_log_probs == 5 and parsed.params.top_logprobs == 5
