@@ -5,6 +5,7 @@ flood passes the server is ready with an empty KV pool and queue.
 
 Two slowed blockers (fault_model's `fault-slow` ids: 20 ms a step) fill both running slots, so
 each request of the flood waits: exactly `max_waiting_requests` of them are taken, the rest refused.
+The same blockers make a queue for request priority: a high-priority request overtakes it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ FLOOD = 12
 def server(tiny_llama, tmp_path_factory):
     with fault_server(tiny_llama, PARAMS, tmp_path_factory.mktemp("admission")) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def api(server, tiny_llama, tmp_path_factory):
+    a = start_api(tiny_llama, server.grpc_url, tmp_path_factory.mktemp("admission-api"), "admission-api",
+                  "--served-model-name", "m")
+    yield a
+    stop_api(a)
+
+
+def _waiting(server) -> float:
+    return metric_sum(server.metrics_url, "splitfuse_requests", state="waiting")
 
 
 def _refused(server, reason: str = "queue_full") -> float:
@@ -96,8 +109,7 @@ def _openai_completion(base_url: str, prompt: str, stream: bool) -> tuple[int, d
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()
 
 
-def test_openai_flood_past_max_waiting_gets_429_with_retry_after(server, tiny_llama, tmp_path):
-    api = start_api(tiny_llama, server.grpc_url, tmp_path, "admission-api", "--served-model-name", "m")
+def test_openai_flood_past_max_waiting_gets_429_with_retry_after(server, api):
     refused_before = _refused(server)
     blockers = Blockers(server)
     try:
@@ -108,7 +120,6 @@ def test_openai_flood_past_max_waiting_gets_429_with_retry_after(server, tiny_ll
             results = [f.result(timeout=120) for f in futures]
     finally:
         blockers.release()
-        stop_api(api)
     busy = [r for r in results if r[0] == 429]
     served = [r for r in results if r[0] == 200]
     assert len(busy) == FLOOD - MAX_WAITING and len(served) == MAX_WAITING, [r[0] for r in results]
@@ -123,3 +134,52 @@ def test_openai_flood_past_max_waiting_gets_429_with_retry_after(server, tiny_ll
             assert json.loads(body)["choices"][0]["finish_reason"] == "length"
     assert wait_for(lambda: metric_sum(server.metrics_url, "splitfuse_kv_cache_blocks", state="used") == 0)
     assert wait_for(lambda: metric_sum(server.metrics_url, "splitfuse_requests", state="waiting") == 0)
+
+
+# ---- request priority ----------------------------------------------------------------------
+
+
+def _high_by_ensemble(server, api) -> None:
+    r = grpc_generate(server.grpc_url, "ensemble", {"text_input": "an urgent request", "max_tokens": 2,
+                                                    "ignore_eos": True, "priority": 5})
+    assert r.error is None and len(r.output_ids) == 2, r.error
+
+
+def _high_by_openai(server, api) -> None:
+    out = api.client().completions.create(model="m", prompt="an urgent request", max_tokens=2, temperature=0,
+                                          extra_body={"ignore_eos": True, "priority": 5})
+    assert out.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("send_high", [_high_by_ensemble, _high_by_openai], ids=["ensemble", "openai"])
+def test_a_high_priority_request_overtakes_a_queue_of_ordinary_ones(server, api, send_high):
+    """Both running slots held, two ordinary requests (priority 0) queue, then one of priority 5,
+    through the ensemble or the OpenAI front. When the slots free, the high one is admitted first
+    and, asking for 2 tokens where the others ask for 24 slowed ones, finishes first. Without its
+    priority (dropped on the way, or ignored) it would be admitted only once an ordinary one had
+    finished, so it could not finish first."""
+    finished: list[str] = []
+
+    def ordinary(i: int) -> None:
+        r = grpc_generate(server.grpc_url, "llm", {"text_input": f"an ordinary request {i}", "max_tokens": 24,
+                                                   "ignore_eos": True}, f"fault-slow-ordinary-{i}")
+        assert r.error is None and len(r.output_ids) == 24, r.error
+        finished.append(f"ordinary{i}")
+
+    def high() -> None:
+        send_high(server, api)
+        finished.append("high")
+
+    blockers = Blockers(server)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(ordinary, i) for i in range(2)]
+            assert wait_for(lambda: _waiting(server) == 2, timeout=60)
+            futures.append(pool.submit(high))
+            assert wait_for(lambda: _waiting(server) == 3, timeout=60)
+            blockers.release()
+            for f in futures:
+                f.result(timeout=120)
+    finally:
+        blockers.release()
+    assert finished[0] == "high" and sorted(finished) == ["high", "ordinary0", "ordinary1"], finished
