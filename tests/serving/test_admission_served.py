@@ -183,3 +183,19 @@ def test_a_high_priority_request_overtakes_a_queue_of_ordinary_ones(server, api,
     finally:
         blockers.release()
     assert finished[0] == "high" and sorted(finished) == ["high", "ordinary0", "ordinary1"], finished
+
+
+def test_openai_priority_is_accepted_in_range_and_refused_outside_naming_it(api):
+    openai = pytest.importorskip("openai", reason="the openai SDK is in the dev extra")
+    client = api.client()
+    messages = [{"role": "user", "content": "hello"}]
+    for priority in (-1000, 1000):
+        out = client.chat.completions.create(model="m", messages=messages, max_tokens=2,
+                                             extra_body={"priority": priority})
+        assert out.choices[0].finish_reason in ("stop", "length")
+    for bad in (1001, -1001, "high"):
+        for create, body in ((client.chat.completions.create, {"messages": messages}),
+                             (client.completions.create, {"prompt": "hello"})):
+            with pytest.raises(openai.BadRequestError, match="priority") as e:
+                create(model="m", max_tokens=2, extra_body={"priority": bad}, **body)
+            assert e.value.status_code == 400 and e.value.body["param"] == "priority", e.value.body
