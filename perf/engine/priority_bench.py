@@ -1,7 +1,7 @@
 """Request priority under a mixed closed-loop load on the engine: what the high class gets, with and
 without priority.
 
-    .venv/bin/python perf/engine/priority_bench.py --clients 12 --high-clients 3 --duration 75
+    .venv/bin/python perf/engine/priority_bench.py --clients 16 --high-clients 4 --duration 75
 
 `--clients` closed-loop clients run the FastGen workload (`workload.random_id_requests`: prompts
 ~N(512, 30%), generations ~N(64, 30%), random token ids; greedy, ignore_eos) against an
@@ -16,7 +16,10 @@ requests completed per second, the share meeting FastGen's SLA and the effective
 that suits a CPU's prefill rate, with the EMA of later token gaps under 1/R s for R = 2, 4, 6),
 mean and P95 latency, P50/P95 time to first token; and how many cores other processes kept busy
 meanwhile (the machine may be shared). Outputs are not held back for grouping
-(`stream_interval=1`), so every token's time is its step's.
+(`stream_interval=1`), so every token's time is its step's. One engine thread (`num_threads=1`):
+on a shared 2-core machine a two-thread OpenMP team waits at every barrier for whichever thread
+another process has taken the core from (8 requests of 512 + 64 tokens offline, while other
+processes kept ~1.3 cores busy: 25 s on two threads, 4.3 s on one).
 Written to perf/results/2026-11-29-priority/<name>.json with the machine, commit and command.
 """
 
@@ -136,24 +139,25 @@ def measure(model_dir: str, params: dict[str, str], priorities: list[int], high_
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap, num_requests=2000, prompt_mean=512, gen_mean=64)
-    ap.add_argument("--clients", type=int, default=12)
-    ap.add_argument("--high-clients", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--high-clients", type=int, default=4)
     ap.add_argument("--high-priority", type=int, default=10)
     ap.add_argument("--duration", type=float, default=75.0, help="seconds each run lasts")
     ap.add_argument("--warmup", type=float, default=15.0, help="seconds at the start of each run not measured")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                     help="an engine or server parameter (defaults here: token_budget=256, "
-                         "enable_prefix_caching=false, stream_interval=1)")
+                         "enable_prefix_caching=false, stream_interval=1, num_threads=1)")
     ap.add_argument("--name", default="priority")
     args = ap.parse_args()
     ensure_model(args.model_dir, "bench")
-    params = {"token_budget": "256", "enable_prefix_caching": "false", "stream_interval": "1",
+    params = {"token_budget": "256", "enable_prefix_caching": "false", "stream_interval": "1", "num_threads": "1",
               **name_values(args.param)}
     requests = random_id_requests(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)
     high = [args.high_priority] * args.high_clients
     runs = {}
     # The baseline first, then the same clients with the first --high-clients sending the priority.
-    for name, priorities in (("without", [0] * args.clients), ("with", high + [0] * (args.clients - args.high_clients))):
+    with_priority = high + [0] * (args.clients - args.high_clients)
+    for name, priorities in (("without", [0] * args.clients), ("with", with_priority)):
         runs[name] = measure(args.model_dir, params, priorities, args.high_clients, requests, args.duration,
                              args.warmup)
         print(name, json.dumps({k: runs[name][k] for k in ("high_class", "others")}), flush=True)
