@@ -106,7 +106,8 @@ def class_summary(records: list[RequestRecord], window: tuple[float, float]) -> 
     shares and effective throughput, latency and time to first token."""
     done = [r for r in records if r.ok and window[0] <= r.end <= window[1]]
     seconds = window[1] - window[0]
-    out: dict = {"completed": len(done), "requests_per_s": round(len(done) / seconds, 3)}
+    out: dict = {"completed": len(done), "requests_per_s": round(len(done) / seconds, 3),
+                 "length_mismatches": sum(1 for r in done if r.output_tokens != r.gen_tokens)}
     if not done:
         return out
     latencies = [r.latency for r in done]

@@ -399,6 +399,18 @@ def test_engine_closed_loop_runs_every_request_to_its_length(tiny_llama):
     assert steps > 0 and result["requests_per_s"] > 0
 
 
+def test_priority_bench_splits_a_run_into_its_classes_over_the_window(tiny_llama):
+    from perf.engine.priority_bench import measure
+
+    requests = workload.random_id_requests(tiny_llama, 64, 40, 6, seed=1)
+    result = measure(tiny_llama, {"token_budget": "64", "max_num_seqs": "2", "stream_interval": "1"}, [5, 0, 0],
+                     high_clients=1, requests=requests, duration_s=3.0, warmup_s=0.5)
+    high, others, every = result["high_class"], result["others"], result["all"]
+    assert high["completed"] > 0 and others["completed"] > 0
+    assert high["completed"] + others["completed"] == every["completed"]
+    assert every["length_mismatches"] == 0 and result["errors_in_window"] == 0
+
+
 def test_cpu_split_takes_each_llm_stubs_busiest_thread_as_its_engine():
     from perf.served import served_cpu_split
 
