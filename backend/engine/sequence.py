@@ -72,8 +72,9 @@ class SamplingParams:
     """The LoRA adapter (EngineConfig.lora_modules) to generate with; None: the base model."""
     priority: int = 0
     """Scheduling class, in [-MAX_PRIORITY, MAX_PRIORITY]: HIGHER is served first (vLLM's is the
-    other way round). Waiting prompts are admitted by priority, then arrival; under KV pressure
-    the lowest-priority running sequence is preempted first. It never changes what is sampled."""
+    other way round). Waiting prompts are admitted by priority, then in the prompt order; under KV
+    pressure the lowest-priority running sequence is preempted first. It never changes what is
+    sampled."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
