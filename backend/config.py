@@ -13,6 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from splitfuse.config_parsing import _FromStrings, _check_choice, _check_positive
+from splitfuse.server_config import ServerConfig  # its own module; imported from here as ever
+
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
 PROMPT_ORDERS = ("arrival", "deadline", "goodput")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
@@ -27,36 +30,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 TENSOR_PARALLEL_LAUNCHES = ("spawn", "env")
 LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
-
-class _FromStrings:
-    """Building a config dataclass from config.pbtxt's string values, converting by field type."""
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    @classmethod
-    def check_names(cls, names) -> None:
-        """Raise ValueError for names that are not fields (typos in config.pbtxt or --param)."""
-        known = cls.field_names()
-        unknown = sorted(set(names) - set(known))
-        if unknown:
-            raise ValueError(f"unknown parameter(s) of {cls.__name__} {unknown}; known: {sorted(known)}")
-
-    @classmethod
-    def from_strings(cls, values: dict[str, str]) -> Any:
-        """Build from string values (Triton `parameters`), converting by field type.
-
-        Unknown names are an error so that a typo in config.pbtxt is not silently ignored.
-        """
-        cls.check_names(values)
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for name, raw in values.items():
-            kwargs[name] = _convert(name, str(types[name]), raw)
-        return cls(**kwargs)
-
 
 
 @dataclass(frozen=True)
@@ -314,68 +287,6 @@ class EngineConfig(_FromStrings):
                              max_pending=self.max_pending_guides,
                              step_budget_s=self.grammar_step_budget_ms / 1e3)
 
-@dataclass
-class ServerConfig(_FromStrings):
-    """How a served replica admits, paces and answers requests (the engine itself does not read
-    these): the `llm` model's and EngineLoop's settings, beside EngineConfig in config.pbtxt."""
-
-    default_temperature: float = 0.0
-    """Temperature of server requests that send no `temperature` input: 0 = greedy, as
-    TensorRT-LLM's ensemble is when no sampling inputs are sent. (`SamplingParams` built in
-    Python carry their own temperature.)"""
-    max_waiting_requests: int = 512
-    """Requests a server replica holds that are not running (queued for their first step, or
-    preempted); past it a new request is refused at once ("server busy": Triton UNAVAILABLE,
-    the OpenAI front's 429) instead of queueing without bound. 0 = no bound."""
-    max_queue_time_s: float = 0.0
-    """A served request not started within this many seconds of its arrival ends with a
-    "server busy" error (UNAVAILABLE / 429), so clients retry elsewhere instead of waiting
-    behind a backlog. 0 = no deadline."""
-    report_num_cached_tokens: bool = False
-    """Served requests may ask for `num_cached_tokens` (prompt tokens found in the prefix cache)
-    without a `cache_salt`. Off by default: the count tells a client whether another client sent
-    the same prompt prefix recently. A request with a cache_salt may always ask (its cache hits
-    can only come from requests with the same salt)."""
-    stream_interval: int = 4
-    """A streaming request's new tokens go to its caller every this many tokens (its first token
-    and its end at once; a token waits at most stream_interval_max_ms). Each Triton response is a
-    round trip to the server process (~1 ms on 2 busy cores): larger values send fewer responses
-    per token under load, the tokens arriving in groups. 1 sends every step's tokens. The default
-    4 served 9-22% more requests per second than 1 at 16-128 clients, and the best effective
-    throughput (perf/results/2026-11-27-served-stream-interval-*)."""
-    stream_interval_max_ms: float = 50.0
-    """The longest a token waits for stream_interval's group: it goes out with the first step
-    that ends this many milliseconds after it was made, however few tokens are held then (under
-    light load groups fill quickly; under heavy load, where steps are slow, this caps the added
-    latency). 0 = no bound."""
-    replica_balance_max_wait_ms: float = 200.0
-    """With several replicas (instance_group count > 1), one holding more requests than the least
-    loaded of the others waits up to this long before it takes another, so Triton gives new
-    requests to the others (it would otherwise hand them to whichever replica takes them first:
-    one held 30+ while the other ran dry, perf/results s35). The least loaded never waits.
-    0 = off."""
-    numa_nodes: str = ""
-    """The NUMA node of each replica by instance index, comma-separated ("0,1": the first on
-    node 0, the second on node 1): its threads pinned to the node's CPUs (num_threads, when 0,
-    one per physical core there) and its memory bound there. The launcher's `--instances auto`
-    sets it on a machine with several nodes. Empty: not placed."""
-
-    def numa_node_list(self) -> list[int]:
-        return [int(n) for n in self.numa_nodes.split(",")] if self.numa_nodes.strip() else []
-
-    def __post_init__(self) -> None:
-        if self.numa_nodes.strip() and not all(n.strip().isdigit() for n in self.numa_nodes.split(",")):
-            raise ValueError(f"numa_nodes must be node numbers separated by commas, got {self.numa_nodes!r}")
-        _check_non_negative("default_temperature", self.default_temperature)
-        if not (isinstance(self.max_waiting_requests, int) and not isinstance(self.max_waiting_requests, bool)
-                and self.max_waiting_requests >= 0):
-            raise ValueError(f"max_waiting_requests must be an integer >= 0, got {self.max_waiting_requests!r}")
-        _check_non_negative("max_queue_time_s", self.max_queue_time_s)
-        _check_positive("stream_interval", self.stream_interval)
-        _check_non_negative("stream_interval_max_ms", self.stream_interval_max_ms)
-        _check_non_negative("replica_balance_max_wait_ms", self.replica_balance_max_wait_ms)
-
-
 def parameter_names() -> list[str]:
     """Every name config.pbtxt's `parameters` (and the launcher's --param) may use."""
     return EngineConfig.field_names() + ServerConfig.field_names()
@@ -396,49 +307,3 @@ def split_parameters(values: dict[str, str]) -> tuple[EngineConfig, ServerConfig
     server = ServerConfig.from_strings({k: v for k, v in values.items() if k in server_names})
     engine = EngineConfig.from_strings({k: v for k, v in values.items() if k not in server_names})
     return engine, server
-
-
-def _convert(name: str, type_name: str, raw: str) -> Any:
-    raw = raw.strip()
-    optional = "None" in type_name
-    if optional and raw.lower() in ("", "none", "null"):
-        return None
-    try:
-        if type_name.startswith("int"):
-            return int(raw)
-        if type_name.startswith("float"):
-            # "float | str": a number, or a word the field's own check accepts (kv_cache_memory_gb=auto)
-            return float(raw) if "str" not in type_name or _is_number(raw) else raw
-        if type_name.startswith("bool"):
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-    except ValueError:
-        raise ValueError(f"engine parameter {name!r}: cannot parse {raw!r} as {type_name}") from None
-    return raw
-
-
-def _is_number(raw: str) -> bool:
-    try:
-        float(raw)
-    except ValueError:
-        return False
-    return True
-
-
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_non_negative(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-

@@ -9,7 +9,7 @@ while the engine thread is in the kernels, not against its scheduling for the GI
 at 16 clients: +3-7% req/s, alternating pairs). A request has at most one delivery in flight:
 outputs produced meanwhile wait in its mailbox and go out merged into one (their deltas joined)
 when the callback returns, so a slow consumer gets fewer, larger outputs instead of a growing
-queue, and a request's outputs always arrive in order, its final one last.
+queue, and a request's outputs always arrive in order, its final one last (delivery.py).
 
 The engine is built on the engine thread too, so that every OpenMP parallel region of the
 process (loading and packing the weights, then every step) starts from that one thread. Each
@@ -43,37 +43,19 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable
 
 from splitfuse.config import EngineConfig, ServerConfig
+from splitfuse.engine.delivery import Delivery, OutputCallback
 from splitfuse.engine.llm_engine import EngineStats, LLMEngine, StepStats
 from splitfuse.errors import SERVER_BUSY, FatalEngineError, ServerBusyError
 from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
-OutputCallback = Callable[[RequestOutput], None]
-
-# Threads that call the output callbacks. A Triton response send is a round trip to the server
-# process (~1 ms on 2 busy cores, mostly waiting); 16 threads did no better than 4 (the server
-# process takes the responses one at a time).
-DELIVERY_THREADS = 4
 GUIDE_REFUSED = "guided_decoding_guide refused"
 """How the error of a request whose guide did not compile starts (servers: an invalid argument)."""
-
-
-class _Mailbox:
-    """One request's delivery state: its callback, whether a delivery is in flight, and the
-    output produced since (merged)."""
-
-    __slots__ = ("key", "callback", "busy", "pending")
-
-    def __init__(self, key: tuple[str, int], callback: OutputCallback) -> None:
-        self.key = key
-        self.callback = callback
-        self.busy = False
-        self.pending: RequestOutput | None = None
 
 __all__ = ["EngineLoop", "EngineFailedError", "EngineStats", "StepStats", "OutputCallback"]
 
@@ -102,18 +84,13 @@ class EngineLoop:
         self._compiling: dict[str, tuple] = {}  # request id -> its "add" command, until its grammar is ready
         self._engine_waiting = 0  # the engine's num_waiting after its last step (engine thread)
         self._failure: str | None = None
-        self._delivery_pool: ThreadPoolExecutor | None = None
         # stream_interval: undelivered outputs and when their oldest token was made (engine thread)
         self._held: dict[str, tuple[RequestOutput, float]] = {}
         # The last step's outputs, handed to the delivery threads when the next step's forward pass
         # starts (engine thread): their Python then runs while this thread is in the kernels rather
         # than competing for the GIL with its scheduling and batch building.
         self._step_outputs: list[RequestOutput] = []
-        self._mail_lock = threading.Lock()
-        # Requests with a delivery in flight or waiting, by (request id, callback identity): a
-        # request id reused while its predecessor's last outputs are still going out gets a box
-        # of its own.
-        self._mailboxes: dict[tuple[str, int], _Mailbox] = {}
+        self._delivery = Delivery(on_callback_error=self.abort)
         self._thread = threading.Thread(target=self._run, name="splitfuse-engine", daemon=True)
 
     def start(self) -> LLMEngine:
@@ -226,8 +203,7 @@ class EngineLoop:
             log.exception("the engine is broken; failing every request")
             self._break(_root_cause(e))
         finally:
-            if self._delivery_pool is not None:
-                self._delivery_pool.shutdown(wait=True)
+            self._delivery.shutdown()
             try:
                 self.engine.shutdown()
             except Exception:
@@ -381,37 +357,7 @@ class EngineLoop:
         return None
 
     def _post(self, callback: OutputCallback, out: RequestOutput) -> None:
-        """Deliver `out` on a delivery thread, or merge it into the request's mailbox while an
-        earlier output of the request is still being delivered."""
-        key = (out.request_id, id(callback))
-        with self._mail_lock:
-            box = self._mailboxes.get(key)
-            if box is None:
-                box = self._mailboxes[key] = _Mailbox(key, callback)
-            if box.busy:
-                box.pending = out if box.pending is None else out.after(box.pending)
-                return
-            box.busy = True
-            if self._delivery_pool is None:
-                self._delivery_pool = ThreadPoolExecutor(DELIVERY_THREADS, thread_name_prefix="splitfuse-delivery")
-        self._delivery_pool.submit(self._drain, box, out)
-
-    def _drain(self, box: _Mailbox, out: RequestOutput) -> None:
-        """Delivery thread: call the callback with `out`, then with whatever arrived meanwhile."""
-        while True:
-            try:
-                box.callback(out)
-            except Exception:
-                log.exception("output callback for %s failed; aborting it", out.request_id)
-                if not out.finished:
-                    self.abort(out.request_id)
-            with self._mail_lock:
-                if box.pending is None:
-                    box.busy = False
-                    if out.finished:
-                        self._mailboxes.pop(box.key, None)
-                    return
-                out, box.pending = box.pending, None
+        self._delivery.post(callback, out)
 
 
 _ADDS = ("add", "refuse", "cancel")  # commands that each end one request counted in _queued_adds

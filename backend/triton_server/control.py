@@ -61,6 +61,8 @@ class Heartbeat:
     """Requests in flight in the instance."""
     wall: float
     """time.time() when written: old means the whole process stopped (SIGSTOP, a freeze)."""
+    engine_pid: int | None = None
+    """The instance's engine process (engine_process), None while it has none (restarting)."""
 
 
 def read_heartbeats(base: Path) -> dict[str, Heartbeat]:
@@ -183,11 +185,11 @@ class Control:
     def publish_limits(self, **limits: int) -> None:
         _write_json(self.model_dir / LIMITS, limits)
 
-    def beat(self, steps: int, pending: int) -> None:
+    def beat(self, steps: int, pending: int, engine_pid: int | None = None) -> None:
         """This instance is alive: its engine has taken `steps` steps and holds `pending` requests."""
         folder = self.base / HEARTBEAT
         folder.mkdir(exist_ok=True)
-        beat = Heartbeat(self.instance, os.getpid(), os.getppid(), steps, pending, time.time())
+        beat = Heartbeat(self.instance, os.getpid(), os.getppid(), steps, pending, time.time(), engine_pid)
         _write_json(folder / f"{self.instance}.json", asdict(beat))
 
     def faults(self) -> dict:

@@ -18,7 +18,6 @@ import threading
 import time
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
 from splitfuse.config import split_parameters
@@ -27,6 +26,10 @@ from splitfuse.triton_server import triton_log
 from splitfuse.triton_server.live import Live
 from splitfuse.triton_server.numa_placement import apply_numa, log_cpu_placement
 from splitfuse.engine.loop import GUIDE_REFUSED, EngineLoop
+from splitfuse.engine.remote import ENGINE_FAULT, RemoteEngine
+from splitfuse.engine.wire import engine_facts
+from splitfuse.inputs import PromptLimit
+from transformers import AutoTokenizer
 from splitfuse.errors import SERVER_BUSY, ServerBusyError
 from splitfuse.engine.sequence import RequestOutput
 from splitfuse.triton_server.metrics import MetricsRecorder, TritonMetrics
@@ -76,33 +79,47 @@ class TritonPythonModel:
         config, node = apply_numa(config, self.server, self.instance)
         self.config = config
         self.recorder = MetricsRecorder()
-        self.loop = EngineLoop(config, on_step=self.recorder.step, server=self.server)
-        self.engine = self.loop.start()  # built on the engine's own thread
-        self.tokenizer = self.engine.tokenizer
-        self.lora_names = tuple(self.engine.lora_names())
-        self.bounds = InputBounds.for_engine(self.engine)  # request tensors' sizes, checked before conversion
+        self.loop, facts = self._start_engine(config)
+        self.lora_names = facts.lora_names
+        self.bounds = InputBounds.for_prompt_limit(PromptLimit(self.tokenizer, facts.max_model_len),
+                                                   facts.max_model_len)  # request tensors' sizes
         labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
         self.metrics = TritonMetrics(labels)
         self.failure_reported = False
+        self.was_taking = True
         self.live: dict[str, Live] = {}
         self.live_lock = threading.Lock()
         self.ids = itertools.count()
         self.control = Control(self.model_name, self.instance)
         # The launcher tells the OpenAI front (default max_tokens) what the KV cache allows.
-        self.control.publish_limits(max_model_len=self.engine.max_model_len)
+        self.control.publish_limits(max_model_len=facts.max_model_len)
         self.balance = ReplicaBalance(self.control.model_dir / "load", self.instance,
                                       self.server.replica_balance_max_wait_ms / 1e3)
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
         log_cpu_placement(node)
-        runner = self.engine.runner
         pb_utils.Logger.log_info(
-            f"{self.instance}: splitfuse engine ready: device={runner.device} "
-            f"dtype={str(runner.dtype).removeprefix('torch.')} attention_backend={runner.attention_backend} "
-            f"linear_backend={runner.linear_backend} quantization={runner.quantization} "
-            f"weights={runner.weight_memory_summary()} threads={torch.get_num_threads()} "
-            f"decoder layers in {runner.decoder_layers}; {config}; {self.server}")
+            f"{self.instance}: splitfuse engine ready"
+            f"{f' in its own process (pid {facts.pid})' if self.remote else ''}: {facts.runner_line}; "
+            f"{config}; {self.server}")
+
+    def _start_engine(self, config) -> tuple:
+        """The engine: in a child process (engine_process), else on this process's own thread;
+        (its driver, its facts). The tokenizer is this process's own copy (echo decoding)."""
+        if self.server.engine_process:
+            loop = RemoteEngine(config, on_step=self.recorder.step, server=self.server, name=self.instance)
+            facts = loop.start()
+            self.tokenizer = AutoTokenizer.from_pretrained(facts.tokenizer)
+            self.remote = loop
+            self.lora_stats = loop.lora_stats
+            return loop, facts
+        loop = EngineLoop(config, on_step=self.recorder.step, server=self.server)
+        engine = loop.start()  # built on the engine's own thread
+        self.tokenizer = engine.tokenizer
+        self.remote = None
+        self.lora_stats = engine.lora_stats
+        return loop, engine_facts(engine)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -132,8 +149,11 @@ class TritonPythonModel:
         return len(self.live)
 
     def _post_load(self) -> None:
-        """What this replica holds, for the others (a failed engine takes no more)."""
-        self.balance.post(NOT_TAKING if self.loop.failure is not None else self._held())
+        """What this replica holds, for the others (a failed or restarting engine takes no more)."""
+        self.balance.post(self._held() if self._taking() else NOT_TAKING)
+
+    def _taking(self) -> bool:
+        return self.loop.failure is None and not (self.remote is not None and self.remote.restarting)
 
     def finalize(self) -> None:
         # Aborts what is in flight; each aborted request still gets its final response.
@@ -253,6 +273,8 @@ class TritonPythonModel:
             return pb_utils.TritonError.UNAVAILABLE
         if error.startswith(GUIDE_REFUSED):  # the client's guide did not compile
             return pb_utils.TritonError.INVALID_ARG
+        if error.startswith(ENGINE_FAULT):  # this replica's engine process died or hung: retry
+            return pb_utils.TritonError.UNAVAILABLE
         return pb_utils.TritonError.UNAVAILABLE if self.loop.failure is not None else pb_utils.TritonError.INTERNAL
 
     def _send(self, live: Live, out: RequestOutput) -> str | None:
@@ -338,7 +360,13 @@ class TritonPythonModel:
     def _publish_metrics(self) -> None:
         with self.live_lock:
             pending = len(self.live)
-        self.control.beat(self.loop.steps, pending)  # the launcher's watchdog reads it
+        # The launcher's watchdog reads it; operators find the engine process's pid there.
+        self.control.beat(self.loop.steps, pending, self.remote.engine_pid if self.remote is not None else None)
+        taking = self._taking()
+        if taking != self.was_taking:  # an engine restart began or ended: the other replicas are told
+            self.was_taking = taking
+            with self.live_lock:
+                self._post_load()
         self.metrics.record_faults(self.control.faults())  # what the launcher's restarts cost so far
         failure = self.loop.failure
         if failure is not None and not self.failure_reported:
@@ -347,8 +375,11 @@ class TritonPythonModel:
                 self._post_load()
             self._report_not_ready(failure)
         self.metrics.publish(self.recorder.drain(), self.loop.stats(), healthy=failure is None)
-        if self.lora_names:
-            self.metrics.publish_lora(self.engine.lora_stats())
+        if self.remote is not None:
+            self.metrics.publish_engine_faults(self.remote)
+        lora_stats = self.lora_stats() if self.lora_names else None
+        if lora_stats is not None:
+            self.metrics.publish_lora(lora_stats)
 
     def _report_not_ready(self, failure: str) -> None:
         """The engine broke (every request it held has failed; new ones get UNAVAILABLE).

@@ -148,6 +148,15 @@ FAULT_GAUGES = [
     ("last_recovery_s", "splitfuse_last_recovery_seconds",
      "Seconds from the last fault's detection to the restarted server being ready"),
 ]
+ENGINE_FAULT_GAUGES = [
+    # (RemoteEngine attribute, Prometheus gauge per instance, description)
+    ("restarts", "splitfuse_engine_restarts",
+     "Times this replica restarted its engine process after it died or hung (engine_process)"),
+    ("fault_failed_requests", "splitfuse_engine_fault_failed_requests",
+     "Requests of this replica ended with an error because its engine process died or hung"),
+    ("last_recovery_s", "splitfuse_engine_last_recovery_seconds",
+     "Seconds from this replica's last engine fault to its new engine process serving"),
+]
 
 
 class TritonMetrics:
@@ -243,6 +252,10 @@ class TritonMetrics:
             key: family(name, description, MF.GAUGE).Metric(labels=server)
             for key, name, description in FAULT_GAUGES
         }
+        self.engine_fault_gauges = {
+            key: family(name, description, MF.GAUGE).Metric(labels=labels)
+            for key, name, description in ENGINE_FAULT_GAUGES
+        }
 
     def publish(self, batch: MetricsBatch, stats: EngineStats | None, healthy: bool) -> None:
         for s in batch.steps:
@@ -306,6 +319,14 @@ class TritonMetrics:
             value = float(faults.get(key, 0))
             if self._gauges.get("fault:" + key) != value:  # each update is a round trip
                 self._gauges["fault:" + key] = value
+                gauge.set(value)
+
+    def publish_engine_faults(self, engine: object) -> None:
+        """This replica's own engine-process faults (a RemoteEngine's counts, since the stub began)."""
+        for key, gauge in self.engine_fault_gauges.items():
+            value = float(getattr(engine, key))
+            if self._gauges.get("engine:" + key) != value:
+                self._gauges["engine:" + key] = value
                 gauge.set(value)
 
     def _set(self, name: str, value: float) -> None:

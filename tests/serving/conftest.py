@@ -108,6 +108,7 @@ def fault_server(model_dir: str, params: dict[str, str], workdir, instances: int
     shutil.copytree(default_template_dir(), template, ignore=shutil.ignore_patterns("__pycache__"))
     version = template / "llm" / "1"
     shutil.copy(Path(__file__).with_name("fault_model.py"), version / "model.py")
+    shutil.copy(Path(__file__).with_name("engine_faults.py"), version / "engine_faults.py")
     with serve(model_dir, params, instances=instances, workdir=Path(workdir) / "run", template_dir=template,
                **serve_kwargs) as server:
         yield server

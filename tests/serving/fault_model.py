@@ -2,7 +2,7 @@
 
 conftest.fault_server renders a repository whose llm/1/model.py is this file; it subclasses the
 real model, splitfuse.triton_server.llm_model (for test_hardening.py, and test_cancel.py's two
-slowed replicas).
+slowed replicas). The engine's faults are engine_faults.py's, applied where the engine runs.
 A client request id starting with
     fault-add     makes adding the request to the engine raise,
     fault-abort   makes aborting it raise (stop it with a `stop` request),
@@ -10,17 +10,18 @@ A client request id starting with
     fault-break   breaks the engine's block pool from then on (freeing KV raises),
     fault-respond makes building its second response raise,
     fault-slow    adds 20 ms to each step that samples it (the tiny model is fast enough to
-                  finish a long generation before a test's next request arrives).
+                  finish a long generation before a test's next request arrives),
+    fault-alloc   makes the engine process allocate until its memory limit stops it.
 """
 
 from __future__ import annotations
 
-import time
+import importlib.util
+import os
+from pathlib import Path
 
+from splitfuse.engine.core_process import ENGINE_TEST_HOOK
 from splitfuse.triton_server import llm_model as _real
-
-
-SLOW_STEP_S = 0.02
 
 
 class InjectedFault(RuntimeError):
@@ -48,31 +49,16 @@ def _marked(engine_id: str, kind: str) -> bool:
 
 class TritonPythonModel(_real.TritonPythonModel):
     def initialize(self, args: dict[str, str]) -> None:
+        # The engine process (engine_process) calls engine_faults.install with its EngineLoop.
+        os.environ[ENGINE_TEST_HOOK] = f"{Path(__file__).with_name('engine_faults.py')}:install"
         super().initialize(args)
-        engine = self.engine
-        add, abort, sample = engine.add_prepared, engine.abort_request, engine.sampler
-
-        def add_prepared(request_id, token_ids, params, **kwargs):
-            if _marked(request_id, "add"):
-                raise InjectedFault(f"injected add fault for {request_id}")
-            if _marked(request_id, "break"):
-                engine.blocks.free = _broken_free
-            return add(request_id, token_ids, params, **kwargs)
-
-        def abort_request(request_id):
-            if _marked(request_id, "abort"):
-                raise InjectedFault(f"injected abort fault for {request_id}")
-            return abort(request_id)
-
-        def sampler(logits, seqs):
-            if any(_marked(s.request_id, "sample") for s in seqs):
-                raise InjectedFault("injected sampling fault")
-            if any(_marked(s.request_id, "slow") for s in seqs):
-                time.sleep(SLOW_STEP_S)
-            return sample(logits, seqs)
-
-        engine.add_prepared, engine.abort_request, engine.sampler = add_prepared, abort_request, sampler
+        if self.remote is None:  # engine_process=false: the engine is in this process
+            _faults().install(self.loop)
 
 
-def _broken_free(seq) -> None:
-    raise InjectedFault("injected block pool fault")
+def _faults():
+    """engine_faults.py beside this file (conftest.fault_server copies both)."""
+    spec = importlib.util.spec_from_file_location("engine_faults", Path(__file__).with_name("engine_faults.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

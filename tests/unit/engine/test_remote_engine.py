@@ -1,0 +1,108 @@
+"""RemoteEngine (the stub's side of an engine in its own process) without Triton: a real child
+process on the tiny model. Greedy outputs match the in-process EngineLoop's token for token and
+text for text; a killed child ends its requests at once with ENGINE_FAULT and a new one serves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from splitfuse.config import EngineConfig, ServerConfig
+from splitfuse.engine.core_process import ENGINE_TEST_HOOK
+from splitfuse.engine.loop import EngineLoop
+from splitfuse.engine.remote import ENGINE_FAULT, RemoteEngine
+from splitfuse.engine.sequence import SamplingParams
+
+PROMPTS = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12], [7] * 20]
+
+
+def _collect(loop, request_id: str, prompt, params: SamplingParams) -> tuple[threading.Event, list]:
+    done, outs = threading.Event(), []
+
+    def on_output(out) -> None:
+        outs.append(out)
+        if out.finished:
+            done.set()
+
+    loop.submit(request_id, prompt, params, on_output)
+    return done, outs
+
+
+def _run_all(loop, params: SamplingParams) -> list[tuple[list[int], str, list[int], str]]:
+    started = [_collect(loop, f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+    results = []
+    for done, outs in started:
+        assert done.wait(120)
+        last = outs[-1]
+        streamed = [t for o in outs for t in o.delta_token_ids]
+        results.append((last.token_ids, last.text, streamed, last.finish_reason))
+    return results
+
+
+@pytest.fixture(scope="module")
+def config(tiny_llama) -> EngineConfig:
+    return EngineConfig(model=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=64, num_threads=1)
+
+
+def test_outputs_match_the_in_process_loop(config):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+    server = ServerConfig(stream_interval=1)
+    local = EngineLoop(config, server=server)
+    local.start()
+    try:
+        expected = _run_all(local, params)
+    finally:
+        local.shutdown(30)
+    remote = RemoteEngine(config, server=server, name="test")
+    facts = remote.start()
+    try:
+        assert facts.pid != os.getpid() and facts.max_model_len > 0
+        got = _run_all(remote, params)
+        assert got == expected
+        assert all(len(tokens) == 12 for tokens, *_ in got)
+        with pytest.raises(ValueError):  # the child's validation reaches the caller as itself
+            remote.submit("bad", [1, 2], SamplingParams(max_tokens=0), lambda out: None)
+    finally:
+        remote.shutdown(30)
+
+
+SLOW_HOOK = """
+import time
+
+def slow(loop):  # 20 ms a step: the tiny model would finish a generation before the kill
+    sample = loop.engine.sampler
+    def sampler(logits, seqs):
+        time.sleep(0.02)
+        return sample(logits, seqs)
+    loop.engine.sampler = sampler
+"""
+
+
+def test_a_killed_engine_process_ends_its_requests_and_restarts(config, tmp_path, monkeypatch):
+    hook = tmp_path / "slow_hook.py"
+    hook.write_text(SLOW_HOOK)
+    monkeypatch.setenv(ENGINE_TEST_HOOK, f"{hook}:slow")  # the seam the serving tests use
+    remote = RemoteEngine(config, server=ServerConfig(stream_interval=1), name="test")
+    first = remote.start()
+    try:
+        long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+        done, outs = _collect(remote, "long", [1, 2, 3], long)
+        while not outs:
+            time.sleep(0.01)
+        os.kill(first.pid, signal.SIGKILL)
+        assert done.wait(5)
+        assert outs[-1].finish_reason == "error" and outs[-1].error.startswith(ENGINE_FAULT)
+        assert "SIGKILL" in outs[-1].error
+        deadline = time.monotonic() + 60
+        while remote.restarting and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert remote.facts.pid != first.pid and remote.restarts == 1 and remote.fault_failed_requests == 1
+        again, outs = _collect(remote, "after", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                         ignore_eos=True))
+        assert again.wait(60) and outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 4
+    finally:
+        remote.shutdown(30)
