@@ -10,14 +10,18 @@ in process, fault_model.py calls it. Request ids (engine ids are "<client id>#<n
     fault-slow    add 20 ms to each step that samples it,
     fault-alloc   make the engine process allocate until its memory limit stops it (an abort,
                   as a C++ kernel whose allocation fails does).
+STEP_SLEEP_ENV in the environment (seconds) slows every step that samples, so that a test's
+generations are still running when it injects a process fault.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 
 SLOW_STEP_S = 0.02
+STEP_SLEEP_ENV = "SPLITFUSE_TEST_STEP_SLEEP_S"
 
 
 class InjectedFault(RuntimeError):
@@ -31,6 +35,7 @@ def marked(engine_id: str, kind: str) -> bool:
 def install(loop) -> None:
     engine = loop.engine
     add, abort, sample = engine.add_prepared, engine.abort_request, engine.sampler
+    every_step = float(os.environ.get(STEP_SLEEP_ENV, "0"))
 
     def add_prepared(request_id, token_ids, params, **kwargs):
         if marked(request_id, "add"):
@@ -51,6 +56,8 @@ def install(loop) -> None:
             raise InjectedFault("injected sampling fault")
         if any(marked(s.request_id, "slow") for s in seqs):
             time.sleep(SLOW_STEP_S)
+        if every_step:
+            time.sleep(every_step)
         return sample(logits, seqs)
 
     engine.add_prepared, engine.abort_request, engine.sampler = add_prepared, abort_request, sampler
@@ -61,16 +68,13 @@ def _broken_free(seq) -> None:
 
 
 def _allocate_until_refused() -> None:
-    """Touch 64 MiB blocks until malloc fails (RLIMIT_AS), then abort as native code does."""
+    """Reserve 64 MiB blocks until malloc fails (RLIMIT_AS counts address space: nothing is
+    touched, so the machine's memory is not used), then abort as native code does on a failed
+    allocation."""
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
-    block = 64 << 20
-    held = []
-    for _ in range(1 << 12):  # at most 256 GiB: a process without a limit must not eat the machine
-        pointer = libc.malloc(block)
-        if not pointer:
+    for _ in range(1 << 12):  # 256 GiB of address space at most
+        if not libc.malloc(64 << 20):
             libc.abort()
-        ctypes.memset(pointer, 1, block)
-        held.append(pointer)
     raise InjectedFault("no memory limit stopped the allocation")
