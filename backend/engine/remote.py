@@ -198,7 +198,7 @@ class RemoteEngine:
     def _supervise(self) -> None:
         """Start the child, serve its messages, and after a fault start another (this thread
         owns every child: the kernel kills a child when the thread that started it ends)."""
-        while True:
+        while not self._stopping:
             began = time.monotonic()
             if not self._start_child():
                 return
@@ -206,6 +206,8 @@ class RemoteEngine:
                 self.last_recovery_s = time.monotonic() - self._fault_at
                 log.warning("%s: a new engine process (pid %d) serves, %.1f s after the fault (%.1f s to start)",
                             self.name, self._process.pid, self.last_recovery_s, time.monotonic() - began)
+            if self._stopping:  # shut down while this child started: it is told now
+                self._send((wire.SHUTDOWN, None))
             reason = self._serve_child()
             with self._lock:
                 stopping = self._stopping

@@ -36,9 +36,11 @@ GREEDY = {"max_tokens": 16, "ignore_eos": True, "stream": True}  # no temperatur
 PROMPTS = ["hello world", "the quick brown fox", "a lazy dog sleeps"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    with fault_server(tiny_llama, PARAMS, tmp_path_factory.mktemp("faults"), exit_timeout_s=10) as srv:
+@pytest.fixture(scope="module", params=["true", "false"], ids=["engine_process", "in_process"])
+def server(request, tiny_llama, tmp_path_factory):
+    """Both homes of the engine: its own process (the default), and the stub's (engine_process=false)."""
+    params = {**PARAMS, "engine_process": request.param}
+    with fault_server(tiny_llama, params, tmp_path_factory.mktemp("faults"), exit_timeout_s=10) as srv:
         yield srv
         code = srv.stop()
     # finalize() returned and Triton unloaded the model even after the engine broke.
