@@ -338,8 +338,8 @@ class RemoteEngine:
             error, finish = None, FinishReason.ABORT.value
         else:
             pid = self._process.pid
-            log.error("%s: the engine process (pid %d) %s; ending its %d requests", self.name, pid, reason,
-                      len(streams))
+            log.error("%s: the engine process (pid %d) failed: %s; ending its %d requests with an error",
+                      self.name, pid, reason, len(streams))
             error, finish = f"{ENGINE_FAULT} (pid {pid}: {reason}); retry", FinishReason.ERROR.value
             self.fault_failed_requests += len(streams)
         for call_id, call in calls.items():

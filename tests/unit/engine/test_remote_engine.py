@@ -39,7 +39,8 @@ def _run_all(loop, params: SamplingParams) -> list[tuple[list[int], str, list[in
         assert done.wait(120)
         last = outs[-1]
         streamed = [t for o in outs for t in o.delta_token_ids]
-        results.append((last.token_ids, last.text, streamed, last.finish_reason))
+        results.append((last.token_ids, last.text, streamed, last.finish_reason, last.logprobs, last.top_logprobs,
+                        last.prompt_token_ids))
     return results
 
 
@@ -49,7 +50,7 @@ def config(tiny_llama) -> EngineConfig:
 
 
 def test_outputs_match_the_in_process_loop(config):
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
     server = ServerConfig(stream_interval=1)
     local = EngineLoop(config, server=server)
     local.start()
@@ -63,7 +64,7 @@ def test_outputs_match_the_in_process_loop(config):
         assert facts.pid != os.getpid() and facts.max_model_len > 0
         got = _run_all(remote, params)
         assert got == expected
-        assert all(len(tokens) == 12 for tokens, *_ in got)
+        assert all(len(r[0]) == 12 and len(r[4]) == 12 and len(r[5]) == 12 for r in got)
         with pytest.raises(ValueError):  # the child's validation reaches the caller as itself
             remote.submit("bad", [1, 2], SamplingParams(max_tokens=0), lambda out: None)
     finally:
@@ -106,3 +107,18 @@ def test_a_killed_engine_process_ends_its_requests_and_restarts(config, tmp_path
         assert again.wait(60) and outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 4
     finally:
         remote.shutdown(30)
+
+
+def test_a_stream_rebuilds_outputs_from_deltas_and_takes_the_final_text():
+    from splitfuse.engine.wire import Stream
+
+    stream = Stream()
+    first = stream.apply(("r", [5, 6], "ab", False, None, None, [-0.1, -0.2], None, 3, [1, 2], None))
+    assert (first.prompt_token_ids, first.token_ids, first.text, first.num_cached_tokens) == ([1, 2], [5, 6], "ab", 3)
+    assert first.is_first and first.logprobs == [-0.1, -0.2]
+    # The final record's text is the whole text (a stop string may cut what the deltas carried).
+    last = stream.apply(("r", [7], "c</s", True, "stop", None, [-0.3], None, 3, None, "abc"))
+    assert (last.token_ids, last.text, last.logprobs, last.finish_reason) == ([5, 6, 7], "abc", [-0.1, -0.2, -0.3],
+                                                                              "stop")
+    assert not last.is_first and last.delta_token_ids == [7]
+    assert first.token_ids == [5, 6] and first.text == "ab"  # an earlier output keeps its own length
