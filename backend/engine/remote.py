@@ -54,11 +54,14 @@ _ERRORS = {"ValueError": ValueError, "InputError": InputError, "ServerBusyError"
 class _Call:
     """A submit waiting for the child's answer."""
 
-    __slots__ = ("done", "answer")
+    __slots__ = ("request_id", "done", "answer", "grammar")
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
         self.done = threading.Event()
         self.answer: tuple = (None, "", False)
+        self.grammar: Future | None = None
+        """Its guide's compile (set by the supervisor before `done`: the end may follow at once)."""
 
 
 class RemoteEngine:
@@ -129,7 +132,7 @@ class RemoteEngine:
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                on_output: OutputCallback) -> Future | None:
         """As EngineLoop.submit, answered by the child (its exceptions rebuilt here)."""
-        call = _Call()
+        call = _Call(request_id)
         with self._lock:
             if self._failure is not None:
                 raise EngineFailedError(f"the engine failed and serves no more requests: {self._failure}")
@@ -144,17 +147,12 @@ class RemoteEngine:
             self._calls[call_id] = call
         self._send((wire.SUBMIT, call_id, request_id, prompt, params))
         call.done.wait()
-        error, message, has_grammar = call.answer
+        error, message, _ = call.answer
         if error is not None:
             with self._lock:
                 self._streams.pop(request_id, None)
             raise _ERRORS.get(error, RuntimeError)(message)
-        if not has_grammar:
-            return None
-        future: Future = Future()
-        with self._lock:
-            self._grammars[request_id] = future
-        return future
+        return call.grammar
 
     def abort(self, request_id: str) -> None:
         self._send((wire.ABORT, request_id))
@@ -190,6 +188,8 @@ class RemoteEngine:
     def _answer(self, call_id: int, answer: tuple) -> None:
         with self._lock:
             call = self._calls.pop(call_id, None)
+            if call is not None and answer[0] is None and answer[2]:  # its guide compiles in the child
+                call.grammar = self._grammars[call.request_id] = Future()
         if call is not None:
             call.answer = answer
             call.done.set()
@@ -280,7 +280,7 @@ class RemoteEngine:
         elif kind == wire.GRAMMAR:
             with self._lock:
                 future = self._grammars.pop(message[1], None)
-            if future is not None:
+            if future is not None and not future.done():
                 future.set_result(None)
         elif kind == wire.FAILED:
             log.error("%s: the engine is broken: %s", self.name, message[1])
@@ -296,8 +296,9 @@ class RemoteEngine:
             request_id, finished = record[0], record[3]
             with self._lock:
                 entry = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
-                if finished:
-                    self._grammars.pop(request_id, None)
+                grammar = self._grammars.pop(request_id, None) if finished else None
+            if grammar is not None:  # ended (refused, aborted) before its GRAMMAR message came
+                grammar.set_result(None)
             if entry is not None:
                 self._delivery.post(entry[1], entry[0].apply(record))
         if self.on_step is not None:
