@@ -85,6 +85,7 @@ class RemoteEngine:
         self._started = threading.Event()
         self._start_error: str | None = None
         self.facts: wire.EngineFacts | None = None
+        self._serving = threading.Event()
         self.restarting = True
         """No child serves now (starting, or restarting after a fault): submits are refused."""
         self._progress = wire.Progress()
@@ -122,6 +123,10 @@ class RemoteEngine:
     def engine_pid(self) -> int | None:
         process = self._process
         return process.pid if process is not None and not self.restarting else None
+
+    def wait_serving(self, timeout: float) -> bool:
+        """Until a child serves (True) or `timeout` seconds pass."""
+        return self._serving.wait(timeout)
 
     def stats(self):
         return self._progress.stats
@@ -244,6 +249,7 @@ class RemoteEngine:
             self._conn = ours
         with self._lock:
             self.restarting = False
+        self._serving.set()
         self._started.set()
         return True
 
@@ -332,6 +338,7 @@ class RemoteEngine:
         conn.close()
         with self._lock:
             self.restarting = True
+            self._serving.clear()
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
             grammars, self._grammars = self._grammars, {}

@@ -61,6 +61,8 @@ METRICS_INTERVAL_S = 0.5
 CANCEL_POLL_MIN_INTERVAL_S = 0.02
 CANCEL_POLL_MAX_INTERVAL_S = 0.5
 CANCEL_POLL_MAX_SHARE = 0.01
+# How long `execute` holds on after refusing requests while the engine process restarts.
+RESTARTING_PAUSE_S = 0.5
 
 
 class TritonPythonModel:
@@ -143,6 +145,10 @@ class TritonPythonModel:
             waited = self.balance.wait_turn(self._held)
             if waited:
                 self.recorder.balance_wait(waited)
+        if self.remote is not None and self.remote.restarting:
+            # It refuses everything meanwhile: a pause, so Triton gives the next requests to the
+            # other replicas rather than to this one, the idlest.
+            self.remote.wait_serving(RESTARTING_PAUSE_S)
         return None
 
     def _held(self) -> int:

@@ -170,12 +170,32 @@ def _signal_one(server, sig: int) -> tuple[str, int]:
     return victim, pids[victim]
 
 
+def _requests_meanwhile(server, seconds: float) -> list[str | None]:
+    """Short requests one after another for `seconds` (while the victim restarts): their errors."""
+    errors, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        errors.append(grpc_generate(server.grpc_url, "ensemble", {**GRPC, "max_tokens": 2}, timeout=30).error)
+    return errors
+
+
 def test_a_killed_engine_process_costs_only_its_replica(replicas, reference):
     server, api = replicas
     before, hit = _counts(server), {}
-    victim, outcomes, at = _fault_under_load(server, api, reference,
-                                             lambda: hit.setdefault("v", _signal_one(server, signal.SIGKILL))[0])
+    with ThreadPoolExecutor(1) as pool:
+        def kill() -> str:
+            hit["v"] = _signal_one(server, signal.SIGKILL)
+            hit["meanwhile"] = pool.submit(_requests_meanwhile, server, 2.0)
+            return hit["v"][0]
+
+        victim, outcomes, at = _fault_under_load(server, api, reference, kill)
+        meanwhile = hit["meanwhile"].result()
     _check(server, reference, victim, hit["v"][1], outcomes, at, before)
+    # New requests while the victim restarts: it refuses (UNAVAILABLE) the few it takes and
+    # pauses, so Triton gives the others to the replica that serves.
+    refused = [e for e in meanwhile if e is not None]
+    print(f"during the restart: {len(meanwhile) - len(refused)} of {len(meanwhile)} requests served")
+    assert len(refused) < len(meanwhile) / 2, meanwhile
+    assert all("restarting" in e for e in refused), refused
 
 
 def test_a_hung_engine_process_is_killed_after_step_timeout(replicas, reference):
