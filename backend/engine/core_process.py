@@ -88,11 +88,11 @@ class _Outbox:
                 records, self.records = self.records, []
                 steps, self.steps = self.steps, []
                 closing = self.closing
-            self.sender.send((wire.BATCH, self._progress(records, steps, lora)))
-            failure = self.loop.failure
+            failure = self.loop.failure  # set before the loop fails its requests: it goes first
             if failure is not None and not self.failure_sent:
                 self.failure_sent = True
                 self.sender.send((wire.FAILED, failure))
+            self.sender.send((wire.BATCH, self._progress(records, steps, lora)))
             if closing:
                 return
 
