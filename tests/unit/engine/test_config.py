@@ -48,10 +48,22 @@ def test_every_field_is_a_known_name():
     ({"stream_interval": "0"}, "stream_interval"),
     ({"max_waiting_requests": "-1"}, "max_waiting_requests"),
     ({"replica_balance_max_wait_ms": "-1"}, "replica_balance_max_wait_ms"),
+    ({"step_timeout_s": "0"}, "step_timeout_s"),
+    ({"engine_restarts": "-1"}, "engine_restarts"),
+    ({"engine_restart_window_s": "inf"}, "engine_restart_window_s"),
+    ({"engine_memory_limit_bytes": "-1"}, "engine_memory_limit_bytes"),
+    ({"engine_process": "maybe"}, "engine_process"),
 ])
 def test_bad_server_values_name_the_field(values, field):
     with pytest.raises(ValueError, match=field):
         split_parameters({"model": "/m", **values})
+
+
+def test_the_engine_process_settings_parse():
+    server = split_parameters({"model": "/m", "engine_process": "false", "step_timeout_s": "2.5",
+                               "engine_restarts": "0", "engine_memory_limit_bytes": str(4 << 30)})[1]
+    assert (server.engine_process, server.step_timeout_s, server.engine_restarts) == (False, 2.5, 0)
+    assert server.engine_memory_limit_bytes == 4 << 30 and ServerConfig().engine_process is True
 
 
 def test_default_temperature_is_greedy_and_parsed():
