@@ -189,12 +189,14 @@ def test_a_killed_engine_process_costs_only_its_replica(replicas, reference):
 
         victim, outcomes, at = _fault_under_load(server, api, reference, kill)
         meanwhile = hit["meanwhile"].result()
-    _check(server, reference, victim, hit["v"][1], outcomes, at, before)
+    # One sent between the kill and its detection (milliseconds) fails with the others.
+    caught = [e for e in meanwhile if e is not None and "engine process failed" in e]
+    _check(server, reference, victim, hit["v"][1], outcomes, at, before, extra_failed=len(caught))
     # New requests while the victim restarts: it refuses (UNAVAILABLE) the few it takes and
     # pauses, so Triton gives the others to the replica that serves.
-    refused = [e for e in meanwhile if e is not None]
-    print(f"during the restart: {len(meanwhile) - len(refused)} of {len(meanwhile)} requests served")
-    assert len(refused) < len(meanwhile) / 2, meanwhile
+    refused = [e for e in meanwhile if e is not None and e not in caught]
+    print(f"during the restart: {len(meanwhile) - len(refused) - len(caught)} of {len(meanwhile)} requests served")
+    assert len(refused) + len(caught) < len(meanwhile) / 2, meanwhile
     assert all("restarting" in e for e in refused), refused
 
 
