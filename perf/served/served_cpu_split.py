@@ -9,11 +9,12 @@ run_all.py), runs one closed-loop point of the FastGen workload over Triton's HT
 generate_stream (the run_all.py client, in this process), and reads every thread's CPU time from
 /proc once a second. Over the middle of the point (`--settle` seconds cut from each end, where
 clients ramp up and drain) it reports the cores used by:
-- the engine threads: in each `llm` stub process, its busiest thread (the thread that steps the
-  engine and runs the kernels; the stub's other threads deliver responses, poll cancellation and
-  publish metrics);
-- the rest of the `llm` stubs, the `preprocessing` stub, tritonserver itself (HTTP, the ensemble,
-  the Python backend's side of each response), and the client;
+- the engine threads: in each replica's engine process (engine_process=true, the default), or
+  in each `llm` stub where the engine runs in the stub, its busiest thread (the thread that steps
+  the engine and runs the kernels);
+- the serving path: the engine processes' other threads (outputs onto the pipe), the `llm` stubs'
+  other threads (responses, cancellation, metrics), the `preprocessing` stub, tritonserver itself
+  (HTTP, the ensemble, the Python backend's side of each response); and the client;
 and the serving path's CPU per request, per streamed token and per streamed response (the rates
 are the point's; responses count those that carried tokens).
 Written to perf/results/2026-11-26-cpu-split/<name>.json with the machine, commit and command.
@@ -39,7 +40,7 @@ from perf.common.workload import VARIANCE, ensure_model, make_workload  # noqa: 
 
 RESULTS = paths.RESULTS / "2026-11-26-cpu-split"
 DEFAULT_PARAMS = {"dtype": "bfloat16", "token_budget": "256", "enable_prefix_caching": "false", "num_threads": "1"}
-SERVING_ROLES = ("llm stubs, other threads", "preprocessing stub", "tritonserver")
+SERVING_ROLES = ("llm stubs, other threads", "engine processes, other threads", "preprocessing stub", "tritonserver")
 
 
 def _role(pid: int, server_pid: int, own_pid: int) -> str | None:
@@ -53,6 +54,8 @@ def _role(pid: int, server_pid: int, own_pid: int) -> str | None:
         return None
     if "/llm/1/model.py" in cmd:
         return "llm stub"
+    if "splitfuse.engine.core_process" in cmd:  # a replica's engine, in its own process (engine_process)
+        return "engine process"
     if "/preprocessing/1/model.py" in cmd:
         return "preprocessing stub"
     return "other server processes"
@@ -79,19 +82,24 @@ def thread_cpu(server_pid: int) -> dict[tuple[str, int, int], float]:
 
 
 def split(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Cores by role between two snapshots; each llm stub's busiest thread is its engine thread."""
+    """Cores by role between two snapshots. The engine thread is the busiest thread of each engine
+    process, or of each llm stub where the engine runs in the stub (engine_process=false); the
+    other threads of either are the serving path (responses, cancellation, metrics, the pipe)."""
     used = {k: after[k] - before.get(k, 0.0) for k in after}
+    in_stub = not any(role == "engine process" for role, _pid, _tid in used)
     cores: dict[str, float] = {}
-    stubs: dict[int, list[float]] = {}
+    engines: dict[tuple[str, int], list[float]] = {}
     for (role, pid, _tid), cpu in used.items():
-        if role == "llm stub":
-            stubs.setdefault(pid, []).append(cpu)
+        if role == "engine process" or (role == "llm stub" and in_stub):
+            engines.setdefault((role, pid), []).append(cpu)
         else:
-            cores[role] = cores.get(role, 0.0) + cpu / seconds
-    for threads in stubs.values():
+            name = "llm stubs, other threads" if role == "llm stub" else role
+            cores[name] = cores.get(name, 0.0) + cpu / seconds
+    for (role, _pid), threads in engines.items():
         threads.sort(reverse=True)
+        rest = "llm stubs, other threads" if role == "llm stub" else "engine processes, other threads"
         cores["engine threads"] = cores.get("engine threads", 0.0) + threads[0] / seconds
-        cores["llm stubs, other threads"] = cores.get("llm stubs, other threads", 0.0) + sum(threads[1:]) / seconds
+        cores[rest] = cores.get(rest, 0.0) + sum(threads[1:]) / seconds
     return cores
 
 

@@ -429,6 +429,20 @@ def test_cpu_split_takes_each_llm_stubs_busiest_thread_as_its_engine():
     assert cores["preprocessing stub"] == pytest.approx(0.02)
 
 
+def test_cpu_split_takes_each_engine_process_busiest_thread_as_its_engine():
+    """engine_process=true: the stubs hold no engine thread; every stub thread is serving path."""
+    from perf.served import served_cpu_split
+
+    before = {("llm stub", 10, 10): 1.0, ("llm stub", 10, 11): 2.0, ("engine process", 30, 30): 0.0,
+              ("engine process", 30, 31): 4.0, ("engine process", 30, 32): 1.0}
+    after = {("llm stub", 10, 10): 1.5, ("llm stub", 10, 11): 4.0, ("engine process", 30, 30): 0.5,
+             ("engine process", 30, 31): 12.0, ("engine process", 30, 32): 1.5}
+    cores = served_cpu_split.split(before, after, seconds=10.0)
+    assert cores["engine threads"] == pytest.approx(0.8)
+    assert cores["llm stubs, other threads"] == pytest.approx((0.5 + 2.0) / 10)
+    assert cores["engine processes, other threads"] == pytest.approx((0.5 + 0.5) / 10)
+
+
 def test_burst_ttft_counts_the_opening_burst(tmp_path, capsys, monkeypatch):
     """Three requests start together (512-token prompts: first token due in 1 s), one later."""
     import gzip
