@@ -24,7 +24,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing import Pipe
@@ -38,6 +37,7 @@ from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParam
 from splitfuse.errors import ServerBusyError
 from splitfuse.inputs import InputError
 from splitfuse.utils import children
+from splitfuse.utils.restarts import RestartBudget, exit_description
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class RemoteEngine:
         self._progress = wire.Progress()
         self._progress_at = 0.0  # monotonic time of the last batch
         self._stalled_since = 0.0  # since when no step was seen while work was held
-        self._restart_times: deque[float] = deque()
+        self._restart_budget = RestartBudget(self.server.engine_restarts, self.server.engine_restart_window_s)
         self.restarts = 0
         self.fault_failed_requests = 0
         self.last_recovery_s = 0.0
@@ -241,7 +241,7 @@ class RemoteEngine:
         hello = ours.poll(START_TIMEOUT_S) and _recv(ours)
         if not hello or hello[0] != wire.HELLO:
             process.kill()
-            how = hello[1] if hello and hello[0] == wire.START_FAILED else _exit_description(process.wait())
+            how = hello[1] if hello and hello[0] == wire.START_FAILED else exit_description(process.wait())
             return self._give_up(f"the engine process did not start: {how}")
         self.facts = hello[1]
         self._progress, self._progress_at, self._stalled_since = wire.Progress(), time.monotonic(), 0.0
@@ -269,7 +269,7 @@ class RemoteEngine:
                 message = _recv(conn)
                 if message is None:
                     code = self._process.wait()
-                    return None if self._stopping else f"it exited ({_exit_description(code)})"
+                    return None if self._stopping else f"it exited ({exit_description(code)})"
                 self._dispatch(message)
             hung = self._hang()
             if hung is not None:
@@ -360,16 +360,11 @@ class RemoteEngine:
 
     def _may_restart(self) -> bool:
         """Within the restart budget: take one; else the replica fails for good."""
-        now = time.monotonic()
-        window = self.server.engine_restart_window_s
-        while self._restart_times and now - self._restart_times[0] > window:
-            self._restart_times.popleft()
-        if len(self._restart_times) >= self.server.engine_restarts:
-            return self._give_up(f"the engine process failed {len(self._restart_times) + 1} times within "
-                                 f"{window:g} s (engine_restarts={self.server.engine_restarts})")
-        self._restart_times.append(now)
+        budget = self._restart_budget
+        if not budget.take(time.monotonic()):
+            return self._give_up(f"the engine process failed {budget.recent + 1} times within "
+                                 f"{budget.window_s:g} s (engine_restarts={budget.max_restarts})")
         return True
-
 
 def _recv(conn: Connection) -> tuple | None:
     try:
@@ -381,12 +376,3 @@ def _recv(conn: Connection) -> tuple | None:
 def _final(request_id: str, stream: wire.Stream, finish: str, error: str | None) -> RequestOutput:
     """The last output of a request whose engine is gone."""
     return stream.apply((request_id, [], "", True, finish, error, None, None, 0, None, stream.text))
-
-
-def _exit_description(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"

@@ -30,7 +30,8 @@ from splitfuse.launcher.lora import LORA_MODULES, lora_params, resolve_lora_modu
 from splitfuse.launcher.numa_instances import describe, instances_arg, resolve_instances
 from splitfuse.launcher.openai_front import OpenAIFront
 from splitfuse.launcher.process import ADMIN_APIS, ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
-from splitfuse.launcher.supervisor import FrontWatch, RestartBudget, Watchdog, exit_description
+from splitfuse.launcher.supervisor import FrontWatch, Watchdog
+from splitfuse.utils.restarts import RestartBudget, exit_description
 from splitfuse.launcher.repository import LLM_MODEL, TEMPLATE_ENV, parse_params, render_model_repository
 from splitfuse.launcher.startup_budget import READY_BASE_S, READY_S_PER_GB, default_ready_timeout
 from splitfuse.launcher.triton_install import build_backend_dir, find_tritonserver

@@ -109,6 +109,26 @@ def test_a_killed_engine_process_ends_its_requests_and_restarts(config, tmp_path
         remote.shutdown(30)
 
 
+def test_past_its_restart_budget_the_replica_fails_for_good(config):
+    """engine_restarts=0: the first fault spends the budget; the replica then refuses as a broken
+    engine does (EngineFailedError, whose reason names the budget)."""
+    from splitfuse.engine.loop import EngineFailedError
+
+    remote = RemoteEngine(config, server=ServerConfig(engine_restarts=0), name="test")
+    first = remote.start()
+    try:
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while remote.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert remote.failure is not None and "engine_restarts=0" in remote.failure
+        with pytest.raises(EngineFailedError):
+            remote.submit("late", [1, 2, 3], SamplingParams(max_tokens=2), lambda out: None)
+        assert remote.restarts == 0
+    finally:
+        remote.shutdown(30)
+
+
 def test_a_stream_rebuilds_outputs_from_deltas_and_takes_the_final_text():
     from splitfuse.engine.wire import Stream
 

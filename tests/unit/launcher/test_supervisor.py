@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 
-from splitfuse.launcher.supervisor import RestartBudget, Watchdog, alive, exit_description
+from splitfuse.launcher.supervisor import Watchdog, alive
+from splitfuse.utils.restarts import RestartBudget, exit_description
 from splitfuse.triton_server import control
 from splitfuse.triton_server.control import Control
 
