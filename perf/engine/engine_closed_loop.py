@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: perf/ is a package
 from perf.common import paths  # noqa: E402
 from perf.common.helpers import name_values  # noqa: E402
-from perf.common.machine import cpu_flags, cpu_model, git_commit  # noqa: E402
+from perf.common.result_file import write_result  # noqa: E402
 from perf.common.workload import add_workload_args, ensure_model, random_id_requests  # noqa: E402
 
 from splitfuse.config import split_parameters  # noqa: E402
@@ -111,15 +111,10 @@ def main() -> None:
     ensure_model(args.model_dir, "bench")
     params = {"token_budget": "256", "enable_prefix_caching": "false", **name_values(args.param)}
     result = run(args.model_dir, params, args.clients, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)
-    result.update({"params": params, "clients": args.clients, "num_requests": args.num_requests,
-                   "machine": {"cpu": cpu_model(), "cpu_flags": cpu_flags()}, "commit": git_commit(),
-                   "command": " ".join([Path(sys.executable).name, *sys.argv])})
+    result.update({"params": params, "clients": args.clients, "num_requests": args.num_requests})
     print(json.dumps({k: result[k] for k in ("requests_per_s", "decode_only_steps", "steps_with_prompt_tokens",
                                              "forward_share_of_step_time")}, indent=1))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{args.name}.json"
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_result(RESULTS, args.name, result)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: perf/ is a package
 from perf.common import paths  # noqa: E402
 from perf.common.helpers import name_values  # noqa: E402
-from perf.common.machine import cpu_flags, cpu_model, git_commit  # noqa: E402
+from perf.common.result_file import write_result  # noqa: E402
 from perf.common.workload import add_workload_args, ensure_model, random_id_requests  # noqa: E402
 from perf.served.closed_loop import cpu_snapshot, cpu_usage  # noqa: E402
 from perf.served.fastgen_metrics import SLA_GEN_RATES, RequestRecord, meets_sla, percentile, ttft  # noqa: E402
@@ -163,12 +163,8 @@ def main() -> None:
                              args.warmup)
         print(name, json.dumps({k: runs[name][k] for k in ("high_class", "others")}), flush=True)
     result = {"runs": runs, "params": params, "clients": args.clients, "high_clients": args.high_clients,
-              "high_priority": args.high_priority, "machine": {"cpu": cpu_model(), "cpu_flags": cpu_flags()},
-              "commit": git_commit(), "command": " ".join([Path(sys.executable).name, *sys.argv])}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{args.name}.json"
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+              "high_priority": args.high_priority}
+    write_result(RESULTS, args.name, result)
 
 
 if __name__ == "__main__":

@@ -14,19 +14,13 @@ openai = pytest.importorskip("openai", reason="the openai SDK is in the dev extr
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the dev extra")
 pytest.importorskip("fastapi", reason="fastapi/uvicorn are in the serve extra")
 
+from openai_helpers import SCHEMA, TIME, WEATHER  # noqa: E402
+
 pytestmark = pytest.mark.serving
 
 INSTRUCTIONS = "you are terse"
 QUESTION = "hello world"
 MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "n"], "additionalProperties": False}
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
-        "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather forecast", "parameters": WEATHER},
          {"type": "function", "name": "get_time", "parameters": TIME}]
 PARAMETERS = {t["name"]: t["parameters"] for t in TOOLS}

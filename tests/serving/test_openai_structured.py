@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from openai_helpers import start_api, stop_api
+from openai_helpers import SCHEMA, TIME, WEATHER, start_api, stop_api
 from triton_helpers import finished_requests, metric_sum, settled, wait_for
 
 openai = pytest.importorskip("openai", reason="the openai SDK is in the dev extra")
@@ -23,14 +23,6 @@ pytestmark = pytest.mark.serving
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16  # the engine's default
 MESSAGES = [{"role": "user", "content": "what is the weather in paris?"}]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "n"], "additionalProperties": False}
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
-        "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather forecast",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
