@@ -174,6 +174,12 @@ class EngineConfig(_FromStrings):
     sequences together use at most this many adapters: a request for another one waits."""
     max_lora_rank: int = 64
     """Largest LoRA rank accepted; an adapter of a higher rank is refused at start."""
+    lora_load_dir: str = ""
+    """A folder under which adapters may be loaded and unloaded at run time (load_lora /
+    unload_lora; the OpenAI front's /v1/load_lora_adapter); empty: no run-time loading (safe by
+    default: a client cannot make the server read a file). Set, the adapter stacks are sized once
+    at start for max_loras adapters of max_lora_rank on every projection, and configured plus
+    loaded adapters together are at most max_loras."""
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
@@ -244,11 +250,19 @@ class EngineConfig(_FromStrings):
         _check_positive("max_loras", self.max_loras)
         _check_positive("max_lora_rank", self.max_lora_rank)
         adapters = self.lora_adapters()  # raises naming lora_modules
-        if adapters and self.tensor_parallel_size > 1:
-            raise ValueError("lora_modules cannot be combined with tensor_parallel_size > 1 (adapters are not "
+        if not isinstance(self.lora_load_dir, str):
+            raise ValueError(f"lora_load_dir must be a folder's path, got {self.lora_load_dir!r}")
+        if self.lora_load_dir and not os.path.isdir(self.lora_load_dir):
+            raise ValueError(f"lora_load_dir: {self.lora_load_dir!r} is not a folder")
+        if self.lora_load_dir and len(adapters) >= self.max_loras:
+            raise ValueError(f"lora_load_dir: lora_modules already names max_loras={self.max_loras} adapters, "
+                             "none could be loaded at run time; raise max_loras")
+        what = "lora_modules" if adapters else "lora_load_dir"
+        if (adapters or self.lora_load_dir) and self.tensor_parallel_size > 1:
+            raise ValueError(f"{what} cannot be combined with tensor_parallel_size > 1 (adapters are not "
                              "sharded across ranks)")
-        if adapters and self.speculative_method == "draft":
-            raise ValueError("lora_modules cannot be combined with speculative_method=draft (the draft model has "
+        if (adapters or self.lora_load_dir) and self.speculative_method == "draft":
+            raise ValueError(f"{what} cannot be combined with speculative_method=draft (the draft model has "
                              "no adapters); use speculative_method=ngram or none")
 
     def lora_adapters(self) -> dict[str, str]:

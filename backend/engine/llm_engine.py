@@ -25,6 +25,7 @@ from splitfuse.config import EngineConfig
 from splitfuse.engine.batch import RaggedBatch
 from splitfuse.engine.block_manager import BlockManager
 from splitfuse.engine.detokenizer import IncrementalDetokenizer
+from splitfuse.engine.lora_control import LoraControl
 from splitfuse.engine.model_runner import ModelRunner
 from splitfuse.engine.outputs import error_output, request_output
 from splitfuse.engine.sampler import SampledToken, Sampler, sample_isolated
@@ -81,10 +82,11 @@ class LLMEngine:
                                    config.speculative_disable_batch_size, max_loras=config.max_loras,
                                    prompt_order=config.prompt_order,
                                    first_token_deadline_tokens_per_s=config.first_token_deadline_tokens_per_s)
-        self._lora_requests: dict[str, int] = {name: 0 for name in self.lora_names()}
+        self._lora_requests: dict[str, int] = {name: 0 for name in (self.runner.lora.names if self.runner.lora else [])}
         self.masking = GrammarMasking(self.tokenizer, self.vocab_size, config.grammar_limits())
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len,
                                           self._lora_requests)
+        self.loras = LoraControl(self.runner.lora, config.lora_load_dir, self.validator, self._lora_requests)
         self.speculation = make_speculative_decoder(config, self.max_model_len, self.vocab_size)
         eos = eos_token_ids(config.model, self.runner.args.eos_token_ids, self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len)
@@ -101,8 +103,13 @@ class LLMEngine:
         return self.validator.prepare(prompt, params)
 
     def lora_names(self) -> list[str]:
-        """The LoRA adapters requests may name (SamplingParams.lora_name), as configured."""
-        return self.runner.lora.names if self.runner.lora is not None else []
+        """The LoRA adapters requests may name (SamplingParams.lora_name): configured and loaded."""
+        return self.loras.names()
+
+    def unload_lora(self, name: str) -> None:
+        """Refuse adapter `name` to new requests now; it leaves memory when its running ones end
+        (engine thread; UnknownLoraError when not served). Loading: `loras.read`, then `loras.load`."""
+        self.loras.unload(name, self._seqs.values())
 
     def lora_stats(self) -> LoraStats:
         """Adapters configured and resident, loads, evictions and requests per adapter."""
@@ -344,6 +351,8 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         """Free what a finished `seq` holds: its KV blocks, proposals and grammar matcher."""
         self.scheduler.finish(seq)
+        if self.loras.unloading:
+            self.loras.released(seq, seq.params.lora_name, self._seqs.values())
         if self.speculation is not None:
             self.speculation.release(seq)
         self.masking.forget(seq.request_id)

@@ -44,7 +44,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Callable
+from typing import Any, Callable
 
 from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.engine.delivery import Delivery, OutputCallback
@@ -173,6 +173,27 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
+        """Run `fn(engine)` on the engine thread between steps; its result or exception in the future."""
+        future: Future = Future()
+        with self._lock:
+            self._raise_if_failed()
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._inbox.append(("call", None, fn, future))
+            self._lock.notify()
+        return future
+
+    def load_lora(self, name: str, path: str, timeout: float | None = None) -> None:
+        """Serve the adapter in folder `path` (under lora_load_dir) as `name`; ValueError naming
+        the field, nothing changed, when it cannot be. Read here, installed between steps."""
+        adapter = self.engine.loras.read(name, path)
+        self.call(lambda engine: engine.loras.load(adapter)).result(timeout)
+
+    def unload_lora(self, name: str, timeout: float | None = None) -> None:
+        """Refuse adapter `name` to new requests; its running ones finish with it."""
+        self.call(lambda engine: engine.unload_lora(name)).result(timeout)
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting, abort what is in flight (callbacks see finish_reason "abort")."""
         with self._lock:
@@ -269,6 +290,9 @@ class EngineLoop:
 
     def _apply(self, command: tuple) -> None:
         kind, request_id = command[0], command[1]
+        if kind == "call":
+            _run_call(self.engine, command[2], command[3])
+            return
         try:
             if kind == "add":
                 grammar = command[5] if len(command) > 5 else None
@@ -361,6 +385,13 @@ class EngineLoop:
 
 
 _ADDS = ("add", "refuse", "cancel")  # commands that each end one request counted in _queued_adds
+
+
+def _run_call(engine: LLMEngine, fn: Callable[[LLMEngine], Any], future: Future) -> None:
+    try:
+        future.set_result(fn(engine))
+    except Exception as e:  # the caller's to handle (a refused load leaves the engine as it was)
+        future.set_exception(e)
 
 
 def _root_cause(e: BaseException, limit: int = 300) -> str:

@@ -181,7 +181,8 @@ class ModelRunner:
         self.lora_state: LoraState | None = None
         self._acquired: dict[str, LoraAdapter] = {}  # by acquire_adapters, for the next forward pass
         adapters = self.config.lora_adapters()
-        if not adapters:
+        runtime = bool(self.config.lora_load_dir)
+        if not adapters and not runtime:
             return
         a = self.args
         base = BaseShape(num_layers=a.num_layers, hidden_size=a.hidden_size, q_size=a.num_heads * a.head_dim,
@@ -189,7 +190,8 @@ class ModelRunner:
                          moe=a.num_experts > 0)
         backend = self.linear_backend
         self.lora = LoraRegistry(adapters, base, self.config.max_loras, self.config.max_lora_rank, self.dtype,
-                                 self.device, make_kernel=lambda weight: make_linear_kernel(weight, None, backend))
+                                 self.device, make_kernel=lambda weight: make_linear_kernel(weight, None, backend),
+                                 runtime=runtime)
         # Where the Triton-lang kernels run, LoRA takes its Triton-lang kernel too (one per part).
         state = self.lora_state = LoraState(self.lora.stacks, device_kernel=self.kernels.triton_lang)
         self.model.attach_lora(state, lambda layer, name: LoraProjection(layer, name, state),

@@ -18,7 +18,8 @@ class RequestValidator:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.prompt_limit = PromptLimit(tokenizer, max_model_len)
-        self._lora_names = lora_names
+        self.lora_names = lora_names
+        """Adapters requests may name; replaced whole when it changes (read on servers' threads)."""
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids; ValueError naming the field that is wrong. Thread-safe."""
@@ -39,8 +40,9 @@ class RequestValidator:
         return token_ids
 
     def check_lora(self, params: SamplingParams) -> None:
-        if params.lora_name is not None and params.lora_name not in self._lora_names:
-            served = ", ".join(self._lora_names)
+        names = self.lora_names
+        if params.lora_name is not None and params.lora_name not in names:
+            served = ", ".join(sorted(names))
             raise ValueError(f"unknown LoRA adapter {params.lora_name!r}; "
                              + (f"this engine serves: {served}" if served else "no LoRA adapters are configured"))
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitfuse.lora.adapter import BaseShape, LoraAdapter, MakeKernel, load_adapter, plain_kernel
+from splitfuse.lora.adapter import MLP_TARGETS, TARGETS, BaseShape, LoraAdapter, MakeKernel, load_adapter, plain_kernel
 from splitfuse.lora.stacks import LoraStacks
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,12 @@ class LoraStats:
 
 class LoraRegistry:
     def __init__(self, adapters: dict[str, str], base: BaseShape, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, make_kernel: MakeKernel = plain_kernel) -> None:
+                 dtype: torch.dtype, device: torch.device, make_kernel: MakeKernel = plain_kernel,
+                 runtime: bool = False) -> None:
         """Read and check every configured adapter now (a bad folder fails the start, not a
-        request; the stacks are shaped for all of them); the first `max_loras` stay resident."""
+        request; the stacks are shaped for all of them); the first `max_loras` stay resident.
+        `runtime`: adapters may be added and removed later (the stacks shaped for any of rank
+        max_rank, on every projection)."""
         self.paths = dict(adapters)
         self.base, self.max_loras, self.max_rank = base, max_loras, max_rank
         self.dtype, self.device, self.make_kernel = dtype, device, make_kernel
@@ -45,8 +48,10 @@ class LoraRegistry:
         # Each adapter's content as first read: the prefix cache keys its KV by name, so a re-read
         # (after an eviction) must give the same weights.
         self._digests = {adapter.name: adapter.digest for adapter in read}
-        self.stacks = LoraStacks(read, base, max_loras, dtype, device, make_kernel)
-        targets: set[str] = set()
+        self.stacks = LoraStacks(read, base, max_loras, dtype, device, make_kernel,
+                                 reserve_rank=max_rank if runtime else 0)
+        self.runtime = runtime
+        targets: set[str] = set(TARGETS) - (set(MLP_TARGETS) if base.moe else set()) if runtime else set()
         for adapter in read:
             targets |= adapter.targets
             if len(self._resident) < max_loras:
@@ -101,6 +106,42 @@ class LoraRegistry:
         self.stacks.pack()
         self._resident_names = tuple(self._resident)
         return out
+
+    def read(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter for `add` (any thread: only files are touched)."""
+        if not self.runtime:
+            raise ValueError("adapters cannot be loaded at run time here (no lora_load_dir)")
+        return load_adapter(name, path, self.base, self.max_rank)
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Serve an adapter `read` returned from now on (engine thread). ValueError, nothing
+        changed, when its name is taken, max_loras adapters are known already, or the name
+        served other weights before (the prefix cache may hold KV of those)."""
+        name = adapter.name
+        if name in self.paths:
+            raise ValueError(f"lora_name: LoRA adapter {name!r} is already loaded; unload it first")
+        if len(self.paths) >= self.max_loras:
+            raise ValueError(f"lora_name: {len(self.paths)} LoRA adapters are loaded, max_loras={self.max_loras}; "
+                             f"unload one of {', '.join(self.paths)} first")
+        if self._digests.get(name, adapter.digest) != adapter.digest:
+            raise ValueError(f"lora_name: {name!r} served other weights before (KV cached for them may be reused); "
+                             "give these weights a new adapter name")
+        self._digests[name] = adapter.digest
+        self.paths[name] = adapter.path
+        self._make_resident(adapter)  # room: fewer than max_loras are known
+        self.stacks.pack()
+        self._resident_names = tuple(self._resident)
+        log.info("splitfuse: LoRA adapter %r loaded at run time from %s: rank %d on %s", name, adapter.path,
+                 adapter.rank, ", ".join(sorted(adapter.targets)))
+
+    def remove(self, name: str) -> None:
+        """Stop serving `name` (engine thread; no sequence of it may be left). Its slot is free;
+        its digest stays, so the name cannot come back with other weights."""
+        del self.paths[name]
+        if self._resident.pop(name, None) is not None:
+            del self._slots[name]
+        self._resident_names = tuple(self._resident)
+        log.info("splitfuse: LoRA adapter %r unloaded", name)
 
     def stats(self) -> LoraStats:
         return LoraStats(configured=self.names, resident=list(self._resident_names), loads=self.loads,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitfuse.lora.adapter import BaseShape, Kernel, LoraAdapter, MakeKernel, plain_kernel
+from splitfuse.lora.adapter import MLP_TARGETS, TARGETS, BaseShape, Kernel, LoraAdapter, MakeKernel, plain_kernel
 
 
 @dataclass
@@ -46,9 +46,11 @@ class StackedProjection:
 
 class LoraStacks:
     def __init__(self, adapters: list[LoraAdapter], base: BaseShape, max_loras: int, dtype: torch.dtype,
-                 device: torch.device, make_kernel: MakeKernel = plain_kernel) -> None:
+                 device: torch.device, make_kernel: MakeKernel = plain_kernel, reserve_rank: int = 0) -> None:
         """Zeroed stacks shaped for `adapters` (every configured one: a projection's layout holds
-        the largest rank any of them has for each part)."""
+        the largest rank any of them has for each part), and with `reserve_rank` > 0 for an
+        adapter of that rank on every projection (adapters loaded at run time: sized once here,
+        so memory stays bounded whatever is loaded later)."""
         self.max_loras = max_loras
         self.make_kernel = make_kernel
         self._dirty = True
@@ -62,6 +64,8 @@ class LoraStacks:
                     span = (part.out_start, part.out_end)
                     ranks.setdefault(key, {})[span] = max(ranks.get(key, {}).get(span, 0),
                                                          part.rank_end - part.rank_start)
+        if reserve_rank > 0:
+            _reserve(ranks, in_features, base, reserve_rank)
         self.projections: dict[tuple[int, str], StackedProjection] = {}
         for key, part_ranks in ranks.items():
             parts, col = [], 0
@@ -108,3 +112,17 @@ class LoraStacks:
                                      f"than when the engine started ({part.rank}); restart to serve it")
                 stacked.a[:, cols.start:cols.start + r] = mine.a[:, src.rank_start:src.rank_end]
                 part.b[rows.start:rows.start + r] = src.b
+
+
+def _reserve(ranks: dict[tuple[int, str], dict[tuple[int, int], int]], in_features: dict[tuple[int, str], int],
+             base: BaseShape, rank: int) -> None:
+    """Grow every part of every projection an adapter may adapt to at least `rank`."""
+    for target, (projection, part) in TARGETS.items():
+        if base.moe and target in MLP_TARGETS:
+            continue  # refused by load_adapter on such a base
+        offsets = base.part_offsets(projection)
+        span = (offsets[part], offsets[part + 1])
+        for layer in range(base.num_layers):
+            key = (layer, projection)
+            in_features[key] = base.in_out(target)[0]
+            ranks.setdefault(key, {})[span] = max(ranks.get(key, {}).get(span, 0), rank)
