@@ -80,7 +80,7 @@ class _Outbox:
 
     def run(self) -> None:
         """Writer thread: send what is waiting, at least every BATCH_INTERVAL_S."""
-        lora = bool(self.loop.engine.lora_names())
+        lora = self.loop.engine.runner.lora is not None  # configured or loadable (lora_load_dir)
         while True:
             with self.cond:
                 if not self.records and not self.closing:
@@ -122,6 +122,21 @@ def _submit(loop: EngineLoop, outbox: _Outbox, message: tuple) -> None:
         grammar.add_done_callback(lambda _: outbox.sender.send((wire.GRAMMAR, request_id)))
 
 
+def _lora(loop: EngineLoop, sender: _Sender, message: tuple) -> None:
+    """A run-time LoRA load or unload, answered like a submit (its own thread: reading an
+    adapter's files must not hold up the submits behind it)."""
+    _, call_id, op, name, path = message
+    try:
+        if op == "load":
+            loop.load_lora(name, path, timeout=wire.LORA_TIMEOUT_S)
+        else:
+            loop.unload_lora(name, timeout=wire.LORA_TIMEOUT_S)
+    except Exception as e:
+        sender.send((wire.REPLY, call_id, type(e).__name__, str(e), False))
+        return
+    sender.send((wire.REPLY, call_id, None, "", False))
+
+
 def _serve(conn: Connection, loop: EngineLoop, outbox: _Outbox) -> None:
     """Main thread: the stub's commands, until it says stop or its end closes."""
     while True:
@@ -134,6 +149,9 @@ def _serve(conn: Connection, loop: EngineLoop, outbox: _Outbox) -> None:
             _submit(loop, outbox, message)
         elif kind == wire.ABORT:
             loop.abort(message[1])
+        elif kind == wire.LORA:
+            threading.Thread(target=_lora, args=(loop, outbox.sender, message), name="splitfuse-lora",
+                             daemon=True).start()
         elif kind == wire.SHUTDOWN:
             loop.shutdown(timeout=message[1])
             return

@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.engine import wire
 from splitfuse.engine.delivery import Delivery, OutputCallback
+from splitfuse.engine.lora_control import UnknownLoraError
 from splitfuse.engine.loop import EngineFailedError
 from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams
 from splitfuse.errors import ServerBusyError
@@ -48,7 +49,7 @@ START_TIMEOUT_S = 600.0
 _POLL_S = 0.05
 _STALE_S = 1.0  # a child's "idle" is believed this long (it sends a batch every 0.25 s)
 _ERRORS = {"ValueError": ValueError, "InputError": InputError, "ServerBusyError": ServerBusyError,
-           "EngineFailedError": EngineFailedError}
+           "EngineFailedError": EngineFailedError, "UnknownLoraError": UnknownLoraError}
 
 
 class _Call:
@@ -75,6 +76,7 @@ class RemoteEngine:
         self._streams: dict[str, tuple[wire.Stream, OutputCallback]] = {}
         self._grammars: dict[str, Future] = {}
         self._calls: dict[int, _Call] = {}
+        self._runtime_loras: dict[str, str] = {}  # loaded at run time: a restarted child loads them again
         self._call_ids = itertools.count()
         self._delivery = Delivery(on_callback_error=self.abort)
         self._conn: Connection | None = None
@@ -162,6 +164,33 @@ class RemoteEngine:
     def abort(self, request_id: str) -> None:
         self._send((wire.ABORT, request_id))
 
+    def load_lora(self, name: str, path: str, timeout: float | None = None) -> None:
+        """As EngineLoop.load_lora, in the child (its exceptions rebuilt here)."""
+        self._lora_call("load", name, path, timeout)
+
+    def unload_lora(self, name: str, timeout: float | None = None) -> None:
+        self._lora_call("unload", name, None, timeout)
+
+    def _lora_call(self, op: str, name: str, path: str | None, timeout: float | None) -> None:
+        call = _Call("")
+        with self._lock:
+            if self.restarting or self._failure is not None or self._stopping:
+                raise RuntimeError(f"{self.name}: the engine process is not serving now; retry")
+            call_id = next(self._call_ids)
+            self._calls[call_id] = call
+        self._send((wire.LORA, call_id, op, name, path))
+        if not call.done.wait(timeout):
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise RuntimeError(f"{self.name}: the engine process did not answer the LoRA {op} in {timeout} s")
+        error, message, _ = call.answer
+        if error is not None:
+            raise _ERRORS.get(error, RuntimeError)(message)
+        if op == "load":
+            self._runtime_loras[name] = path
+        else:
+            self._runtime_loras.pop(name, None)
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop: the child aborts what is in flight (callbacks see finish_reason "abort")."""
         with self._lock:
@@ -187,7 +216,7 @@ class RemoteEngine:
                 self._fail_call_of(message)
 
     def _fail_call_of(self, message: tuple) -> None:
-        if message[0] == wire.SUBMIT:
+        if message[0] in (wire.SUBMIT, wire.LORA):
             self._answer(message[1], ("RuntimeError", f"{ENGINE_FAULT}: it is gone; retry", False))
 
     def _answer(self, call_id: int, answer: tuple) -> None:
@@ -247,6 +276,11 @@ class RemoteEngine:
         self._progress, self._progress_at, self._stalled_since = wire.Progress(), time.monotonic(), 0.0
         with self._send_lock:
             self._conn = ours
+        for name, path in self._runtime_loras.items():  # (a request naming one at once may find it not yet back)
+            with self._lock:
+                call_id = next(self._call_ids)
+                self._calls[call_id] = _Call("")
+            self._send((wire.LORA, call_id, "load", name, path))
         with self._lock:
             self.restarting = False
         self._serving.set()

@@ -14,6 +14,7 @@ from splitfuse.engine.sequence import RequestOutput
 # stub -> engine
 SUBMIT = "submit"  # (SUBMIT, call id, request id, prompt, SamplingParams)
 ABORT = "abort"  # (ABORT, request id)
+LORA = "lora"  # (LORA, call id, "load" or "unload", adapter name, folder or None): answered by a REPLY
 SHUTDOWN = "shutdown"  # (SHUTDOWN, seconds the in-flight requests get): aborts them, then ends
 # engine -> stub
 HELLO = "hello"  # (HELLO, EngineFacts): the engine is built and serving
@@ -25,6 +26,8 @@ FAILED = "failed"  # (FAILED, reason): the engine is broken for good (EngineLoop
 
 # The exceptions `submit` may raise, by class name, rebuilt in the stub (others: RuntimeError).
 SUBMIT_ERRORS = ("ValueError", "InputError", "ServerBusyError", "EngineFailedError", "RuntimeError")
+LORA_TIMEOUT_S = 300.0
+"""Longest a run-time LoRA load or unload waits for the engine thread (reading happens before)."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,9 @@ from splitfuse.utils.orphan_guard import exit_with_parent
 from splitfuse.triton_server.replica_balance import NOT_TAKING, ReplicaBalance
 from splitfuse.inputs import InputError
 from splitfuse.triton_server.request import InputBounds, input_arrays, parse_request
-from splitfuse.triton_server.response import response_arrays, stop_ack_arrays
+from splitfuse.triton_server.response import lora_ack_arrays, response_arrays, stop_ack_arrays
+from splitfuse.triton_server.lora_admin import LoraAdmin
+from splitfuse.engine.lora_control import UnknownLoraError
 
 log = logging.getLogger("splitfuse.triton_server.llm")
 
@@ -82,7 +84,6 @@ class TritonPythonModel:
         self.config = config
         self.recorder = MetricsRecorder()
         self.loop, facts = self._start_engine(config)
-        self.lora_names = facts.lora_names
         self.bounds = InputBounds.for_prompt_limit(PromptLimit(self.tokenizer, facts.max_model_len),
                                                    facts.max_model_len)  # request tensors' sizes
         labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
@@ -95,6 +96,8 @@ class TritonPythonModel:
         self.control = Control(self.model_name, self.instance)
         # The launcher tells the OpenAI front (default max_tokens) what the KV cache allows.
         self.control.publish_limits(max_model_len=facts.max_model_len)
+        self.lora_admin = LoraAdmin(self.loop, self.control.model_dir, self.control.stop_dir, self.control.tag,
+                                    facts.lora_names)
         self.balance = ReplicaBalance(self.control.model_dir / "load", self.instance,
                                       self.server.replica_balance_max_wait_ms / 1e3)
         self.stopping = threading.Event()
@@ -178,6 +181,9 @@ class TritonPythonModel:
         if parsed.stop_request:
             self._stop(parsed.stop_handle, sender)
             return
+        if parsed.lora_admin is not None:  # ValueError (the caller's INVALID_ARG): nothing changed
+            self._lora_request(parsed.lora_admin, sender)
+            return
         engine_id = f"{client_id}#{next(self.ids)}"
         if self.control.draining():  # the file itself, not the housekeeper's copy: no 10 ms window
             raise RuntimeError("the server is shutting down")
@@ -187,8 +193,9 @@ class TritonPythonModel:
                              "(it would tell whether another client sent the same prompt; the operator can allow "
                              "it with the report_num_cached_tokens parameter)")
         lora = parsed.params.lora_name
-        if lora is not None and lora not in self.lora_names:  # here: refused even when the queue is full
-            served = ", ".join(self.lora_names) if self.lora_names else "none (no lora_modules parameter)"
+        names = self.lora_admin.names
+        if lora is not None and lora not in names:  # here: refused even when the queue is full
+            served = ", ".join(names) if names else "none (no lora_modules parameter)"
             raise InputError(f"lora_name: unknown LoRA adapter {lora!r}; this server's adapters: {served}")
         # Unguessable, and led by this instance's tag so that a stop landing on another instance
         # finds it (request ids are the client's choice: any client could reuse another's).
@@ -221,6 +228,15 @@ class TritonPythonModel:
         else:
             self.control.post_stop(owner, Control.key(handle))
         sender.send(_response(stop_ack_arrays()), flags=FINAL)
+
+    def _lora_request(self, op: tuple, sender) -> None:
+        """A run-time LoRA load or unload: here, then on the other instances (lora_admin.py)."""
+        try:
+            message = self.lora_admin.apply(op)
+        except UnknownLoraError as e:
+            self._send_error(sender, str(e), pb_utils.TritonError.NOT_FOUND)
+            return
+        sender.send(_response(lora_ack_arrays(message)), flags=FINAL)
 
     def _abort_handle(self, stop_key: str) -> None:
         with self.live_lock:
@@ -327,6 +343,7 @@ class TritonPythonModel:
                 self.balance.touch()
                 for stop_key in self.control.take_stops():
                     self._abort_handle(stop_key)
+                self.lora_admin.take_posted()
                 self._shutdown_handshake()
                 if now >= next_metrics:
                     next_metrics = now + METRICS_INTERVAL_S
@@ -383,7 +400,7 @@ class TritonPythonModel:
         self.metrics.publish(self.recorder.drain(), self.loop.stats(), healthy=failure is None)
         if self.remote is not None:
             self.metrics.publish_engine_faults(self.remote)
-        lora_stats = self.lora_stats() if self.lora_names else None
+        lora_stats = self.lora_stats() if self.config.lora_modules or self.config.lora_load_dir else None
         if lora_stats is not None:
             self.metrics.publish_lora(lora_stats)
 

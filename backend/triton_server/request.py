@@ -160,6 +160,8 @@ class Parsed:
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False
     return_stop_handle: bool = False
+    lora_admin: tuple[str, str, str | None] | None = None
+    """Of a run-time LoRA request: ("load", name, folder) or ("unload", name, None)."""
 
 
 def _stop_request(request: Mapping[str, np.ndarray]) -> Parsed:
@@ -173,6 +175,23 @@ def _stop_request(request: Mapping[str, np.ndarray]) -> Parsed:
     if len(handle) > MAX_STOP_HANDLE_LENGTH:
         raise InputError(f"stop_handle is longer than {MAX_STOP_HANDLE_LENGTH} characters: not a stop handle")
     return Parsed(stop_request=True, stop_handle=handle)
+
+
+def _lora_admin(request: Mapping[str, np.ndarray]) -> tuple[str, str, str | None] | None:
+    """A run-time LoRA load (lora_load = name, lora_path = its folder) or unload (lora_unload = name)."""
+    load, unload = _scalar(request, "lora_load", str), _scalar(request, "lora_unload", str)
+    if load is None and unload is None:
+        if _tensor(request, "lora_path") is not None:
+            raise InputError("lora_path is given without lora_load")
+        return None
+    if load is not None and unload is not None:
+        raise InputError("lora_load and lora_unload: give one of them")
+    if unload is not None:
+        return ("unload", unload, None)
+    path = _scalar(request, "lora_path", str)
+    if not path:
+        raise InputError("lora_load needs lora_path: the adapter's folder under the server's lora_load_dir")
+    return ("load", load, path)
 
 
 def _prompt(request: Mapping[str, np.ndarray], text: str | None) -> str | list[int]:
@@ -260,6 +279,9 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
         raise InputError(f"batch size must be 1 (send [[...]]), got {bad[0]}")
     if _scalar(request, "stop", bool):
         return _stop_request(request)
+    lora_admin = _lora_admin(request)
+    if lora_admin is not None:
+        return Parsed(lora_admin=lora_admin)
 
     text = _scalar(request, "text_input", str)
     prompt = _prompt(request, text)

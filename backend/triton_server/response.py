@@ -64,3 +64,8 @@ def response_arrays(parsed: Parsed, out: RequestOutput, echo_prompt: str | None 
 def stop_ack_arrays() -> dict[str, np.ndarray]:
     """The answer to a `stop` request (the stopped generation ends with "abort" on its own stream)."""
     return {"text_output": _text(""), "finish_reason": _text("abort")}
+
+
+def lora_ack_arrays(message: str) -> dict[str, np.ndarray]:
+    """The answer to a run-time LoRA load or unload that succeeded."""
+    return {"text_output": _text(message), "finish_reason": _text("stop")}

@@ -135,3 +135,33 @@ def test_lora_load_dir_checked_at_start(tmp_path):
         EngineConfig(model="/m", lora_load_dir=str(tmp_path), lora_modules="a=/x", max_loras=1)
     with pytest.raises(ValueError, match="lora_load_dir cannot be combined with tensor_parallel_size"):
         EngineConfig(model="/m", lora_load_dir=str(tmp_path), tensor_parallel_size=2)
+
+
+def test_a_load_posted_by_one_instance_is_applied_by_the_other(lora_dir, tmp_path):
+    """Two `llm` instances' admins over one control board, each with its own engine."""
+    from splitfuse.triton_server.lora_admin import LoraAdmin
+
+    base, root = lora_dir
+    stops = tmp_path / "stop"
+    loops = [EngineLoop(EngineConfig(model=base, lora_load_dir=str(root), **ENGINE)) for _ in range(2)]
+    admins = []
+    for tag, loop in zip(("a", "b"), loops):
+        loop.start()
+        (stops / tag).mkdir(parents=True)
+        admins.append(LoraAdmin(loop, tmp_path, stops, tag, ()))
+    try:
+        assert admins[0].apply(("load", "attn", "attn")) == "LoRA adapter 'attn' loaded"
+        assert loops[1].engine.lora_names() == []  # not yet: on its next housekeeping pass
+        errors = []
+        admins[1].take_posted(errors.append)
+        assert errors == [] and admins[1].names == ("attn",) and loops[1].engine.lora_names() == ["attn"]
+        with pytest.raises(UnknownLoraError):
+            admins[0].apply(("unload", "nope", None))
+        admins[0].apply(("unload", "attn", None))
+        admins[1].take_posted(errors.append)
+        assert errors == [] and admins[1].names == () and loops[1].engine.lora_names() == []
+        admins[1].take_posted(errors.append)  # each post is applied once
+        assert errors == []
+    finally:
+        for loop in loops:
+            loop.shutdown(timeout=30)

@@ -131,3 +131,19 @@ def test_the_fallback_control_folder_is_private(tmp_path):
     link.symlink_to(mine)
     with pytest.raises(RuntimeError, match="not a private directory"):
         control.private_dir(link)
+
+
+def _b(value: str):
+    return np.array([[value.encode()]], np.object_)
+
+
+def test_lora_load_and_unload_requests_are_parsed_without_a_prompt():
+    assert parse_request({"lora_load": _b("sql"), "lora_path": _b("sql-v1")}).lora_admin == ("load", "sql", "sql-v1")
+    assert parse_request({"lora_unload": _b("sql")}).lora_admin == ("unload", "sql", None)
+    assert parse_request(BASE).lora_admin is None
+    with pytest.raises(InputError, match="lora_load needs lora_path"):
+        parse_request({"lora_load": _b("sql")})
+    with pytest.raises(InputError, match="lora_load and lora_unload"):
+        parse_request({"lora_load": _b("a"), "lora_path": _b("a"), "lora_unload": _b("b")})
+    with pytest.raises(InputError, match="lora_path is given without lora_load"):
+        parse_request({**BASE, "lora_path": _b("a")})
