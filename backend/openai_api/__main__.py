@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                     help="a LoRA adapter the Triton server serves (its lora_modules), repeatable: requests with "
                          "model=NAME use it")
+    ap.add_argument("--allow-runtime-lora", action="store_true",
+                    help="let clients load and unload LoRA adapters (/v1/load_lora_adapter, /v1/unload_lora_adapter; "
+                         "behind the API key; the engine reads only folders under its lora_load_dir; default: off)")
     ap.add_argument("--log-level", default="info", help="uvicorn's log level (critical, error, warning, info, debug)")
     ap.add_argument("--max-body-bytes", type=int, default=None,
                     help="largest request body taken, 413 beyond (default: 4 MiB, or more when a prompt as long as "
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                            served_model_name=a.served_model_name, tokenizer=a.tokenizer,
                            max_model_len=a.max_model_len, log_level=a.log_level, api_key=api_key,
                            max_body_bytes=a.max_body_bytes, lora_adapters=adapters,
+                           allow_runtime_lora=a.allow_runtime_lora,
                            max_logprob_entries=a.max_logprob_entries,
                            triton_http_proxy=a.triton_http_proxy)
     except (OSError, ValueError) as e:

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from splitfuse.openai_api import openapi
+from splitfuse.openai_api import lora_routes, openapi
 from splitfuse.openai_api import responses as R
 from splitfuse.openai_api import triton_proxy
 from splitfuse.openai_api.auth import ApiKeyMiddleware
@@ -406,6 +406,7 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
         # Around the whole app: guards every route, those mounted later too (auth.OPEN_PATHS aside).
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     triton_proxy.install(app, config, server.max_body_bytes)  # off unless --triton-http-proxy
+    lora_routes.install(app)  # 403 unless --allow-runtime-lora
 
     @app.get("/v1/models", **openapi.MODELS_ROUTE)
     async def models() -> dict:

@@ -54,6 +54,9 @@ class ApiConfig:
     lora_adapters: dict[str, str] = field(default_factory=dict)
     """LoRA adapters the server serves (its lora_modules): name -> PEFT folder. A request whose
     `model` is an adapter's name is served by that adapter; /v1/models lists them."""
+    allow_runtime_lora: bool = False
+    """Whether clients may load and unload LoRA adapters (/v1/load_lora_adapter, behind the API
+    key); off: those routes answer 403. The engine reads only folders under its lora_load_dir."""
     api_key: str | None = field(default=None, repr=False)
     """Clients must send `Authorization: Bearer <api_key>` on every /v1 route (None: no check).
     Read from $SPLITFUSE_API_KEY or a file (`key_from`), never taken from a command line."""

@@ -210,6 +210,11 @@ ERRORS = {
 }
 
 
+def error_responses(*codes: int) -> dict[int, dict]:
+    """Documented error answers (ErrorResponse bodies) for the status `codes`."""
+    return _errors(*codes)
+
+
 def _errors(*codes: int) -> dict[int, dict]:
     return {c: _json(ErrorResponse, ERRORS[c]) for c in codes}
 

@@ -33,6 +33,7 @@ INPUT_DTYPES = {
     "cache_salt": ("BYTES", np.object_), "return_top_log_probs": ("INT32", np.int32),
     "guided_decoding_guide_type": ("BYTES", np.object_), "guided_decoding_guide": ("BYTES", np.object_),
     "lora_name": ("BYTES", np.object_), "priority": ("INT32", np.int32),
+    "lora_load": ("BYTES", np.object_), "lora_path": ("BYTES", np.object_), "lora_unload": ("BYTES", np.object_),
 }
 
 

@@ -25,6 +25,7 @@ ADAPTERS = {
     "chat": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
 }
 NAMES = [None, *ADAPTERS]  # None: the base model
+RUNTIME, RUNTIME_SPEC = "late", dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "down_proj"])
 PROMPT_IDS = [[1, 17, 33, 49], [1, 5, 9, 200, 31, 7, 77, 2, 150]]
 TEXT = "the quick brown fox"
 MAX_TOKENS = 10
@@ -65,16 +66,20 @@ def lora_server(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_served")
     adapters = {name: make_adapter(tiny_llama, root / name, seed, **spec)
                 for seed, (name, spec) in enumerate(ADAPTERS.items(), start=7)}
-    settings = {"lora_modules": ",".join(f"{n}={p}" for n, p in adapters.items()), "max_loras": "2"}
+    make_adapter(tiny_llama, root / RUNTIME, 11, **RUNTIME_SPEC)  # loaded at run time (lora_load_dir)
+    # max_loras 3: the two configured and one loaded at run time.
+    settings = {"lora_modules": ",".join(f"{n}={p}" for n, p in adapters.items()), "max_loras": "3",
+                "max_lora_rank": "16", "lora_load_dir": str(root)}
     with one_instance_server(tiny_llama, settings, root / "server") as (params, server):
         prompts = [*PROMPT_IDS, TEXT]
         refs = {}
         with LLM(tiny_llama, **engine_kwargs(tiny_llama, params)) as llm:
-            for name in NAMES:
+            llm.engine.loras.load(llm.engine.loras.read(RUNTIME, RUNTIME))
+            for name in [*NAMES, RUNTIME]:
                 sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, lora_name=name)
                 for prompt, out in zip(prompts, llm.generate(prompts, sp)):
                     refs[(name, _key(prompt))] = out.token_ids
-        for name in ADAPTERS:  # else equal outputs could not tell an adapter from the base
+        for name in [*ADAPTERS, RUNTIME]:  # else equal outputs could not tell an adapter from the base
             assert all(refs[(name, _key(p))] != refs[(None, _key(p))] for p in prompts), name
         yield LoraServer(tiny_llama, adapters, params, server, refs)
 
@@ -152,7 +157,7 @@ def lora_api(lora_server, tmp_path_factory):
     s = lora_server
     flags = [f for name, folder in s.adapters.items() for f in ("--lora", f"{name}={folder}")]
     api = start_api(s.model_dir, s.server.grpc_url, tmp_path_factory.mktemp("lora_api"), "api", *flags,
-                    "--max-model-len", "2048")
+                    "--max-model-len", "2048", "--allow-runtime-lora")
     yield api
     stop_api(api)
 
@@ -203,3 +208,65 @@ def test_the_openai_lora_example_asks_every_model(lora_api):
     lines = proc.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == [f"{lora_api.model} (base)",
                                                       *(f"{n} (LoRA over {lora_api.model})" for n in ADAPTERS)]
+
+
+# ---- loaded at run time: POST /v1/load_lora_adapter, /v1/unload_lora_adapter -------------------
+
+
+def _post(api, path: str, body: dict) -> tuple[int, str]:
+    """(status, body text) of a JSON POST to the front."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(api.base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_an_adapter_loaded_through_the_front_serves_its_tokens_until_unloaded(lora_api, lora_server):
+    import openai
+
+    s, client = lora_server, lora_api.client()
+    assert RUNTIME not in [m.id for m in client.models.list().data]
+    assert _post(lora_api, "/v1/load_lora_adapter", {"lora_name": RUNTIME, "lora_path": RUNTIME}) == (
+        200, f"Success: LoRA adapter '{RUNTIME}' loaded")
+    assert [m.id for m in client.models.list().data][-1] == RUNTIME
+    triton = grpc_generate(s.server.grpc_url, "llm", _llm_request(PROMPT_IDS[0], RUNTIME))
+    assert triton.error is None and triton.output_ids == s.refs[(RUNTIME, _key(PROMPT_IDS[0]))]
+    answer = client.completions.create(model=RUNTIME, prompt=PROMPT_IDS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == triton.text.decode()
+    # Refusals leave it as it was: taken, one too many (max_loras=3), outside lora_load_dir, not an adapter.
+    status, text = _post(lora_api, "/v1/load_lora_adapter", {"lora_name": RUNTIME, "lora_path": RUNTIME})
+    assert status == 400 and f"'{RUNTIME}' is already loaded" in text
+    status, text = _post(lora_api, "/v1/load_lora_adapter", {"lora_name": "more", "lora_path": "sql"})
+    assert status == 400 and "max_loras=3" in text
+    assert _post(lora_api, "/v1/unload_lora_adapter", {"lora_name": "sql"})[0] == 200  # room for the next two
+    status, text = _post(lora_api, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"})
+    assert status == 400 and "lora_path" in text and "outside" in text
+    status, text = _post(lora_api, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "."})
+    assert status == 400 and "adapter_config.json" in text
+    status, text = _post(lora_api, "/v1/load_lora_adapter", {"lora_name": "a b", "lora_path": RUNTIME})
+    assert status == 400 and "lora_name" in text
+    assert _post(lora_api, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "sql"})[0] == 200
+    assert _post(lora_api, "/v1/unload_lora_adapter", {"lora_name": RUNTIME}) == (
+        200, f"Success: LoRA adapter '{RUNTIME}' unloaded")
+    assert RUNTIME not in [m.id for m in client.models.list().data]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=RUNTIME, prompt="hi", max_tokens=2)
+    gone = grpc_generate(s.server.grpc_url, "llm", _llm_request(PROMPT_IDS[0], RUNTIME))
+    assert gone.error is not None and f"unknown LoRA adapter '{RUNTIME}'" in gone.error
+    status, text = _post(lora_api, "/v1/unload_lora_adapter", {"lora_name": RUNTIME})
+    assert status == 404 and f"unknown LoRA adapter '{RUNTIME}'" in text
+    ok = grpc_generate(s.server.grpc_url, "llm", _llm_request(PROMPT_IDS[0], "sql"))  # reloaded: same tokens
+    assert ok.error is None and ok.output_ids == s.refs[("sql", _key(PROMPT_IDS[0]))]
+
+
+def test_run_time_lora_updating_is_refused_unless_the_front_allows_it(openai_front):
+    status, text = _post(openai_front, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "x"})
+    assert status == 403 and "--allow-runtime-lora" in text
+    assert _post(openai_front, "/v1/unload_lora_adapter", {"lora_name": "x"})[0] == 403
