@@ -28,7 +28,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # Each operation, fuzzed one by one (schemathesis' pytest loader, from_fixture, does not run
 # under pytest 9); the first test keeps this list equal to the document's.
 OPERATIONS = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/models/{name}"),
-              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses")]
+              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+              ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")]
 EXAMPLES = 40
 
 
