@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name the OpenAI front lists and accepts, the only one for the base model "
                         "(default: the checkpoint directory's name; needs --openai-port)")
+    p.add_argument("--allow-runtime-lora", default=None, metavar="DIR",
+                   help="let LoRA adapters in folders under DIR be loaded and unloaded while serving (engine parameter "
+                        "lora_load_dir; llm's lora_load / lora_unload inputs, and with --openai-port the front's "
+                        "/v1/load_lora_adapter, behind its API key); default: off")
     p.add_argument("--max-logprob-entries", type=int, default=None, metavar="N",
                    help="the OpenAI front's bound on log-probability entries per request (default: the front's, "
                         f"{ApiConfig.max_logprob_entries}; needs --openai-port)")
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         params = lora_params(parse_params(args.param), args.lora)
+        if args.allow_runtime_lora:
+            params["lora_load_dir"] = str(Path(args.allow_runtime_lora).resolve())
         args.instances, params, plan = resolve_instances(args.instances, params)
         if plan:
             print(f"splitfuse.launcher: {describe(plan)}", file=sys.stderr, flush=True)
@@ -167,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                                 triton_model=args.model_name_prefix + LLM_MODEL,
                                 triton_http_url=server.http_url if args.triton_proxy else None,
                                 served_model_name=args.served_model_name,
-                                max_logprob_entries=args.max_logprob_entries)
+                                max_logprob_entries=args.max_logprob_entries,
+                                allow_runtime_lora=bool(args.allow_runtime_lora))
         healing = Healing(Watchdog(server.control_dir, args.step_timeout),
                           RestartBudget(args.max_restarts, args.restart_window))
         # The front's restarts: bounded as the server's, in a budget of their own.

@@ -23,7 +23,8 @@ from splitfuse.launcher.lora import LORA_MODULES, resolve_lora_modules
 class OpenAIFront:
     def __init__(self, model: str, grpc_url: str, host: str, port: int, params: Mapping[str, str],
                  triton_model: str = "llm", triton_http_url: str | None = None,
-                 served_model_name: str | None = None, max_logprob_entries: int | None = None) -> None:
+                 served_model_name: str | None = None, max_logprob_entries: int | None = None,
+                 allow_runtime_lora: bool = False) -> None:
         self.host, self.port, self.triton_model = host, port, triton_model
         self.triton_http_url = triton_http_url
         self.command = [sys.executable, "-m", "splitfuse.openai_api", "--model", model, "--triton-grpc-url", grpc_url,
@@ -35,6 +36,8 @@ class OpenAIFront:
             self.command += ["--served-model-name", served_model_name]
         if max_logprob_entries is not None:
             self.command += ["--max-logprob-entries", str(max_logprob_entries)]
+        if allow_runtime_lora:  # the engine's lora_load_dir bounds what may be read
+            self.command += ["--allow-runtime-lora"]
         # The engine settings the front must agree with (its tokenizer, the default max_tokens).
         if params.get("tokenizer"):
             self.command += ["--tokenizer", params["tokenizer"]]

@@ -89,6 +89,9 @@ def test_the_openai_front_is_told_the_adapters(tmp_path, monkeypatch):
     flags = front.command[front.command.index("--lora"):][:2]
     assert flags == ["--lora", f"a={tmp_path / 'a'}"]
     assert "--lora" not in OpenAIFront("m", "127.0.0.1:1", "127.0.0.1", 9000, {}).command
+    assert "--allow-runtime-lora" in OpenAIFront("m", "127.0.0.1:1", "127.0.0.1", 9000, {},
+                                                 allow_runtime_lora=True).command
+    assert "--allow-runtime-lora" not in OpenAIFront("m", "127.0.0.1:1", "127.0.0.1", 9000, {}).command
     (tmp_path / "base").mkdir()
     with pytest.raises(ValueError, match="served model's name"):
         ApiConfig(model_dir=str(tmp_path / "base"), lora_adapters={"base": str(tmp_path / "a")})
