@@ -165,3 +165,55 @@ def test_a_load_posted_by_one_instance_is_applied_by_the_other(lora_dir, tmp_pat
     finally:
         for loop in loops:
             loop.shutdown(timeout=30)
+
+
+@pytest.mark.slow  # two engine processes started (~15 s on 2 cores); the served tests load through one
+def test_engine_process_loads_unloads_and_loads_again_after_a_restart(lora_dir):
+    """RemoteEngine (engine_process): the same tokens as in-process; a child killed and restarted
+    serves the adapters its predecessor had loaded."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from splitfuse.engine.remote import RemoteEngine
+
+    base, root = lora_dir
+    config = EngineConfig(model=base, lora_load_dir=str(root), **ENGINE)
+    prompt, params = _prompts(base)[2], SamplingParams(max_tokens=8, temperature=0.0, lora_name="attn")
+    local = LLM(base, lora_load_dir=str(root), **ENGINE)
+    local.engine.loras.load(local.engine.loras.read("attn", "attn"))
+    want = local.generate([prompt], [params])[0].token_ids
+
+    def generate(remote, request_id: str) -> list[int]:
+        done, outs = threading.Event(), []
+        remote.submit(request_id, prompt, params, lambda out: (outs.append(out), out.finished and done.set()))
+        assert done.wait(60)
+        return outs[-1].token_ids
+
+    remote = RemoteEngine(config, name="test")
+    first = remote.start()
+    try:
+        with pytest.raises(ValueError, match="lora_path"):
+            remote.load_lora("attn", "/", timeout=60)
+        remote.load_lora("attn", "attn", timeout=60)
+        assert generate(remote, "a") == want
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (remote.restarting or remote.facts.pid == first.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for attempt in range(100):  # the new child loads it again right after its start
+            try:
+                assert generate(remote, f"b{attempt}") == want
+                break
+            except ValueError:
+                time.sleep(0.05)
+        else:
+            pytest.fail("the restarted engine process does not serve the adapter loaded before")
+        remote.unload_lora("attn", timeout=60)
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'attn'"):
+            generate(remote, "c")
+        with pytest.raises(UnknownLoraError):
+            remote.unload_lora("attn", timeout=60)
+    finally:
+        remote.shutdown(30)
