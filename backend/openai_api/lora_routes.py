@@ -76,11 +76,14 @@ def install(app: FastAPI) -> None:
     @app.post("/v1/load_lora_adapter", **_route(LoadLoraAdapterRequest, "the adapter is loaded"))
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         body, message = await _forward(request, LoadLoraAdapterRequest)
-        request.app.state.server.config.lora_adapters[body.lora_name] = body.lora_path
+        config = request.app.state.server.config
+        # Replaced, not changed in place: the tokenizing threads read it (check_model) meanwhile.
+        config.lora_adapters = {**config.lora_adapters, body.lora_name: body.lora_path}
         return PlainTextResponse(f"Success: {message}")
 
     @app.post("/v1/unload_lora_adapter", **_route(UnloadLoraAdapterRequest, "the adapter is unloaded"))
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         body, message = await _forward(request, UnloadLoraAdapterRequest)
-        request.app.state.server.config.lora_adapters.pop(body.lora_name, None)
+        config = request.app.state.server.config
+        config.lora_adapters = {n: p for n, p in config.lora_adapters.items() if n != body.lora_name}
         return PlainTextResponse(f"Success: {message}")
