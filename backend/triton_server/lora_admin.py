@@ -3,8 +3,9 @@
 A control request (`lora_load` + `lora_path`, or `lora_unload`) lands on one instance, as any
 request does; that instance applies it to its own engine (in its engine process or thread) and
 answers with the result, then posts it on the control board for the other instances, which
-apply it from their housekeeping thread (each its own engine). Instances share one config, so
-what one accepted the others accept too; a failure there is logged.
+apply it from their housekeeping thread (each its own engine), in order; one whose engine
+process is restarting keeps the rest for a later pass. Instances share one config, so what one
+accepted the others accept too; any other failure there is logged.
 
     <control dir>/<model>/lora/<tag>/<time>.json   a load or unload for the instance of <tag>
 """
@@ -67,7 +68,11 @@ class LoraAdmin:
             path = folder / name
             try:
                 op = tuple(json.loads(path.read_text()))
-                path.unlink(missing_ok=True)
                 self.apply(op, post=False)  # type: ignore[arg-type]
-            except (OSError, ValueError, UnknownLoraError, RuntimeError) as e:
+            except RuntimeError as e:
+                if getattr(self.engine, "restarting", False):
+                    return  # its engine process restarts after a fault: this and the rest on a later pass
                 on_error(f"splitfuse: a LoRA {name} posted by another instance failed here: {e}")
+            except (OSError, ValueError, UnknownLoraError) as e:
+                on_error(f"splitfuse: a LoRA {name} posted by another instance failed here: {e}")
+            path.unlink(missing_ok=True)
