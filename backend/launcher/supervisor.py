@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from splitfuse.triton_server import control
-from splitfuse.utils.restarts import RestartBudget
+from splitfuse.utils.restarts import RestartBudget, exit_description
 
 
 def alive(pid: int) -> bool:
