@@ -18,6 +18,7 @@ from splitfuse.server_config import ServerConfig  # its own module; imported fro
 
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
 PROMPT_ORDERS = ("arrival", "deadline", "goodput")
+EMBEDDING_POOLINGS = ("last", "mean")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
 GGUF_QUANTIZATIONS = ("gguf", "gguf-exact")  # the blocks of the GGUF file a checkpoint came from
@@ -130,6 +131,10 @@ class EngineConfig(_FromStrings):
     first_token_deadline_tokens_per_s: float = 512.0
     """A prompt's first token is due at its arrival plus its length at this rate (DeepSpeed-FastGen's
     SLA uses 512 tokens/s); for prompt_order deadline and goodput."""
+    embedding_pooling: str = "last"
+    """last | mean: how an embedding request (SamplingParams.embed) pools its prompt's final hidden
+    states (after the final norm): the last token's (a causal LM's own summary of the prompt) or the
+    mean of all of them (its prompt is then computed whole, never from the prefix cache)."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N."""
     kv_watermark: float = 0.01
@@ -218,6 +223,7 @@ class EngineConfig(_FromStrings):
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         _check_choice("prompt_order", self.prompt_order, PROMPT_ORDERS)
+        _check_choice("embedding_pooling", self.embedding_pooling, EMBEDDING_POOLINGS)
         rate = self.first_token_deadline_tokens_per_s
         if not (isinstance(rate, (int, float)) and 0.0 < rate < float("inf")):
             raise ValueError(f"first_token_deadline_tokens_per_s must be a finite number > 0, got {rate!r}")

@@ -26,7 +26,8 @@ class SampleRows:
 class RaggedBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]: rows of the rope tables (the position + its sequence's rope_offset)
-    sample_rows: torch.Tensor  # int64 [S]: rows whose hidden state gives a next token (1 + proposals per sampling chunk)
+    sample_rows: torch.Tensor  # int64 [S]: rows whose final hidden state is read: a next token's (1 + proposals per
+    # sampling chunk) or an embedding's (the last prompt row, or every row of a mean-pooled chunk)
     attn: AttentionMetadata
     query_lens: list[int]
     seq_lens: list[int]
@@ -37,6 +38,10 @@ class RaggedBatch:
     # Which rows each LoRA adapter owns (each sequence's SamplingParams.lora_name); None when no
     # sequence of the step has one.
     lora: LoraRows | None = None
+    # Of the rows read, those of embedding chunks (pooled, in chunk order) and the others (their
+    # logits); both None when the step has no embedding chunk (every row read gives logits).
+    pool_rows: torch.Tensor | None = None
+    logit_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +76,9 @@ class RaggedBatch:
 
         # A sampling chunk's last row, and before it one row per proposed token: row i gives the
         # token after the chunk's first i proposals, to verify proposal i + 1 against.
-        samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)
-        num_rows = np.fromiter((1 + c.num_draft_tokens for c in chunks), dtype=np.int64, count=num_seqs)[samples]
+        kept = np.fromiter((rows_read(c) for c in chunks), dtype=np.int64, count=num_seqs)
+        samples = kept > 0  # the chunks with rows read
+        num_rows = kept[samples]
         ends = query_start_loc[1:][samples]
         sample_rows = np.repeat(ends - num_rows, num_rows) + _ranges(num_rows)
 
@@ -110,6 +116,11 @@ class RaggedBatch:
             )
         lora = LoraRows.build([c.seq.params.lora_name for c in chunks], query_lens,
                               sample_rows if last_layer is not None else None)
+        pooled = np.repeat(np.fromiter((c.seq.pooling is not None for c in chunks), dtype=bool,
+                                       count=num_seqs)[samples], num_rows)
+        pool_rows = logit_rows = None
+        if pooled.any():
+            pool_rows, logit_rows = tensor(np.flatnonzero(pooled)), tensor(np.flatnonzero(~pooled))
         return cls(
             input_ids=tensor(np.asarray(token_ids, dtype=np.int64)),
             positions=tensor(positions),
@@ -119,7 +130,16 @@ class RaggedBatch:
             seq_lens=seq_lens.tolist(),
             last_layer=last_layer,
             lora=lora,
+            pool_rows=pool_rows,
+            logit_rows=logit_rows,
         )
+
+
+def rows_read(chunk: ScheduledChunk) -> int:
+    """Rows of `chunk` whose final hidden state the step reads (its last ones)."""
+    if chunk.seq.pooling == "mean":
+        return chunk.num_tokens
+    return 1 + chunk.num_draft_tokens if chunk.samples else 0
 
 
 def _start_loc(lengths: np.ndarray) -> np.ndarray:

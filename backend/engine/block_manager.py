@@ -126,7 +126,8 @@ class BlockManager:
     def lookup(self, seq: Sequence) -> list[int]:
         """Cached blocks holding `seq`'s longest computed prefix, leaving at least its last
         token to compute (that step samples the next token). Does not take them."""
-        if not self.enable_prefix_caching or seq.block_table:
+        # A mean-pooled embedding needs every token's hidden state: nothing of it may be skipped.
+        if not self.enable_prefix_caching or seq.block_table or seq.pooling == "mean":
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -28,6 +28,7 @@ from splitfuse.engine.detokenizer import IncrementalDetokenizer
 from splitfuse.engine.lora_control import LoraControl
 from splitfuse.engine.model_runner import ModelRunner
 from splitfuse.engine.outputs import error_output, request_output
+from splitfuse.engine.pooling import Pooler
 from splitfuse.engine.sampler import SampledToken, Sampler, sample_isolated
 from splitfuse.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
@@ -92,6 +93,7 @@ class LLMEngine:
         self.stop = StopChecker(eos, self.max_model_len)
         self.sampler = Sampler(eos, config.seed)
         self._seqs: dict[str, Sequence] = {}
+        self.pooler = Pooler()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
         self.last_step: StepStats | None = None
@@ -138,7 +140,8 @@ class LLMEngine:
         # one (a prompt that skipped prepare_prompt) must not leave a half-added request.
         self.validator.check_lora(params)
         seq = Sequence(request_id, token_ids, params, next(self._arrivals),
-                       rope_offset=self.runner.rope.offset_for(len(token_ids)))
+                       rope_offset=self.runner.rope.offset_for(len(token_ids)),
+                       pooling=self.config.embedding_pooling if params.embed else None)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         detokenizer = IncrementalDetokenizer(self.tokenizer, params, token_ids)
@@ -218,9 +221,11 @@ class LLMEngine:
             return plan.failed
         tally = StepTally()
         logits = self._forward(plan.batch, tally)
-        sampling = [c for c in plan.decision.chunks if c.samples]
+        sampling = [c for c in plan.decision.chunks if c.samples and c.seq.pooling is None]
+        embedded = self.pooler.take(plan.decision.chunks, self.runner.pooled_hidden)
         sampled = self._sample(logits, sampling, tally)
         outputs = plan.failed + self._update(plan.decision, sampling, sampled, tally)
+        outputs += [self._embedded(seq, vector) for seq, vector in embedded]
         self._record(plan, tally)
         return outputs
 
@@ -340,6 +345,12 @@ class LLMEngine:
         del self._seqs[seq.request_id]
         return request_output(seq, new_tokens, text, reason, detok)
 
+    def _embedded(self, seq: Sequence, vector) -> RequestOutput:
+        """End an embedding request whose prompt is computed (its KV blocks freed now)."""
+        output = self._finish(seq, FinishReason.STOP, [], detokenize=None)
+        output.embedding = vector
+        return output
+
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """Finish `seq` with an error, without its detokenizer (which may be what failed)."""
         seq.finish_reason = FinishReason.ERROR
@@ -356,6 +367,7 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.release(seq)
         self.masking.forget(seq.request_id)
+        self.pooler.forget(seq.request_id)
 
     def check_invariants(self) -> None:
         """Block-pool invariants over every live sequence (for tests)."""

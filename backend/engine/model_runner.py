@@ -112,6 +112,8 @@ class ModelRunner:
         self.num_kv_blocks = 0
         if config.kv_cache_memory_gb != "auto":  # auto sizes the pool once the weights are in
             self._size_kv_cache()
+        self.pooled_hidden: torch.Tensor | None = None
+        """The last step's embedding rows' final hidden states (RaggedBatch.pool_rows), float32."""
         self.leader = None
         if world_size > 1 and group is None:
             from splitfuse.parallel.leader import Leader
@@ -281,7 +283,15 @@ class ModelRunner:
         return self._execute(batch)
 
     def _execute(self, batch: RaggedBatch) -> torch.Tensor:
-        return self.model.compute_logits(self.forward_hidden(batch)).float()
+        hidden = self.forward_hidden(batch)
+        self.pooled_hidden = None
+        if batch.pool_rows is not None:
+            # Embedding rows are pooled, not sampled: kept (float32) for the engine, no logits.
+            self.pooled_hidden = hidden.index_select(0, batch.pool_rows).float()
+            hidden = hidden.index_select(0, batch.logit_rows)
+            if hidden.shape[0] == 0:
+                return torch.empty((0, self.args.vocab_size), dtype=torch.float32, device=hidden.device)
+        return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def forward_hidden(self, batch: RaggedBatch) -> torch.Tensor:

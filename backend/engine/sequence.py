@@ -75,6 +75,11 @@ class SamplingParams:
     other way round). Waiting prompts are admitted by priority, then in the prompt order; under KV
     pressure the lowest-priority running sequence is preempted first. It never changes what is
     sampled."""
+    embed: bool = False
+    """Return the prompt's embedding instead of generating: the final hidden states (after the
+    final norm) pooled as the engine's EngineConfig.embedding_pooling says, L2-normalised, in the
+    final output (RequestOutput.embedding). The prompt is computed (chunked, batched, prefix-cached
+    like any other) and the request ends after its last chunk with no token sampled."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,6 +146,10 @@ class SamplingParams:
         _check_int("priority", self.priority, minimum=None)
         if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise ValueError(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority}")
+        if not isinstance(self.embed, bool):
+            raise ValueError(f"embed must be true or false, got {self.embed!r}")
+        if self.embed and self.guide is not None:
+            raise ValueError("embed cannot be combined with a guide (an embedding generates no tokens)")
         if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
             raise ValueError(f"lora_name must be a non-empty string or None, got {self.lora_name!r}")
 
@@ -205,6 +214,9 @@ class Sequence:
     rope_offset: int = 0
     """Where this sequence's rows start in the model's rope tables, for its whole life: LongRoPE's
     long factors for a prompt past the switch (layers.rope_tables); part of its prefix-cache key."""
+    pooling: str | None = None
+    """"last" or "mean" for an embedding request (SamplingParams.embed; the engine's
+    embedding_pooling), None for a generation. A "mean" one keeps every row's final hidden state."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -268,6 +280,9 @@ class RequestOutput:
     """Why the request failed (finish_reason "error"); None otherwise."""
     num_cached_tokens: int = 0
     """Prompt tokens whose KV was found in the prefix cache instead of being computed."""
+    embedding: Any = None
+    """The prompt's pooled, normalised embedding (numpy float32 [hidden]) in the final output of
+    a request with SamplingParams.embed; None otherwise."""
 
     @property
     def token_ids(self) -> list[int]:

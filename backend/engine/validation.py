@@ -28,6 +28,11 @@ class RequestValidator:
         params.validate()  # again: a caller may have changed a field since it was built
         self.check_lora(params)
         token_ids = self._token_ids(prompt)
+        if params.embed:  # generates nothing: the prompt alone must fit
+            if len(token_ids) > self.max_model_len:
+                raise ValueError(f"prompt ({len(token_ids)} tokens) exceeds the model's context "
+                                 f"(max_model_len={self.max_model_len})")
+            return token_ids
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
