@@ -60,10 +60,11 @@ class Progress:
 
 def to_record(out: RequestOutput, first: bool) -> tuple:
     """One output's deltas; the prompt's ids on a request's first record, the whole text on its
-    final one (stop strings may cut text the deltas already carried)."""
+    final one (stop strings may cut text the deltas already carried); an embedding request's
+    vector (float32 numpy, pickled as its bytes) on its final one."""
     return (out.request_id, out.delta_token_ids, out.delta_text, out.finished, out.finish_reason, out.error,
             out.delta_logprobs, out.delta_top_logprobs, out.num_cached_tokens,
-            out.prompt_token_ids if first else None, out.text if out.finished else None)
+            out.prompt_token_ids if first else None, out.text if out.finished else None, out.embedding)
 
 
 class Stream:
@@ -80,7 +81,7 @@ class Stream:
 
     def apply(self, record: tuple) -> RequestOutput:
         (request_id, delta_ids, delta_text, finished, reason, error, delta_logprobs, delta_top, cached,
-         prompt_ids, final_text) = record
+         prompt_ids, final_text, embedding) = record
         if prompt_ids is not None:
             self.prompt = prompt_ids
             self.token_ids = list(prompt_ids)
@@ -97,7 +98,7 @@ class Stream:
             delta_text=delta_text, finished=finished, finish_reason=reason, delta_logprobs=delta_logprobs,
             delta_top_logprobs=delta_top, seq_token_ids=self.token_ids, num_tokens=len(self.token_ids),
             seq_logprobs=self.logprobs, seq_top_logprobs=self.top_logprobs, text_source=self,
-            text_len=len(self.text), error=error, num_cached_tokens=cached)
+            text_len=len(self.text), error=error, num_cached_tokens=cached, embedding=embedding)
 
 
 def engine_facts(engine) -> EngineFacts:

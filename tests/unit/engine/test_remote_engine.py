@@ -34,13 +34,16 @@ def _collect(loop, request_id: str, prompt, params: SamplingParams) -> tuple[thr
 
 def _run_all(loop, params: SamplingParams) -> list[tuple[list[int], str, list[int], str]]:
     started = [_collect(loop, f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+    # An embedding request among them: its vector crosses in the final record (float32).
+    embedded = _collect(loop, "embed", PROMPTS[2], SamplingParams(embed=True))
+    started.append(embedded)
     results = []
     for done, outs in started:
         assert done.wait(120)
         last = outs[-1]
         streamed = [t for o in outs for t in o.delta_token_ids]
         results.append((last.token_ids, last.text, streamed, last.finish_reason, last.logprobs, last.top_logprobs,
-                        last.prompt_token_ids))
+                        last.prompt_token_ids, None if last.embedding is None else last.embedding.tolist()))
     return results
 
 
@@ -64,11 +67,19 @@ def test_outputs_match_the_in_process_loop(config):
         assert facts.pid != os.getpid() and facts.max_model_len > 0
         got = _run_all(remote, params)
         assert got == expected
-        assert all(len(r[0]) == 12 and len(r[4]) == 12 and len(r[5]) == 12 for r in got)
+        assert all(len(r[0]) == 12 and len(r[4]) == 12 and len(r[5]) == 12 for r in got[:-1])
+        assert got[-1][0] == [] and len(got[-1][7]) == facts_hidden(config)
         with pytest.raises(ValueError):  # the child's validation reaches the caller as itself
             remote.submit("bad", [1, 2], SamplingParams(max_tokens=0), lambda out: None)
     finally:
         remote.shutdown(30)
+
+
+def facts_hidden(config: EngineConfig) -> int:
+    from splitfuse.models.args import ModelArgs
+    from splitfuse.models.loader import read_hf_config
+
+    return ModelArgs.from_hf_config(read_hf_config(config.model)).hidden_size
 
 
 SLOW_HOOK = """
@@ -133,11 +144,11 @@ def test_a_stream_rebuilds_outputs_from_deltas_and_takes_the_final_text():
     from splitfuse.engine.wire import Stream
 
     stream = Stream()
-    first = stream.apply(("r", [5, 6], "ab", False, None, None, [-0.1, -0.2], None, 3, [1, 2], None))
+    first = stream.apply(("r", [5, 6], "ab", False, None, None, [-0.1, -0.2], None, 3, [1, 2], None, None))
     assert (first.prompt_token_ids, first.token_ids, first.text, first.num_cached_tokens) == ([1, 2], [5, 6], "ab", 3)
     assert first.is_first and first.logprobs == [-0.1, -0.2]
     # The final record's text is the whole text (a stop string may cut what the deltas carried).
-    last = stream.apply(("r", [7], "c</s", True, "stop", None, [-0.3], None, 3, None, "abc"))
+    last = stream.apply(("r", [7], "c</s", True, "stop", None, [-0.3], None, 3, None, "abc", None))
     assert (last.token_ids, last.text, last.logprobs, last.finish_reason) == ([5, 6, 7], "abc", [-0.1, -0.2, -0.3],
                                                                               "stop")
     assert not last.is_first and last.delta_token_ids == [7]
