@@ -162,6 +162,8 @@ class Parsed:
     return_stop_handle: bool = False
     lora_admin: tuple[str, str, str | None] | None = None
     """Of a run-time LoRA request: ("load", name, folder) or ("unload", name, None)."""
+    embeddings_only: bool = False
+    """The prompt's embedding (output `embeddings`, FP32 [1, hidden]) instead of a generation."""
 
 
 def _stop_request(request: Mapping[str, np.ndarray]) -> Parsed:
@@ -216,10 +218,11 @@ def _prompt(request: Mapping[str, np.ndarray], text: str | None) -> str | list[i
 
 def _sampling_kwargs(request: Mapping[str, np.ndarray], default_temperature: float) -> dict[str, Any]:
     """SamplingParams keywords from the request's sampling inputs."""
+    embed = bool(_scalar(request, "embeddings_only", bool))
     max_tokens = _scalar(request, "max_tokens", int)
-    if max_tokens is None:
+    if max_tokens is None and not embed:  # an embedding generates nothing: max_tokens plays no part
         raise InputError("max_tokens is required")
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": default_temperature}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens or 1, "temperature": default_temperature, "embed": embed}
     for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("repetition_penalty", float),
                        ("presence_penalty", float), ("frequency_penalty", float), ("ignore_eos", bool)):
         value = _scalar(request, name, kind)
@@ -303,4 +306,5 @@ def parse_request(request: Mapping[str, np.ndarray], default_temperature: float 
         return_num_output_tokens=bool(_scalar(request, "return_num_output_tokens", bool)),
         return_num_cached_tokens=bool(_scalar(request, "return_num_cached_tokens", bool)),
         return_stop_handle=bool(_scalar(request, "return_stop_handle", bool)),
+        embeddings_only=params.embed,
     )

@@ -58,6 +58,8 @@ def response_arrays(parsed: Parsed, out: RequestOutput, echo_prompt: str | None 
         arrays["top_log_prob_ids"] = np.array([[t for t, _ in row] for row in top], np.int32).reshape(1, -1, k)
     if stop_handle is not None:
         arrays["stop_handle"] = _text(stop_handle)
+    if out.embedding is not None:  # embeddings_only: the final (only) response
+        arrays["embeddings"] = np.asarray(out.embedding, np.float32).reshape(1, -1)
     return arrays
 
 

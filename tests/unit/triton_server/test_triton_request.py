@@ -147,3 +147,12 @@ def test_lora_load_and_unload_requests_are_parsed_without_a_prompt():
         parse_request({"lora_load": _b("a"), "lora_path": _b("a"), "lora_unload": _b("b")})
     with pytest.raises(InputError, match="lora_path is given without lora_load"):
         parse_request({**BASE, "lora_path": _b("a")})
+
+
+def test_max_tokens_is_required_unless_embeddings_only():
+    with pytest.raises(InputError, match="max_tokens"):
+        parse_request({"text_input": t(b"hello", np.object_)})
+    with pytest.raises(ValueError, match="embed cannot be combined with a guide"):
+        parse_request({"text_input": t(b"hello", np.object_), "embeddings_only": t(True, np.bool_),
+                       "guided_decoding_guide_type": t(b"json", np.object_)})
+    assert not parse_request(BASE).embeddings_only

@@ -93,3 +93,15 @@ def test_top_log_probs_describe_output_tokens_only_and_are_absent_without_k():
 def test_stop_ack():
     a = stop_ack_arrays()
     assert a["finish_reason"].tolist() == [[b"abort"]] and a["text_output"].tolist() == [[b""]]
+
+
+def test_an_embedding_goes_out_as_embeddings_fp32_one_row():
+    p = parse_request({"text_input": t(b"hi", np.object_), "embeddings_only": t(True, np.bool_)})
+    assert p.embeddings_only and p.params.embed  # max_tokens is not needed for an embedding
+    vector = np.array([0.6, 0.8, 0.0], np.float32)
+    out = RequestOutput(request_id="r", prompt_token_ids=[1, 2], delta_token_ids=[], delta_text="", finished=True,
+                        finish_reason="stop", seq_token_ids=[1, 2], num_tokens=2, embedding=vector)
+    a = response_arrays(p, out)
+    assert a["embeddings"].dtype == np.float32 and a["embeddings"].shape == (1, 3)
+    np.testing.assert_array_equal(a["embeddings"][0], vector)
+    assert "embeddings" not in response_arrays(parsed(), output(finished=True))
