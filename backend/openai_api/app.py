@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from splitfuse.openai_api import lora_routes, openapi
+from splitfuse.openai_api import embeddings_route, lora_routes, openapi
 from splitfuse.openai_api import responses as R
 from splitfuse.openai_api import triton_proxy
 from splitfuse.openai_api.auth import ApiKeyMiddleware
@@ -436,6 +436,7 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
     @app.post("/v1/responses", **openapi.responses_route())
     async def responses(request: Request):
         return await run(server.responses_job, request)
+    embeddings_route.install(app, server, generation_http_error)
 
     return app
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from splitfuse.openai_api.auth import OPEN_PATHS
+from splitfuse.openai_api.embeddings import EmbeddingRequest
 from splitfuse.openai_api.openapi_responses import ResponseObject, ResponseStreamEvent
 from splitfuse.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from splitfuse.openai_api.responses_request import ResponsesRequest
@@ -181,9 +182,28 @@ class Health(_Answer):
     triton_llm_ready: bool
 
 
-_REQUESTS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest)
+class Embedding(_Answer):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+    """The vector, or with encoding_format base64 its little-endian float32 bytes in base64."""
+
+
+class EmbeddingUsage(_Answer):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Answer):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+_REQUESTS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest)
 _ANSWERS = (ErrorResponse, CompletionResponse, ChatCompletionResponse, CompletionChunk, ChatCompletionChunk, ModelCard,
-            ModelList, Health, ResponseObject, ResponseStreamEvent)
+            ModelList, Health, ResponseObject, ResponseStreamEvent, EmbeddingResponse)
 _REFS, _DEFS = models_json_schema([(m, "validation") for m in _REQUESTS] + [(m, "serialization") for m in _ANSWERS],
                                   ref_template="#/components/schemas/{model}")
 
@@ -257,6 +277,18 @@ def generation_route(request: type[BaseModel], answer: type[BaseModel], chunk: t
                               "text/event-stream": {"schema": _events(chunk)}}},
             **_errors(400, 401, 404, 413, 429, 503),
         },
+    }
+
+
+def embeddings_route() -> dict[str, Any]:
+    """Keyword arguments of POST /v1/embeddings (no stream)."""
+    return {
+        "response_model": None,
+        "openapi_extra": {"requestBody": {"required": True,
+                                          "content": {"application/json": {"schema": _ref(EmbeddingRequest)}}}},
+        "responses": {200: _json(EmbeddingResponse, "one vector per input, in input order (pooled final hidden "
+                                                    "states, L2-normalised)"),
+                      **_errors(400, 401, 404, 413, 429, 503)},
     }
 
 

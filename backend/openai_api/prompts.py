@@ -42,11 +42,27 @@ class Prompts:
         prompt = req.prompt
         if isinstance(prompt, str):
             return self._tokenize(prompt, "prompt", add_special_tokens=True), prompt
-        vocab = len(self.tokenizer)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+        self._check_ids(prompt, "prompt")
         return list(prompt), self.tokenizer.decode(prompt, skip_special_tokens=True)
+
+    def plain(self, prompt: str | list[int], param: str) -> list[int]:
+        """A plain prompt's ids (text with the tokenizer's special tokens, or ids as given),
+        refused with a 400 naming `param` when it does not fit max_model_len alone."""
+        if isinstance(prompt, str):
+            ids = self._tokenize(prompt, param, add_special_tokens=True)
+        else:
+            self._check_ids(prompt, param)
+            ids = list(prompt)
+        if len(ids) > self.limit.context_tokens:
+            raise ApiError(400, f"{param} has {len(ids)} tokens, more than max_model_len {self.limit.context_tokens}",
+                           param=param)
+        return ids
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = len(self.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"{param} token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
 
     def chat(self, req: ChatCompletionRequest) -> list[int]:
         if not self.has_chat_template:

@@ -32,7 +32,7 @@ INPUT_DTYPES = {
     "return_num_input_tokens": ("BOOL", np.bool_), "return_num_output_tokens": ("BOOL", np.bool_),
     "cache_salt": ("BYTES", np.object_), "return_top_log_probs": ("INT32", np.int32),
     "guided_decoding_guide_type": ("BYTES", np.object_), "guided_decoding_guide": ("BYTES", np.object_),
-    "lora_name": ("BYTES", np.object_), "priority": ("INT32", np.int32),
+    "lora_name": ("BYTES", np.object_), "priority": ("INT32", np.int32), "embeddings_only": ("BOOL", np.bool_),
     "lora_load": ("BYTES", np.object_), "lora_path": ("BYTES", np.object_), "lora_unload": ("BYTES", np.object_),
 }
 
@@ -80,6 +80,8 @@ class Step:
     """With return_top_log_probs=k: per token, the k most likely token ids (most likely first)."""
     top_logprobs: list[list[float]] | None = None
     """Their log-probabilities, as top_ids."""
+    embedding: np.ndarray | None = None
+    """With embeddings_only: the prompt's vector (float32), on the final response."""
 
 
 def _code_name(status: str | None) -> str | None:
@@ -127,6 +129,7 @@ def parse_step(result) -> Step:
         final=final or bool(finish),
         top_ids=_rows(top_ids, int),
         top_logprobs=_rows(top_lps, float),
+        embedding=get("embeddings"),
     )
 
 

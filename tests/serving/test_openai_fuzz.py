@@ -29,7 +29,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # under pytest 9); the first test keeps this list equal to the document's.
 OPERATIONS = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/models/{name}"),
               ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
-              ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")]
+              ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/v1/embeddings")]
 EXAMPLES = 40
 
 
@@ -144,6 +144,10 @@ def test_answers_that_generate_match_the_document(api_schema, fuzzed_api):
              "max_output_tokens": 4, "stream": True},
             {"input": "hello", "max_output_tokens": 40, "tools": [FLAT_TOOL], "tool_choice": "required"},
             {"input": "hello", "max_output_tokens": 8, "text": {"format": {"type": "json_object"}}},
+        ],
+        "/v1/embeddings": [
+            {"input": ["hello", PROMPT]},
+            {"input": [[1, 2, 3]], "encoding_format": "base64"},
         ],
     }
     statuses = []

@@ -27,7 +27,7 @@ INPUT_DTYPES = {
     "return_num_cached_tokens": "BOOL", "stop": "BOOL", "apply_chat_template": "BOOL",
     "cache_salt": "BYTES", "return_stop_handle": "BOOL", "stop_handle": "BYTES",
     "guided_decoding_guide_type": "BYTES", "guided_decoding_guide": "BYTES", "return_top_log_probs": "INT32",
-    "lora_name": "BYTES", "priority": "INT32",
+    "lora_name": "BYTES", "priority": "INT32", "embeddings_only": "BOOL",
 }
 NP_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32,
              "BOOL": np.bool_, "INT64": np.int64, "FP64": np.float64}
@@ -65,6 +65,8 @@ class Response:
     top_log_prob_ids: np.ndarray | None = None
     stop_handle: str | None = None
     final: bool = False
+    embeddings: np.ndarray | None = None
+    """[1, hidden] FP32 as sent (embeddings_only)."""
 
 
 @dataclass
@@ -119,6 +121,7 @@ def _parse(result) -> Response:
     if lp is not None:
         r.log_probs = lp.astype(float).tolist()
     r.top_log_probs, r.top_log_prob_ids = result.as_numpy("top_log_probs"), result.as_numpy("top_log_prob_ids")
+    r.embeddings = result.as_numpy("embeddings")
     return r
 
 
