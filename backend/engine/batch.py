@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,11 +117,7 @@ class RaggedBatch:
             )
         lora = LoraRows.build([c.seq.params.lora_name for c in chunks], query_lens,
                               sample_rows if last_layer is not None else None)
-        pooled = np.repeat(np.fromiter((c.seq.pooling is not None for c in chunks), dtype=bool,
-                                       count=num_seqs)[samples], num_rows)
-        pool_rows = logit_rows = None
-        if pooled.any():
-            pool_rows, logit_rows = tensor(np.flatnonzero(pooled)), tensor(np.flatnonzero(~pooled))
+        pool_rows, logit_rows = _pooled_rows(chunks, samples, num_rows, tensor)
         return cls(
             input_ids=tensor(np.asarray(token_ids, dtype=np.int64)),
             positions=tensor(positions),
@@ -130,8 +127,7 @@ class RaggedBatch:
             seq_lens=seq_lens.tolist(),
             last_layer=last_layer,
             lora=lora,
-            pool_rows=pool_rows,
-            logit_rows=logit_rows,
+            pool_rows=pool_rows, logit_rows=logit_rows,
         )
 
 
@@ -140,6 +136,17 @@ def rows_read(chunk: ScheduledChunk) -> int:
     if chunk.seq.pooling == "mean":
         return chunk.num_tokens
     return 1 + chunk.num_draft_tokens if chunk.samples else 0
+
+
+def _pooled_rows(chunks: list[ScheduledChunk], reads: np.ndarray, num_rows: np.ndarray,
+                 tensor: Callable[[np.ndarray], torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Of the rows read (`num_rows` of each chunk in `reads`), those of embedding chunks and the
+    others; (None, None) when no chunk is an embedding's."""
+    pooled = np.fromiter((c.seq.pooling is not None for c in chunks), dtype=bool, count=len(chunks))[reads]
+    if not pooled.any():
+        return None, None
+    pooled = np.repeat(pooled, num_rows)
+    return tensor(np.flatnonzero(pooled)), tensor(np.flatnonzero(~pooled))
 
 
 def _start_loc(lengths: np.ndarray) -> np.ndarray:
