@@ -110,3 +110,23 @@ def test_embedding_bounds(engine):
 def test_embedding_pooling_setting_is_checked(tiny_llama):
     with pytest.raises(ValueError, match="embedding_pooling"):
         EngineConfig(tiny_llama, embedding_pooling="cls")
+
+
+def test_a_mean_pooled_prompt_recomputed_after_preemption_starts_its_sum_again():
+    """The Pooler on its own: a prompt's chunks add up to the mean of all its rows; when the
+    prompt is computed again from its first token (preempted, recomputed), the rows of the first
+    attempt no longer count."""
+    from splitfuse.engine.pooling import Pooler
+    from splitfuse.engine.scheduler import ScheduledChunk
+    from splitfuse.engine.sequence import Sequence
+
+    seq = Sequence("m", [1, 2, 3, 4], SamplingParams(embed=True), arrival=0, pooling="mean")
+    pooler = Pooler()
+    rows = torch.arange(16, dtype=torch.float32).view(4, 4)
+    assert pooler.take([ScheduledChunk(seq, 2)], rows[:2] + 100) == []  # the first attempt's rows
+    seq.num_computed_tokens = 0  # preempted: computed again from the start
+    assert pooler.take([ScheduledChunk(seq, 2)], rows[:2]) == []
+    seq.num_computed_tokens = 2
+    [(done, vector)] = pooler.take([ScheduledChunk(seq, 2)], rows[2:])
+    expected = torch.nn.functional.normalize(rows.mean(dim=0), dim=0).numpy()
+    assert done is seq and np.allclose(vector, expected)
