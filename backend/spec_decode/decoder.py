@@ -166,7 +166,8 @@ class SpeculativeDecoder:
     def propose_next(self, scheduler: Scheduler) -> list[Sequence]:
         """Proposals for the sequences the next step decodes, if it may speculate (else their
         old proposals are dropped); returns those sequences."""
-        decoding = [s for s in scheduler.running if s.num_uncomputed_tokens == 1]
+        # An embedding's last prompt token is no decode: it samples nothing to verify proposals.
+        decoding = [s for s in scheduler.running if s.num_uncomputed_tokens == 1 and s.pooling is None]
         if not scheduler.may_speculate(len(decoding)):
             for seq in decoding:
                 seq.draft_token_ids = []

@@ -130,3 +130,16 @@ def test_a_mean_pooled_prompt_recomputed_after_preemption_starts_its_sum_again()
     [(done, vector)] = pooler.take([ScheduledChunk(seq, 2)], rows[2:])
     expected = torch.nn.functional.normalize(rows.mean(dim=0), dim=0).numpy()
     assert done is seq and np.allclose(vector, expected)
+
+
+def test_speculation_proposes_nothing_for_an_embedding(tiny_llama):
+    """A repetitive prompt whose last chunk is one token (budget 16, 17 tokens) would get n-gram
+    proposals like a decode; an embedding takes none, so its vector is the prompt's own."""
+    prompt = [5, 6, 7] * 5 + [5, 6]
+    engine = LLMEngine(EngineConfig(tiny_llama, dtype="float32", token_budget=16, kv_cache_memory_gb=0.01,
+                                    speculative_method="ngram", num_speculative_tokens=4))
+    try:
+        out = run(engine, {"e": (prompt, SamplingParams(embed=True))})["e"]
+    finally:
+        engine.shutdown()
+    assert float(out.embedding @ hf_pooled(tiny_llama, prompt, "last")) >= 0.999
