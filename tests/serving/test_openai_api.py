@@ -414,6 +414,7 @@ def test_an_api_key_guards_every_route_but_health(keyed, served, tmp_path):
         # Every route, unknown paths too: a route mounted later is guarded without being listed.
         for path, body in (("/v1/models", None), ("/v1/chat/completions", chat),
                            ("/v1/chat/completions", {**chat, "stream": True}), ("/v2/models/llm", None),
+                           ("/v1/embeddings", {"model": keyed.model, "input": "hello"}),
                            ("/anything", None)):
             status, answer = _status(keyed.base_url + path, headers, body)
             assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, headers, answer)
