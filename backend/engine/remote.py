@@ -409,4 +409,4 @@ def _recv(conn: Connection) -> tuple | None:
 
 def _final(request_id: str, stream: wire.Stream, finish: str, error: str | None) -> RequestOutput:
     """The last output of a request whose engine is gone."""
-    return stream.apply((request_id, [], "", True, finish, error, None, None, 0, None, stream.text))
+    return stream.apply((request_id, [], "", True, finish, error, None, None, 0, None, stream.text, None))
