@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from splitfuse.openai_api import embeddings_route, lora_routes, openapi
@@ -37,6 +36,7 @@ from splitfuse.openai_api.choice_output import ChatChoiceOutput, CompletionChoic
 from splitfuse.openai_api.choices import run_choices
 from splitfuse.openai_api.logprobs import check_budget as check_logprob_budget
 from splitfuse.openai_api.config import ApiConfig
+from splitfuse.openai_api.http_errors import error_response, generation_http_error, install_error_handlers
 from splitfuse.openai_api.prompts import Prompts
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from splitfuse.openai_api.response_output import Echo, ResponseOutput, response_events
@@ -55,8 +55,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # the Rust core) releases the GIL, and two keep one huge prompt from delaying every other
 # request's tokenizing.
 TOKENIZE_THREADS = 2
-# What a client told to retry waits (seconds): the engine's queue moves within a few steps.
-RETRY_AFTER_S = 1
 # Seeds are UINT64: choice i of a seeded request samples with (seed + i) modulo this.
 SEED_MODULUS = 2**64
 
@@ -332,43 +330,6 @@ async def _watch_disconnect(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-def generation_http_error(e: GenerationError, guide_param: str | None = None) -> ApiError:
-    """How a Triton error reaches the HTTP client, by its gRPC status (not its words): 429 when
-    the engine is too busy to take the request now (OpenAI's rate-limit answer), 400 for what the
-    request asked (INVALID_ARGUMENT), 503 for everything else: the server's own faults, its
-    shutdown, a model not loaded. Both with Retry-After, which OpenAI's SDKs honour when they
-    retry (they retry 429 and 5xx, never 400). A guide `llm` refused (a schema xgrammar does
-    not compile) names the parameter it came from."""
-    if e.is_busy:
-        return ApiError(429, e.message, type_="rate_limit_error", code="rate_limit_exceeded",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
-    if e.is_client_error:
-        if guide_param is not None and "guided_decoding_guide" in e.message:
-            return ApiError(400, f"{guide_param}: the schema was refused: {e.message}", param=guide_param)
-        return ApiError(400, e.message)
-    return ApiError(503, e.message, type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def _install_errors(app: FastAPI) -> None:
-    """Every error in OpenAI's shape."""
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # No route (e.g. a model name with a newline, which the path converter does not match)
-        # or method: OpenAI's error shape too, not Starlette's {"detail": ...}.
-        message = (f"invalid URL ({request.method} {request.url.path})" if exc.status_code == 404
-                   else f"{exc.detail} ({request.method} {request.url.path})")
-        return _error_response(ApiError(exc.status_code, message, headers=exc.headers))
-
-
 def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
     """The ASGI application for `config` (run it with uvicorn, see `run`)."""
     server = OpenAIServer(config, tokenizer)
@@ -396,12 +357,12 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
                 return await server.stream(job, request)
             return JSONResponse(await server.complete(job, request))
         except GenerationError as e:
-            return _error_response(generation_http_error(e, job.guide_param))
+            return error_response(generation_http_error(e, job.guide_param))
         except ClientGone:
             log.info("%s: client disconnected; generation cancelled", job.meta.id)
             return JSONResponse({}, status_code=499)
 
-    _install_errors(app)
+    install_error_handlers(app)
     if config.api_key is not None:
         # Around the whole app: guards every route, those mounted later too (auth.OPEN_PATHS aside).
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -436,7 +397,7 @@ def build_app(config: ApiConfig, tokenizer: Any | None = None) -> FastAPI:
     @app.post("/v1/responses", **openapi.responses_route())
     async def responses(request: Request):
         return await run(server.responses_job, request)
-    embeddings_route.install(app, server, generation_http_error)
+    embeddings_route.install(app, server)
 
     return app
 

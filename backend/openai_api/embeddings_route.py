@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +17,7 @@ from splitfuse.openai_api import openapi
 from splitfuse.openai_api import responses as R
 from splitfuse.openai_api.body import decode_json, read_body
 from splitfuse.openai_api.embeddings import EmbeddingRequest, embedding_answer
+from splitfuse.openai_api.http_errors import error_response, generation_http_error
 from splitfuse.openai_api.protocol import ApiError, parse
 from splitfuse.openai_api.triton_llm import GenerationError, TritonLLM
 
@@ -53,8 +53,8 @@ async def _vectors(triton: TritonLLM, job_id: str, prompts: list[list[int]], mod
     return [t.result() for t in tasks]
 
 
-def install(app: FastAPI, server: OpenAIServer, http_error: Callable[[GenerationError], ApiError]) -> None:
-    """Add the route; `http_error` maps a Triton error to its HTTP answer (app.py's)."""
+def install(app: FastAPI, server: OpenAIServer) -> None:
+    """Add the route."""
 
     def prepare(raw: bytes) -> tuple[EmbeddingRequest, list[list[int]], dict]:
         """Parse, check the model and tokenize (in the tokenizing threads)."""
@@ -73,6 +73,5 @@ def install(app: FastAPI, server: OpenAIServer, http_error: Callable[[Generation
         try:
             vectors = await _vectors(server.triton, R.new_id("embd"), prompts, model)
         except GenerationError as e:
-            error = http_error(e)
-            return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+            return error_response(generation_http_error(e))
         return JSONResponse(embedding_answer(req, vectors, sum(len(ids) for ids in prompts)))

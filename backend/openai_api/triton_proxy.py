@@ -23,13 +23,13 @@ from yarl import URL
 
 from splitfuse.openai_api.body import read_body
 from splitfuse.openai_api.config import ApiConfig
+from splitfuse.openai_api.http_errors import RETRY_AFTER_S
 from splitfuse.openai_api.protocol import ApiError
 
 # Proxied requests at once (open streams included); one more gets a 503 before any work.
 MAX_IN_FLIGHT = 256
 # Seconds to get a connection to Triton; a generation may then take as long as it takes.
 CONNECT_TIMEOUT_S = 10.0
-RETRY_AFTER_S = 1
 METHODS = ("GET", "POST")
 # Headers of one hop only (RFC 9110 7.6.1): never passed on.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",

@@ -10,7 +10,8 @@ pytest.importorskip("fastapi", reason="fastapi is in the serve extra")
 
 from splitfuse.openai_api import responses as R  # noqa: E402
 from splitfuse.openai_api.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs  # noqa: E402
-from splitfuse.openai_api.app import generation_http_error, sampling_inputs  # noqa: E402
+from splitfuse.openai_api.app import sampling_inputs  # noqa: E402
+from splitfuse.openai_api.http_errors import generation_http_error  # noqa: E402
 from splitfuse.openai_api.body import DEFAULT_MAX_BODY_BYTES, decode_json, default_body_limit  # noqa: E402
 from splitfuse.openai_api.prompts import Prompts  # noqa: E402
 from splitfuse.openai_api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse  # noqa: E402
