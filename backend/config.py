@@ -154,6 +154,8 @@ class EngineConfig(_FromStrings):
     tensor_parallel_timeout_s: float = 30.0
     """Longest wait on another rank in a step's collective: a rank that died or hangs fails the
     engine within about this long instead of wedging it."""
+    pipeline_parallel_size: int = 1
+    """Stages, each holding a contiguous range of the layers (on tensor_parallel_size ranks); 1 = off."""
     seed: int = 0
     """Seed for requests that give none."""
     guide_compile_timeout_s: float = GrammarLimits.compile_timeout_s
@@ -208,8 +210,8 @@ class EngineConfig(_FromStrings):
         if self.quantization in BLOCK_QUANTIZATIONS:
             # The packed blocks are whole rows of the file's tensors (not sharded) multiplying
             # float32 activations.
-            if self.tensor_parallel_size > 1:
-                raise ValueError(f"quantization={self.quantization!r} cannot be combined with tensor_parallel_size > 1")
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+                raise ValueError(f"quantization={self.quantization!r} cannot run with tensor/pipeline_parallel_size>1")
             if self.dtype not in ("auto", "float32"):
                 raise ValueError(f"quantization={self.quantization!r} runs float32 activations: dtype must be auto or "
                                  f"float32, got {self.dtype!r}")
@@ -234,6 +236,9 @@ class EngineConfig(_FromStrings):
         if not (isinstance(self.tensor_parallel_timeout_s, (int, float)) and 0 < self.tensor_parallel_timeout_s < 1e6):
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got "
                              f"{self.tensor_parallel_timeout_s!r}")
+        _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.pipeline_parallel_size > 1 and (self.lora_modules or self.speculative_method == "draft"):
+            raise ValueError("pipeline_parallel_size > 1 is not built with lora_modules or speculative_method=draft")
         _check_positive("max_pending_guides", self.max_pending_guides)
         for name in ("guide_compile_timeout_s", "grammar_cache_mb", "grammar_step_budget_ms"):
             value = getattr(self, name)
@@ -246,9 +251,9 @@ class EngineConfig(_FromStrings):
         _check_positive("kv_cache_replicas", self.kv_cache_replicas)
         if gb == "auto":
             # Both size a second pool or shard before this replica's weights are measured.
-            if self.tensor_parallel_size > 1 or self.speculative_method == "draft":
-                raise ValueError("kv_cache_memory_gb=auto cannot be combined with tensor_parallel_size > 1 or "
-                                 "speculative_method=draft; give kv_cache_memory_gb in GiB")
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1 or self.speculative_method == "draft":
+                raise ValueError("kv_cache_memory_gb=auto cannot be combined with tensor_parallel_size or pipeline_"
+                                 "parallel_size > 1 or speculative_method=draft; give kv_cache_memory_gb in GiB")
         elif isinstance(gb, str) or isinstance(gb, bool) or not gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be a number of GiB > 0 or auto, got {gb!r}")
 

@@ -23,8 +23,10 @@ from splitfuse.lora.adapter import TARGETS, BaseShape, LoraAdapter
 from splitfuse.lora.batching import LoraProjection, LoraState
 from splitfuse.lora.registry import LoraRegistry
 from splitfuse.models.args import ModelArgs
+from splitfuse.models.layer_range import LayerRange, split_layers
 from splitfuse.models.loader import load_model, log_load, read_hf_config
 from splitfuse.parallel.group import RankGroup, rank_device
+from splitfuse.parallel.pipeline import StageLink
 from splitfuse.parallel.sharding import Sharder, local_args
 from splitfuse.engine.batch import RaggedBatch
 from splitfuse.engine.quantization import resolve_quantization
@@ -69,17 +71,18 @@ def resolve_dtype(name: str, args: ModelArgs, device: torch.device, quantization
 
 def threads_per_rank(config: EngineConfig) -> int:
     """CPU threads of one rank: `num_threads` (or the cores this process may use) divided among
-    the tensor-parallel ranks of this machine."""
-    if config.tensor_parallel_size == 1:
+    the ranks (tensor-parallel ranks times pipeline stages) of this machine."""
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    if ranks == 1:
         return config.num_threads or min(torch.get_num_threads(), available_cpus())
     total = config.num_threads or available_cpus()
-    return max(1, total // config.tensor_parallel_size)
+    return max(1, total // ranks)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
-        """`group` is given on tensor-parallel ranks 1..N-1 (parallel/worker.py); the engine's
-        runner, rank 0, starts the group itself when `tensor_parallel_size` > 1."""
+        """`group` is given on ranks 1..N-1 (parallel/worker.py); the engine's runner, rank 0,
+        starts the group itself when `tensor_parallel_size` or `pipeline_parallel_size` > 1."""
         self.config = config
         # Also on this thread's OpenMP setting, which the C++ kernels' parallel regions read
         # (torch passes its own count to each of its regions); the engine steps on the thread
@@ -87,12 +90,17 @@ class ModelRunner:
         torch.set_num_threads(threads_per_rank(config))
         self.hf_config = read_hf_config(config.model)
         full_args = ModelArgs.from_hf_config(self.hf_config)
-        world_size = config.tensor_parallel_size
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        rank = group.rank if group is not None else 0
         # A tensor-parallel rank builds its own heads, KV heads and MLP share (parallel/sharding.py).
-        self.args = local_args(full_args, world_size) if world_size > 1 else full_args
+        self.args = local_args(full_args, tp) if tp > 1 else full_args
+        # A pipeline stage builds its own range of layers and their KV cache (models/layer_range.py).
+        stages = split_layers(full_args.num_layers, pp, full_args.tie_word_embeddings)
+        self.layers: LayerRange = stages[rank // tp]
+        self._kv_layers = max(r.end - r.first for r in stages)  # the same block count fits every stage
         self.device = resolve_device(config.device)
-        if world_size > 1:
-            self.device = rank_device(self.device, group.rank if group is not None else 0)
+        if tp * pp > 1:
+            self.device = rank_device(self.device, rank)
         if self.device.type == "cpu":
             # SiLU/exp on denormal floats is ~20x slower on x86; flushing them to zero changes
             # nothing at the precision that matters (values below 1e-38). A per-thread setting:
@@ -115,15 +123,16 @@ class ModelRunner:
         self.pooled_hidden: torch.Tensor | None = None
         """The last step's embedding rows' final hidden states (RaggedBatch.pool_rows), float32."""
         self.leader = None
-        if world_size > 1 and group is None:
+        if tp * pp > 1 and group is None:
             from splitfuse.parallel.leader import Leader
 
             # The other ranks build from rank 0's config, with the KV block count it decided.
             self.leader = Leader(dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks), self.device)
             group = self.leader.group
         elif group is not None:
-            group.open_compute(self.device, config.tensor_parallel_timeout_s)
+            group.open_compute(self.device, config.tensor_parallel_timeout_s, tp)
         self.group = group
+        self.pipe = StageLink(group, config.tensor_parallel_timeout_s) if pp > 1 else None
         try:
             self._load(full_args)
         except BaseException as e:
@@ -132,12 +141,13 @@ class ModelRunner:
             raise
 
     def _load(self, full_args: ModelArgs) -> None:
-        config, group = self.config, self.group
-        shard = Sharder(full_args, group.rank, group.world_size) if group is not None else None
+        config, group, tp = self.config, self.group, self.config.tensor_parallel_size
+        shard = Sharder(full_args, group.tp_rank, tp) if tp > 1 else None
         started = time.perf_counter()
         self.model = load_model(config.model, self.args, self.kernels, self.dtype, self.device, shard=shard,
-                                all_reduce=group.all_reduce if group is not None else None,
-                                quantization=self.quantization)
+                                all_reduce=group.all_reduce if tp > 1 else None, quantization=self.quantization,
+                                layers=self.layers if self.layers.end - self.layers.first < full_args.num_layers
+                                else None)
         self._attach_lora()
         self.model.prepare_linears(self.linear_backend, self.quantization)
         release_freed_memory()  # packing's temporaries, before the KV pool is allocated
@@ -166,7 +176,8 @@ class ModelRunner:
         shape = self.kernels.attention.cache_shape(self.num_kv_blocks, config.block_size, self.args.num_kv_heads,
                                                    self.args.head_dim, self.kv_cache_dtype)
         # Zeroed so padded block slots read by batched kernels are finite.
-        self.kv_caches = [(self._zeroed_cache(shape), self._zeroed_cache(shape)) for _ in range(self.args.num_layers)]
+        self.kv_caches = [(self._zeroed_cache(shape), self._zeroed_cache(shape))
+                          for _ in range(self.layers.end - self.layers.first)]
         if not config.fused_decoder:
             why = "fused_decoder=false"
         else:
@@ -221,7 +232,7 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         shape = self.kernels.attention.cache_shape(1, self.config.block_size, a.num_kv_heads, a.head_dim,
                                                    self.kv_cache_dtype)
-        return 2 * a.num_layers * math.prod(shape) * itemsize
+        return 2 * self._kv_layers * math.prod(shape) * itemsize
 
     def _size_kv_cache(self) -> None:
         self.num_kv_blocks = self._num_kv_blocks()
@@ -284,6 +295,8 @@ class ModelRunner:
 
     def _execute(self, batch: RaggedBatch) -> torch.Tensor:
         hidden = self.forward_hidden(batch)
+        if not self.layers.has_head:  # a pipeline's first stage: the last one computes the logits
+            return self.pipe.recv_logits(batch.sample_rows.numel(), self.args.vocab_size, self.device)
         self.pooled_hidden = None
         if batch.pool_rows is not None:
             # Embedding rows are pooled, not sampled: kept (float32) for the engine, no logits.
@@ -294,9 +307,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
+    def run_stage(self, batch: RaggedBatch) -> None:
+        """What ranks 1..N-1 run each step: their part of the forward pass; the last pipeline
+        stage's first tensor-parallel rank sends the logits back to rank 0."""
+        hidden = self.forward_hidden(batch)
+        if self.pipe is not None and self.layers.has_head and self.group.tp_rank == 0:
+            self.pipe.send_logits(self.model.compute_logits(hidden).float())
+
+    @torch.inference_mode()
     def forward_hidden(self, batch: RaggedBatch) -> torch.Tensor:
-        """Hidden states of the sample rows (what ranks 1..N-1 run too: only rank 0 computes
-        logits). The last layer writes every row's K/V and computes nothing else for the rest."""
+        """Hidden states of the sample rows (tensor parallelism: every rank runs it, only rank 0
+        computes logits). The last layer writes every row's K/V and computes nothing else for
+        the rest. A pipeline stage takes its input from the previous stage and, before the last,
+        sends its output (every row's) to the next."""
         attention, kv_heads = self.kernels.attention, self.args.num_kv_heads
         attention.prepare(batch.attn, batch.query_lens, batch.seq_lens, kv_heads)
         if self.lora_state is not None:
@@ -305,10 +328,17 @@ class ModelRunner:
         elif batch.lora is not None:
             raise ValueError(f"LoRA adapters {batch.lora.names} requested but this model serves none")
         keep = None
-        if (last := batch.last_layer) is not None:
+        if (last := batch.last_layer) is not None and self.layers.has_head:
             attention.prepare(last.attn, last.query_lens, last.seq_lens, kv_heads)
             keep = (batch.sample_rows, last.attn)
-        return self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin, keep=keep)
+        hidden = None
+        if not self.layers.has_embedding:
+            hidden = self.pipe.recv_hidden(batch.num_tokens, self.args.hidden_size, self.dtype, self.device)
+        out = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.cos, self.sin, keep=keep,
+                         hidden=hidden)
+        if not self.layers.has_head:
+            self.pipe.send_hidden(out)
+        return out
 
     def acquire_adapters(self, names: list[str]) -> dict[str, Exception]:
         """Make the next step's LoRA adapters resident, each on its own: one that cannot be read

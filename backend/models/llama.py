@@ -183,11 +183,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor,
-                keep: Keep | None = None) -> torch.Tensor:
+                keep: Keep | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of every token of the ragged batch; with `keep` = (rows,
         their attention metadata), [len(rows), hidden] of those rows: the last layer computes
-        nothing else (every row's K/V is still written)."""
-        h = self.model.embed_tokens(input_ids)
+        nothing else (every row's K/V is still written). A pipeline stage after the first takes
+        the previous stage's output as `hidden`; one before the last (no final norm) returns
+        its last layer's output and residual summed, the next layer's input."""
+        h = self.model.embed_tokens(input_ids) if hidden is None else hidden
         residual = None
         last = len(self.model.layers) - 1
         start = 0
@@ -218,6 +220,8 @@ class LlamaForCausalLM(nn.Module):
                                                keep if i == last else None)
         if h.shape[0] == 0:
             return h
+        if self.model.norm is None:
+            return h + residual
         h, _ = self.model.norm(h, residual)
         return h
 
@@ -337,7 +341,9 @@ class LlamaForCausalLM(nn.Module):
         # The embedding on blocks frees its float table, unless a tied head still multiplies that
         # table (its kernel then has no blocks of its own). A tied head's packed blocks are the
         # table's own: the embedding may look its rows up there instead of making a second copy.
-        embedding, head = self.model.embed_tokens, self.lm_head.kernel
+        embedding, head = self.model.embed_tokens, self.lm_head.kernel if self.lm_head is not None else None
+        if embedding is None:  # a pipeline stage after the first (and without a tied head)
+            return
         tied_blocks = isinstance(head, CpuQ4Linear) and self.args.tie_word_embeddings
         if (embedding.prepare(head_quantization, head.packed if tied_blocks else None)
                 and (tied_blocks or not self.args.tie_word_embeddings)):

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from splitfuse.models.args import ModelArgs
 from splitfuse.models.gguf_checkpoint import gguf_source
 from splitfuse.models.gguf_loader import AllReduce, Shard, load_gguf
+from splitfuse.models.layer_range import LayerRange
 from splitfuse.models.llama import LlamaForCausalLM
 from splitfuse.models.registry import causal_lm_class
 from splitfuse.models.weight_load import check_loaded, load_one
@@ -42,20 +43,25 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, device: torch.device,
                shard: Shard | None = None, all_reduce: AllReduce | None = None,
-               quantization: str = "none") -> LlamaForCausalLM:
+               quantization: str = "none", layers: LayerRange | None = None) -> LlamaForCausalLM:
     """Build the model and read its weights. For a tensor-parallel rank, `args` carries the rank's
     local sizes, `shard` cuts each checkpoint tensor to the rank's part and `all_reduce` sums the
     row-parallel partial outputs across ranks. `quantization` (EngineConfig's): under "gguf" /
     "gguf-exact" the projections a GGUF file stores in packed block types are not read as floats
-    at all (their blocks are, by prepare_linears)."""
+    at all (their blocks are, by prepare_linears). A pipeline stage's `layers` is the part of
+    the model it builds and reads."""
     with torch.device("meta"):
         model = causal_lm_class(args)(args, ops, all_reduce)
+    if layers is not None:
+        layers.cut(model)
     source = gguf_source(path)
     if source is not None:
+        if layers is not None:
+            raise ValueError("pipeline_parallel_size > 1 does not read GGUF files (not built): convert to safetensors")
         load_gguf(model, source, dtype, device, shard, quantization)
         return model.eval()
     model = model.to_empty(device=device).to(dtype)
-    if args.tie_word_embeddings:
+    if args.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
     # A model class may name checkpoint tensors its own way, or skip some (None): Gemma 3's
@@ -66,6 +72,8 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 name = key if rename is None else rename(key)
+                if name is not None and layers is not None:
+                    name = layers.checkpoint_name(name)
                 if name is None or "rotary_emb.inv_freq" in name:
                     continue
                 if name == "lm_head.weight" and args.tie_word_embeddings:

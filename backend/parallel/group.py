@@ -1,8 +1,12 @@
-"""One tensor-parallel group over torch.distributed: rendezvous, the all-reduce, step messages.
+"""The ranks of one engine over torch.distributed: rendezvous, the all-reduce, step messages.
 
-Two process groups over the same ranks:
-* `compute` (gloo on CPU, NCCL on CUDA) carries the layers' all-reduces, with the engine's
-  `tensor_parallel_timeout_s`: a rank that died or hangs turns into an error within that bound.
+The ranks form a grid of pipeline stages by tensor-parallel ranks: rank = stage * tp_size +
+tp_rank; rank 0 (stage 0) runs the engine. Process groups:
+* `compute` (gloo on CPU, NCCL on CUDA), one per stage over its tp_size ranks, carries the
+  layers' all-reduces, with the engine's `tensor_parallel_timeout_s`: a rank that died or hangs
+  turns into an error within that bound.
+* `p2p` (same backend and bound, every rank; with more than one stage) carries the hidden states
+  from stage to stage and the logits back to rank 0 (parallel/pipeline.py).
 * the default group (gloo, CPU) carries rank 0's step messages (pickled objects). Between steps
   the other ranks wait on it for as long as the server is idle, so its timeout is long; they
   leave when rank 0's connection closes (or, when spawned, when their parent dies).
@@ -33,16 +37,36 @@ _ARRIVED_KEY = "splitfuse/arrived/{}"
 class RankGroup:
     rank: int
     world_size: int
-    compute: Any = None  # the all-reduce process group (`open_compute`)
+    compute: Any = None  # this stage's all-reduce process group (`open_compute`)
+    p2p: Any = None  # the stage-to-stage process group (`open_compute`, with more than one stage)
+    tp_size: int = 0
+    """Ranks per pipeline stage (`open_compute`; until then all of them)."""
     all_reduce_s: float = 0.0
     """Time spent in all-reduces (moving data, and waiting for the slowest rank), for benchmarks."""
     all_reduce_calls: int = 0
 
-    def open_compute(self, device: torch.device, timeout_s: float) -> None:
-        """Build the all-reduce group (collective: every rank calls it, once it knows the config)."""
+    @property
+    def stage(self) -> int:
+        return self.rank // (self.tp_size or self.world_size)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % (self.tp_size or self.world_size)
+
+    def open_compute(self, device: torch.device, timeout_s: float, tp_size: int | None = None) -> None:
+        """Build the stages' all-reduce groups of `tp_size` ranks each (default: one stage) and,
+        with more than one stage, the stage-to-stage group. Collective: every rank calls it, once
+        it knows the config, and creates every group in the same order (keeping its own)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
-        self.compute = dist.new_group(list(range(self.world_size)), timeout=timedelta(seconds=timeout_s),
-                                      backend=backend)
+        timeout = timedelta(seconds=timeout_s)
+        self.tp_size = tp_size or self.world_size
+        for stage in range(self.world_size // self.tp_size):
+            ranks = list(range(stage * self.tp_size, (stage + 1) * self.tp_size))
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if stage == self.stage:
+                self.compute = group
+        if self.tp_size < self.world_size:
+            self.p2p = dist.new_group(list(range(self.world_size)), timeout=timeout, backend=backend)
 
     def barrier(self) -> None:
         dist.barrier()
@@ -87,7 +111,7 @@ def join(rank: int, world_size: int, master_addr: str, master_port: int, startup
     `startup_timeout_s`."""
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group "
-                           "(one tensor-parallel engine per process)")
+                           "(one parallel engine per process)")
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
                           timeout=timedelta(seconds=startup_timeout_s), wait_for_workers=False)
     store.set(_ARRIVED_KEY.format(rank), "1")
@@ -105,7 +129,7 @@ def _wait_for_ranks(store, world_size: int, timeout_s: float, check: Callable[[]
             check()
         time.sleep(0.05)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"tensor parallelism: not every rank of {world_size} joined within {timeout_s:.0f} s")
+            raise TimeoutError(f"parallel ranks: not every rank of {world_size} joined within {timeout_s:.0f} s")
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

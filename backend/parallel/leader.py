@@ -1,11 +1,12 @@
-"""Rank 0's side of tensor parallelism: starting the other ranks, sending them each step,
-noticing when one of them died or hangs, and stopping them.
+"""Rank 0's side of tensor and pipeline parallelism: starting the other ranks, sending them
+each step, noticing when one of them died or hangs, and stopping them.
 
 The engine (scheduler, block manager, sampler) runs on rank 0 only. Each step rank 0 sends
-the step's batch, then every rank runs its shard of the forward pass; the all-reduces inside
-it are bounded by `tensor_parallel_timeout_s`. Any failure there leaves the ranks out of step
-for good, so it is fatal: the other ranks are killed and `FatalEngineError` is raised (and
-raised again by every later step).
+the step's batch to every rank, then every rank runs its part of the forward pass (its shard of
+its stage's layers); the all-reduces and stage-to-stage transfers inside it are bounded by
+`tensor_parallel_timeout_s`. Any failure there leaves the ranks out of step for good, so it is
+fatal: the other ranks are killed and `FatalEngineError` is raised (and raised again by every
+later step).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ _STOP_GRACE_S = 5.0
 
 
 class RankFailedError(FatalEngineError):
-    """A tensor-parallel rank died, hangs, or its collective failed."""
+    """A rank died, hangs, or its collective or transfer failed."""
 
 
 class Leader:
@@ -39,7 +40,10 @@ class Leader:
         """Start (spawn) or meet (env) the other ranks, send them `config` (rank 0's, with the
         KV block count resolved, so every rank builds the same cache) and build the all-reduce
         group."""
-        self.world_size = config.tensor_parallel_size
+        self.tp_size = config.tensor_parallel_size
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        # The failure messages' name for the group (tests and operators grep for it).
+        self.kind = "tensor-parallel" if config.pipeline_parallel_size == 1 else "pipeline-parallel"
         self.timeout_s = config.tensor_parallel_timeout_s
         self.processes: list[subprocess.Popen] = []
         self.failure: str | None = None
@@ -55,7 +59,7 @@ class Leader:
         try:
             self.group = join(0, self.world_size, addr, port, check=self.check_alive)
             self.group.broadcast(config)
-            self.group.open_compute(device, config.tensor_parallel_timeout_s)
+            self.group.open_compute(device, config.tensor_parallel_timeout_s, self.tp_size)
         except BaseException:
             self._kill_workers()
             if self.group is not None:
@@ -81,20 +85,24 @@ class Leader:
         """Raise RankFailedError when a spawned rank has exited."""
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
-                raise RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                raise RankFailedError(f"{self.kind} {self._name(rank)} (pid {process.pid}) exited with code "
                                       f"{process.returncode}")
+
+    def _name(self, rank: int) -> str:
+        """"rank r", with its pipeline stage when there are several."""
+        return f"rank {rank}" + (f" (stage {rank // self.tp_size})" if self.tp_size < self.world_size else "")
 
     def _fail(self, error: BaseException) -> None:
         # A rank killed mid-step shows up at rank 0 as a closed connection; give its exit a
         # moment to be recorded so the message names it.
         for process in self.processes:
             _wait(process, 0.5)
-        exited = [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
+        exited = [f"{self._name(r)} (pid {p.pid}) exited with code {p.returncode}"
                   for r, p in enumerate(self.processes, start=1) if p.poll() is not None]
         # gloo's messages go on with generic advice after their first sentence.
         first_line = str(error).splitlines()[0].split(" This is typically")[0] if str(error) else ""
         cause = f"{type(error).__name__}: {first_line}"
-        self.failure = (f"tensor-parallel group failed (a rank died, or gave no answer within "
+        self.failure = (f"{self.kind} group failed (a rank died, or gave no answer within "
                         f"tensor_parallel_timeout_s={self.timeout_s:g} s): "
                         + ("; ".join(exited) + "; " if exited else "") + cause)[:500]
         log.error("splitfuse: %s; stopping the other ranks", self.failure)
@@ -110,7 +118,7 @@ class Leader:
             try:
                 self.group.broadcast(StepMessage("stop"), self.timeout_s)
             except Exception:
-                log.exception("splitfuse: could not send stop to the tensor-parallel ranks")
+                log.exception("splitfuse: could not send stop to the %s ranks", self.kind)
         for process in self.processes:
             _wait(process, _STOP_GRACE_S)
         self._kill_workers()
@@ -163,5 +171,6 @@ def _env_rendezvous(world_size: int) -> tuple[str, int]:
         raise ValueError(f"the engine runs on rank 0; RANK={os.environ['RANK']} should run "
                          "`python -m splitfuse.parallel.worker`")
     if int(os.environ["WORLD_SIZE"]) != world_size:
-        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} != tensor_parallel_size={world_size}")
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} != tensor_parallel_size x pipeline_parallel_size "
+                         f"= {world_size}")
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

@@ -1,5 +1,6 @@
-"""Ranks 1..N-1 of a tensor-parallel group: take rank 0's config, load this rank's shard of the
-weights and KV cache, then run the forward pass of every step rank 0 sends, until told to stop.
+"""Ranks 1..N-1 of a tensor- and/or pipeline-parallel group: take rank 0's config, load this
+rank's part of the weights (its stage's layers, its shard of them) and KV cache, then run its
+part of the forward pass of every step rank 0 sends, until told to stop.
 
 Started by the engine (one process per rank on this machine, which also sets
 SPLITFUSE_PARENT_PID so the rank leaves with it), or apart, e.g. by torchrun on other machines:
@@ -31,13 +32,14 @@ def serve(rank: int, world_size: int, addr: str, port: int) -> int:
     group = join(rank, world_size, addr, port)
     config = group.broadcast()
     runner = ModelRunner(config, group=group)  # opens the all-reduce group, loads the shard, meets the others
-    log.info("splitfuse: tensor-parallel rank %d/%d ready (threads=%d)", rank, world_size, torch.get_num_threads())
+    log.info("splitfuse: parallel rank %d/%d (pipeline stage %d) ready (threads=%d)", rank, world_size,
+             group.stage, torch.get_num_threads())
     while True:
         message: StepMessage = group.broadcast()
         if message.kind == "stop":
             group.destroy()
             return 0
-        runner.forward_hidden(to_device(message.batch, runner.device))
+        runner.run_stage(to_device(message.batch, runner.device))
 
 
 def _exit_with_parent(parent_pid: int) -> None:
