@@ -33,6 +33,10 @@ IDLE_TIMEOUT = timedelta(days=365)
 _ARRIVED_KEY = "splitfuse/arrived/{}"
 
 
+class StepSendError(RuntimeError):
+    """Rank 0 could not hand a step message to a rank within the bound (it hangs or is gone)."""
+
+
 @dataclass
 class RankGroup:
     rank: int
@@ -47,7 +51,7 @@ class RankGroup:
 
     @property
     def stage(self) -> int:
-        return self.rank // (self.tp_size or self.world_size)
+        return self.stage_of(self.rank)
 
     @property
     def tp_rank(self) -> int:
@@ -80,24 +84,35 @@ class RankGroup:
         return t
 
     def broadcast(self, obj: Any = None, timeout_s: float | None = None) -> Any:
-        """Rank 0's `obj`, on every rank (pickled over the default group). On rank 0 the send
-        waits at most `timeout_s` (a gloo send waits for the receiver, so a hung rank would
-        otherwise hold it for the group's long idle timeout); the others wait for it unbounded."""
+        """Rank 0's `obj`, on every rank (pickled, sent to each rank point to point over the
+        default group). On rank 0 the sends wait at most `timeout_s` (a gloo send waits for the
+        receiver, so a hung rank would otherwise hold it for the group's long idle timeout), and
+        one that runs out names its rank; the others wait for it unbounded."""
         if self.rank != 0:
             size = torch.zeros(1, dtype=torch.int64)
-            dist.broadcast(size, src=0)
+            dist.recv(size, src=0)
             data = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.broadcast(data, src=0)
+            dist.recv(data, src=0)
             return pickle.loads(data.numpy().tobytes())
         payload = pickle.dumps(obj)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        for tensor in (torch.tensor([data.numel()], dtype=torch.int64), data):
-            work = dist.broadcast(tensor, src=0, async_op=True)
-            if timeout_s is None:
-                work.wait()
-            else:
-                work.wait(timedelta(seconds=timeout_s))
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sends = [(r, dist.isend(t, r)) for r in range(1, self.world_size) for t in (size, data)]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for r, work in sends:
+            try:
+                if deadline is None:
+                    work.wait()
+                else:
+                    work.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            except Exception as e:
+                several = self.tp_size and self.tp_size < self.world_size
+                stage = f" (pipeline stage {self.stage_of(r)})" if several else ""
+                raise StepSendError(f"rank {r}{stage} took no step message within {timeout_s:g} s") from e
         return obj
+
+    def stage_of(self, rank: int) -> int:
+        return rank // (self.tp_size or self.world_size)
 
     def destroy(self) -> None:
         if dist.is_initialized():

@@ -1,0 +1,149 @@
+"""Pipeline stages as processes: a stage that dies or hangs fails the engine with an error naming
+its stage and rank within `tensor_parallel_timeout_s`, never a hang, and no rank outlives the
+engine; the configurations not built are refused before any rank starts; pp=2 x tp=2 (four
+ranks) gives one rank's tokens.
+
+The bounds below are liveness checks (the error comes at all, instead of a wedged engine), set
+at several times the configured timeout; they say nothing about speed."""
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from splitfuse import LLMEngine, SamplingParams
+from splitfuse.config import EngineConfig
+from splitfuse.engine.loop import EngineFailedError, EngineLoop
+from splitfuse.errors import FatalEngineError
+from test_tensor_parallel_ranks import _alive, _worker_pids
+
+TIMEOUT_S = 5.0
+BOUND_S = 4 * TIMEOUT_S + 10
+
+
+def _config(path: str, **overrides) -> EngineConfig:
+    values = dict(dtype="float32", pipeline_parallel_size=2, num_kv_blocks=256, block_size=4,
+                  tensor_parallel_timeout_s=TIMEOUT_S, num_threads=2)
+    return EngineConfig(model=path, **(values | overrides))
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"g{i}", p, SamplingParams(max_tokens=6, temperature=0.0))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    return [tokens[f"g{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.slow  # starts rank processes
+def test_killed_stage_fails_the_served_engine_and_every_request(tiny_llama):
+    """SIGKILL the second stage's rank mid-generation under EngineLoop (what the Triton model
+    runs): every request ends with an error naming the rank and its stage, the loop is broken and
+    no process is left once it shuts down."""
+    loop = EngineLoop(_config(tiny_llama))
+    loop.start()
+    worker = loop.engine.runner.leader.processes[0]
+    finals: dict[str, object] = {}
+    first_token = threading.Event()
+    done = threading.Event()
+
+    def on_output(out):
+        if out.delta_token_ids:
+            first_token.set()
+        if out.finished:
+            finals[out.request_id] = out
+            if len(finals) == 3:
+                done.set()
+
+    for i in range(3):
+        loop.submit(f"r{i}", [1, 5 + i, 9, 13], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                    on_output)
+    assert first_token.wait(60)
+    os.kill(worker.pid, signal.SIGKILL)
+    assert done.wait(BOUND_S), "requests still pending after a stage was killed"
+    for out in finals.values():
+        assert out.finish_reason == "error"
+        assert "rank 1 (stage 1)" in out.error and "exited with code -9" in out.error, out.error
+    assert loop.failure is not None and "pipeline-parallel group failed" in loop.failure
+    with pytest.raises(EngineFailedError):
+        loop.submit("late", [1, 2, 3], SamplingParams(max_tokens=2), on_output)
+    loop.shutdown(timeout=BOUND_S)
+    assert not _worker_pids()
+
+
+@pytest.mark.slow  # starts rank processes
+def test_hung_stage_fails_the_step_within_the_timeout(tiny_llama):
+    """The second stage stops answering (SIGSTOP): the step fails when rank 0's send of the step
+    to it runs out of time, naming its rank and stage; later steps fail at once; shutdown leaves
+    no process behind."""
+    engine = LLMEngine(_config(tiny_llama))
+    worker = engine.runner.leader.processes[0]
+    engine.add_request("a", [1, 7, 8, 9], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.step()
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        result: dict = {}
+
+        def step():
+            try:
+                engine.step()
+            except BaseException as e:
+                result["error"] = e
+
+        thread = threading.Thread(target=step, daemon=True)
+        thread.start()
+        thread.join(BOUND_S)
+        assert not thread.is_alive(), "a step with a hung stage did not end"
+        assert isinstance(result.get("error"), FatalEngineError), result
+        message = str(result["error"])
+        assert "pipeline-parallel group failed" in message
+        assert "rank 1 (pipeline stage 1) took no step message within 5 s" in message, message
+        with pytest.raises(FatalEngineError):
+            engine.step()
+    finally:
+        if _alive(worker.pid):
+            os.kill(worker.pid, signal.SIGCONT)
+    engine.shutdown()
+    assert not _alive(worker.pid) and not _worker_pids()
+
+
+@pytest.mark.slow  # four rank processes
+def test_two_stages_of_two_ranks_match_one_rank(tiny_model_factory):
+    """pp=2 x tp=2: each stage's all-reduces within its own two ranks, hidden states from each
+    tensor-parallel rank to its peer in the next stage; greedy tokens equal one rank's."""
+    path = tiny_model_factory("llama", num_hidden_layers=3)
+    vocab = json.loads(open(f"{path}/config.json").read())["vocab_size"]
+    prompts = [[1, 5, 9], [1, 17, 30, 44, 2, 3], [1] + [(7 * i) % (vocab - 3) + 3 for i in range(30)]]
+    grid = LLMEngine(_config(path, tensor_parallel_size=2, token_budget=16, num_threads=1))
+    try:
+        group = grid.runner.group
+        assert (group.world_size, group.tp_size, group.stage, group.tp_rank) == (4, 2, 0, 0)
+        four = _greedy(grid, prompts)
+    finally:
+        grid.shutdown()
+    assert not _worker_pids()
+    one = _greedy(LLMEngine(_config(path, pipeline_parallel_size=1, token_budget=16, num_threads=1)), prompts)
+    assert four == one
+
+
+def test_more_stages_than_layers_are_refused_before_any_rank_starts(tiny_llama):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
+        LLMEngine(_config(tiny_llama, pipeline_parallel_size=3))
+    assert not _worker_pids()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be"),
+    (dict(lora_modules="a=/nowhere"), "not built with lora_modules"),
+    (dict(speculative_method="draft", speculative_model="/nowhere"), "not built with .*speculative_method=draft"),
+    (dict(kv_cache_memory_gb="auto"), "kv_cache_memory_gb=auto cannot be combined with .*pipeline_parallel_size"),
+    (dict(quantization="q4_0"), "quantization='q4_0' cannot run with tensor/pipeline_parallel_size>1"),
+])
+def test_config_refuses_what_pipeline_parallelism_does_not_build(tiny_llama, bad, match):
+    with pytest.raises(ValueError, match=match):
+        _config(tiny_llama, **bad)
