@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from splitfuse.config import EngineConfig
 from splitfuse.engine.batch import RaggedBatch
+from splitfuse.engine.micro_batches import MicroBatches
 from splitfuse.engine.block_manager import BlockManager
 from splitfuse.engine.detokenizer import IncrementalDetokenizer
 from splitfuse.engine.lora_control import LoraControl
@@ -50,8 +51,9 @@ class StepPlan:
     """One step as `schedule` decided it, for `execute` to run."""
 
     decision: SchedulerOutput
-    batch: RaggedBatch | None
-    """The step's batch; None when it runs no forward pass."""
+    batch: RaggedBatch | MicroBatches | None
+    """The step's batch (cut into one micro-batch per pipeline stage with pipeline parallelism);
+    None when it runs no forward pass."""
     failed: list[RequestOutput]
     """Final outputs of requests that left the step (their LoRA adapter failed to load)."""
     start: float
@@ -211,7 +213,10 @@ class LLMEngine:
                 self.speculation.release(seq)
         failed = self._load_adapters(decision)
         batch = None
-        if not decision.is_empty:
+        if not decision.is_empty and self.config.pipeline_parallel_size > 1:
+            batch = MicroBatches.build(decision.chunks, self.config.block_size, self.runner.device,
+                                       self.config.pipeline_parallel_size)
+        elif not decision.is_empty:
             batch = RaggedBatch.build(decision.chunks, self.config.block_size, self.runner.device)
         return StepPlan(decision, batch, failed, start)
 
@@ -246,7 +251,7 @@ class LLMEngine:
         decision.chunks = [c for c in decision.chunks if c.seq.params.lora_name not in errors]
         return [self._fail(seq, errors[seq.params.lora_name]) for seq in doomed]
 
-    def _forward(self, batch: RaggedBatch, tally: StepTally) -> torch.Tensor:
+    def _forward(self, batch: RaggedBatch | MicroBatches, tally: StepTally) -> torch.Tensor:
         forward_start = time.perf_counter()
         logits = self.runner.execute(batch)
         tally.forward_s = time.perf_counter() - forward_start

@@ -29,6 +29,7 @@ from splitfuse.parallel.group import RankGroup, rank_device
 from splitfuse.parallel.pipeline import StageLink
 from splitfuse.parallel.sharding import Sharder, local_args
 from splitfuse.engine.batch import RaggedBatch
+from splitfuse.engine.micro_batches import MicroBatches
 from splitfuse.engine.quantization import resolve_quantization
 
 log = logging.getLogger(__name__)
@@ -286,20 +287,32 @@ class ModelRunner:
         return wanted
 
     @torch.inference_mode()
-    def execute(self, batch: RaggedBatch) -> torch.Tensor:
+    def execute(self, batch: RaggedBatch | MicroBatches) -> torch.Tensor:
         """Run the model over the batch; return float32 logits of the sampling rows [S, V].
-        With tensor parallelism the other ranks get the batch first and run their shards."""
+        With tensor or pipeline parallelism the other ranks get the batch first and run their
+        parts; with pipeline parallelism the batch may come cut into micro-batches."""
         if self.leader is not None:
             return self.leader.run_step(self._execute, batch)
         return self._execute(batch)
 
-    def _execute(self, batch: RaggedBatch) -> torch.Tensor:
-        hidden = self.forward_hidden(batch)
-        if not self.layers.has_head:  # a pipeline's first stage: the last one computes the logits
-            return self.pipe.recv_logits(batch.sample_rows.numel(), self.args.vocab_size, self.device)
+    def _execute(self, batch: RaggedBatch | MicroBatches) -> torch.Tensor:
+        if self.layers.has_head:
+            return self._head(self.forward_hidden(batch), batch)
+        # The first of several stages: every micro-batch's part, each sent on as it is done,
+        # then the last stage's logits, micro-batch by micro-batch (sampling rows in step order).
+        parts = batch.parts if isinstance(batch, MicroBatches) else [batch]
+        for part in parts:
+            self.forward_hidden(part)
+        logits = [self.pipe.recv_logits(part.sample_rows.numel(), self.args.vocab_size, self.device)
+                  for part in parts]
+        self.pipe.flush()
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _head(self, hidden: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
+        """The logits of the sampling rows; embedding rows are pooled instead, not sampled: kept
+        (float32) for the engine (one stage only: pipelines refuse embedding requests)."""
         self.pooled_hidden = None
         if batch.pool_rows is not None:
-            # Embedding rows are pooled, not sampled: kept (float32) for the engine, no logits.
             self.pooled_hidden = hidden.index_select(0, batch.pool_rows).float()
             hidden = hidden.index_select(0, batch.logit_rows)
             if hidden.shape[0] == 0:
@@ -307,12 +320,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def run_stage(self, batch: RaggedBatch) -> None:
-        """What ranks 1..N-1 run each step: their part of the forward pass; the last pipeline
-        stage's first tensor-parallel rank sends the logits back to rank 0."""
-        hidden = self.forward_hidden(batch)
-        if self.pipe is not None and self.layers.has_head and self.group.tp_rank == 0:
-            self.pipe.send_logits(self.model.compute_logits(hidden).float())
+    def run_stage(self, batch: RaggedBatch | MicroBatches) -> None:
+        """What ranks 1..N-1 run each step: their part of the forward pass, micro-batch by
+        micro-batch; the last pipeline stage's first tensor-parallel rank sends the logits back
+        to rank 0."""
+        for part in batch.parts if isinstance(batch, MicroBatches) else [batch]:
+            hidden = self.forward_hidden(part)
+            if self.pipe is not None and self.layers.has_head and self.group.tp_rank == 0:
+                self.pipe.send_logits(self.model.compute_logits(hidden).float())
+        if self.pipe is not None:
+            self.pipe.flush()
 
     @torch.inference_mode()
     def forward_hidden(self, batch: RaggedBatch) -> torch.Tensor:

@@ -5,14 +5,17 @@ per-request state, grammar masks and speculation's verification live there with 
 Each tensor-parallel rank of stage s sends to the same tensor-parallel rank of stage s + 1 (every
 rank holds the full hidden state after its stage's all-reduces); the last stage's rank of
 tensor-parallel rank 0 sends the logits. Shapes need no message of their own: every rank has the
-step's batch, so it knows the token and sampling-row counts. Every wait is bounded by the
-group's `tensor_parallel_timeout_s`; a failure names the stage and rank it waited on.
+step's batch, so it knows the token and sampling-row counts. Sends do not wait: a stage goes on
+with its next micro-batch while its output travels, and `flush` waits for them at the end of the
+step. Every wait is bounded by the group's `tensor_parallel_timeout_s`; a failure names the
+stage and rank it waited on.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,8 @@ class StageLink:
     timeout_s: float
     transfer_s: float = 0.0
     """Time spent sending and waiting for hidden states and logits, for benchmarks."""
+    _pending: list[tuple[Any, torch.Tensor, int, str]] = field(default_factory=list)
+    """Sends not yet waited for: (work, the tensor it reads, peer, what)."""
 
     @property
     def num_stages(self) -> int:
@@ -40,35 +45,47 @@ class StageLink:
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         """This stage's output to the next stage."""
-        self._move("send", hidden.contiguous(), self._rank(self.group.stage + 1), "hidden states")
+        self._send(hidden.contiguous(), self._rank(self.group.stage + 1), "hidden states")
 
     def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The previous stage's output: [num_tokens, hidden_size]."""
         hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
-        self._move("recv", hidden, self._rank(self.group.stage - 1), "hidden states")
+        self._recv(hidden, self._rank(self.group.stage - 1), "hidden states")
         return hidden
 
     def send_logits(self, logits: torch.Tensor) -> None:
         """The last stage's float32 logits of the sampling rows, to rank 0."""
         if logits.numel():
-            self._move("send", logits.contiguous(), 0, "logits")
+            self._send(logits.contiguous(), 0, "logits")
 
     def recv_logits(self, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
         """On rank 0: the last stage's logits [rows, vocab_size] (float32)."""
         logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=device)
         if rows:
-            self._move("recv", logits, self._rank(self.num_stages - 1, 0), "logits")
+            self._recv(logits, self._rank(self.num_stages - 1, 0), "logits")
         return logits
 
-    def _move(self, direction: str, tensor: torch.Tensor, peer: int, what: str) -> None:
+    def flush(self) -> None:
+        """Wait for every send of this step to be taken."""
+        pending, self._pending = self._pending, []
+        for work, _, peer, what in pending:
+            self._wait(lambda: work.wait(), "took no", peer, what)
+
+    def _send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        work = self._wait(lambda: dist.isend(tensor, peer, group=self.group.p2p), "took no", peer, what)
+        self._pending.append((work, tensor, peer, what))  # the tensor must live until the send is done
+
+    def _recv(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        self._wait(lambda: dist.irecv(tensor, peer, group=self.group.p2p).wait(), "sent no", peer, what)
+
+    def _wait(self, op: Callable[[], Any], verb: str, peer: int, what: str) -> Any:
+        """`op()` (bounded by the p2p group's timeout), its time counted, its failure naming `peer`."""
         start = time.perf_counter()
         try:
-            op = dist.isend if direction == "send" else dist.irecv
-            op(tensor, peer, group=self.group.p2p).wait()
+            return op()
         except Exception as e:  # gloo: a timeout or a closed connection
             stage = peer // self.group.tp_size
             first_line = str(e).splitlines()[0].split(" This is typically")[0] if str(e) else type(e).__name__
-            verb = "took no" if direction == "send" else "sent no"
             raise StageTransferError(f"pipeline stage {stage} (rank {peer}) {verb} {what} within "
                                      f"tensor_parallel_timeout_s={self.timeout_s:g} s or closed: {first_line}") from e
         finally:

@@ -1,5 +1,5 @@
-"""Pipeline parallelism on CPU with gloo: greedy tokens with pipeline_parallel_size=2 equal those
-with one stage (itself held to HF transformers by test_parity.py), fp32, through mixed batches, a
+"""Pipeline parallelism on CPU with gloo: greedy tokens with pipeline_parallel_size=2 (each step
+cut into two micro-batches in flight) equal those with one stage (itself held to HF transformers by test_parity.py), fp32, through mixed batches, a
 small token budget, preemption, aborts and prefix-cache hits; Llama with three layers (an uneven
 split: 1 + 2, the second stage running two layers in one fused C++ call), Qwen2 with a tied LM
 head (the last stage keeps the embedding's table for it) and Mixtral. One two-rank engine per
@@ -108,3 +108,23 @@ def test_rank_0_holds_the_first_stage_only(case):
     assert runner.model.lm_head is None and runner.model.model.norm is None
     assert runner.model.model.embed_tokens is not None
     assert runner.num_kv_blocks == ENGINE["num_kv_blocks"] == pp2.blocks.num_blocks
+
+
+def test_a_step_of_several_sequences_goes_in_one_micro_batch_per_stage(case):
+    """The step's batch is cut into two micro-batches (the first stage runs the second while the
+    second stage runs the first); one sequence alone cannot be cut."""
+    from splitfuse.engine.micro_batches import MicroBatches
+
+    _, _, prompts, pp2 = case
+    pp2.add_request("alone", prompts[3], SamplingParams(max_tokens=2, temperature=0.0))
+    plan = pp2.schedule()
+    assert isinstance(plan.batch, MicroBatches) and len(plan.batch.parts) == 1
+    pp2.execute(plan)
+    for i in (4, 5):
+        pp2.add_request(f"m{i}", prompts[i], SamplingParams(max_tokens=2, temperature=0.0))
+    plan = pp2.schedule()
+    assert len(plan.batch.parts) == 2 and plan.batch.num_tokens == ENGINE["token_budget"]
+    pp2.execute(plan)
+    while pp2.has_unfinished_requests():
+        pp2.step()
+    assert pp2.blocks.num_used_blocks == 0
