@@ -8,9 +8,9 @@ Per setting, in a fresh process each: offline throughput (tp_bench's fixed set o
 submitted at once, run to the end) and single-stream latency (one request alone: TTFT, ms per
 decode step), and where rank 0's step time goes: the stage-to-stage transfers (sending its hidden
 states, waiting for the last stage's logits, which includes the second stage's compute) and
-sending the step's batch. One step is in flight at a time: with two stages each works half of
-the step and waits the other half, so on the same cores PP=2 can only lose; this measures by
-how much. The median of `--repeats` runs is reported. Writes --out
+sending the step's batch. Each step goes down the pipeline in one micro-batch per stage (whole
+sequences), so the two stages overlap within a step (but not across steps): on the same cores
+PP=2 can at best match PP=1; this measures by how much it loses. The median of `--repeats` runs is reported. Writes --out
 (perf/results/2026-11-29-pipeline/): results.json (every run, machine, commit, command, load) and
 summary.md.
 """
@@ -78,8 +78,8 @@ def summarize(results: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; commit {m['git_commit']}  ",
         f"Load (uptime) before: {results['load_before']}; after: {results['load_after']}  ",
         "Model: perf/.cache/bench-llama (demo_model --size bench: hidden 512, 8 layers, 8 heads / 4 KV heads, "
-        f"vocab 8192), fp32; PP=2 puts layers 0-3 on rank 0, 4-7 and the LM head on rank 1. "
-        f"One step in flight. Median of {results['repeats']} runs.",
+        f"vocab 8192), fp32; PP=2 puts layers 0-3 on rank 0, 4-7 and the LM head on rank 1, each step in two "
+        f"micro-batches. Median of {results['repeats']} runs.",
         "",
         f"Offline: {NUM_REQUESTS} requests, prompts 64-255 tokens (seeded), {OUTPUT_TOKENS} output tokens each.  ",
         f"Single stream: one {SINGLE_PROMPT}-token prompt, {SINGLE_OUTPUT} output tokens.",
