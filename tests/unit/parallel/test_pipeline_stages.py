@@ -1,7 +1,7 @@
 """Pipeline stages as processes: a stage that dies or hangs fails the engine with an error naming
 its stage and rank within `tensor_parallel_timeout_s`, never a hang, and no rank outlives the
-engine; the configurations not built are refused before any rank starts; pp=2 x tp=2 (four
-ranks) gives one rank's tokens.
+engine; a stage started apart (torchrun's variables) meets the engine; the configurations not
+built are refused before any rank starts; pp=2 x tp=2 (four ranks) gives one rank's tokens.
 
 The bounds below are liveness checks (the error comes at all, instead of a wedged engine), set
 at several times the configured timeout; they say nothing about speed."""
@@ -9,6 +9,8 @@ at several times the configured timeout; they say nothing about speed."""
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -129,6 +131,34 @@ def test_two_stages_of_two_ranks_match_one_rank(tiny_model_factory):
     assert not _worker_pids()
     one = _greedy(LLMEngine(_config(path, pipeline_parallel_size=1, token_budget=16, num_threads=1)), prompts)
     assert four == one
+
+
+@pytest.mark.slow  # starts a rank process
+def test_a_stage_started_apart_meets_the_engine_through_env_variables(tiny_llama, monkeypatch):
+    """tensor_parallel_launch="env" (what deploy/k8s/multinode and torchrun on other machines use):
+    the second stage started on its own with MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK takes
+    its config from rank 0, gives one stage's tokens and exits cleanly at shutdown."""
+    from splitfuse.utils.ports import free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    stage1 = subprocess.Popen([sys.executable, "-m", "splitfuse.parallel.worker"], env=dict(env, RANK="1"))
+    try:
+        for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
+            monkeypatch.setenv(name, env[name])
+        monkeypatch.setenv("RANK", "0")
+        prompts = [[1, 5, 9], [1] + list(range(10, 40))]
+        engine = LLMEngine(_config(tiny_llama, tensor_parallel_launch="env"))
+        try:
+            assert engine.runner.leader.processes == []
+            two = _greedy(engine, prompts)
+        finally:
+            engine.shutdown()
+        assert stage1.wait(30) == 0
+        assert two == _greedy(LLMEngine(_config(tiny_llama, pipeline_parallel_size=1, num_threads=1)), prompts)
+    finally:
+        if stage1.poll() is None:
+            stage1.kill()
+            stage1.wait()
 
 
 def test_more_stages_than_layers_are_refused_before_any_rank_starts(tiny_llama):
