@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,10 @@ class StageLink:
     """Time spent sending and waiting for hidden states and logits, for benchmarks."""
     _pending: list[tuple[Any, torch.Tensor, int, str]] = field(default_factory=list)
     """Sends not yet waited for: (work, the tensor it reads, peer, what)."""
+
+    @property
+    def _bound(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
 
     @property
     def num_stages(self) -> int:
@@ -69,14 +74,14 @@ class StageLink:
         """Wait for every send of this step to be taken."""
         pending, self._pending = self._pending, []
         for work, _, peer, what in pending:
-            self._wait(lambda: work.wait(), "took no", peer, what)
+            self._wait(lambda: work.wait(self._bound), "took no", peer, what)
 
     def _send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         work = self._wait(lambda: dist.isend(tensor, peer, group=self.group.p2p), "took no", peer, what)
         self._pending.append((work, tensor, peer, what))  # the tensor must live until the send is done
 
     def _recv(self, tensor: torch.Tensor, peer: int, what: str) -> None:
-        self._wait(lambda: dist.irecv(tensor, peer, group=self.group.p2p).wait(), "sent no", peer, what)
+        self._wait(lambda: dist.irecv(tensor, peer, group=self.group.p2p).wait(self._bound), "sent no", peer, what)
 
     def _wait(self, op: Callable[[], Any], verb: str, peer: int, what: str) -> Any:
         """`op()` (bounded by the p2p group's timeout), its time counted, its failure naming `peer`."""
