@@ -128,3 +128,4 @@ def test_a_step_of_several_sequences_goes_in_one_micro_batch_per_stage(case):
     while pp2.has_unfinished_requests():
         pp2.step()
     assert pp2.blocks.num_used_blocks == 0
+

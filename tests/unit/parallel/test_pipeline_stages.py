@@ -1,7 +1,8 @@
 """Pipeline stages as processes: a stage that dies or hangs fails the engine with an error naming
 its stage and rank within `tensor_parallel_timeout_s`, never a hang, and no rank outlives the
 engine; a stage started apart (torchrun's variables) meets the engine; the configurations not
-built are refused before any rank starts; pp=2 x tp=2 (four ranks) gives one rank's tokens.
+built are refused before any rank starts; pp=2 x tp=2 (four ranks) gives one rank's tokens,
+and so does n-gram speculation over two stages.
 
 The bounds below are liveness checks (the error comes at all, instead of a wedged engine), set
 at several times the configured timeout; they say nothing about speed."""
@@ -177,3 +178,34 @@ def test_more_stages_than_layers_are_refused_before_any_rank_starts(tiny_llama):
 def test_config_refuses_what_pipeline_parallelism_does_not_build(tiny_llama, bad, match):
     with pytest.raises(ValueError, match=match):
         _config(tiny_llama, **bad)
+
+
+@pytest.mark.slow  # starts a rank process
+def test_two_stages_with_ngram_speculation_match_one_stage(tiny_model_factory):
+    """n-gram speculation under pipeline parallelism: the proposals ride in the step's batch, the
+    last stage returns the logits of every verified row and rank 0 verifies them; greedy tokens
+    equal one stage's with speculation, and proposals are accepted (repetitive prompts)."""
+    path = tiny_model_factory("llama", num_hidden_layers=3)
+    prompts = [[1] + [5, 6, 7, 8] * 6, [1] + [9, 10, 11] * 8 + [9]]
+    spec = dict(dtype="float32", token_budget=12, block_size=4, num_kv_blocks=64, num_threads=2,
+                speculative_method="ngram", num_speculative_tokens=3)
+
+    def run(engine: LLMEngine) -> tuple[list[list[int]], int]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"s{i}", p, SamplingParams(max_tokens=16, temperature=0.0))
+        out, accepted = {}, 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = o.token_ids
+            accepted += engine.last_step.spec_accepted_tokens if engine.last_step else 0
+        return [out[f"s{i}"] for i in range(len(prompts))], accepted
+
+    pp2 = LLMEngine(EngineConfig(model=path, pipeline_parallel_size=2, **spec))
+    try:
+        two, accepted = run(pp2)
+    finally:
+        pp2.shutdown()
+    one, _ = run(LLMEngine(EngineConfig(model=path, **(spec | dict(num_threads=1)))))
+    assert two == one
+    assert accepted > 0, "the repetitive prompts were meant to have proposals accepted"
