@@ -12,9 +12,10 @@ from splitfuse.engine.batch import RaggedBatch
 from splitfuse.engine.micro_batches import MicroBatches, split_chunks
 
 
-def _mixed_step(path: str):
+@pytest.fixture(scope="module")
+def mixed_step(tiny_llama):
     """An engine one step in and its next step's chunks: decodes and prompt chunks."""
-    llm = LLM(path, dtype="float32", token_budget=48, block_size=4)
+    llm = LLM(tiny_llama, dtype="float32", token_budget=48, block_size=4)
     engine = llm.engine
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for i, n in enumerate([5, 3, 70, 9, 40]):
@@ -24,8 +25,8 @@ def _mixed_step(path: str):
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 9])
-def test_groups_are_contiguous_non_empty_and_about_equal(tiny_llama, count):
-    _, chunks = _mixed_step(tiny_llama)
+def test_groups_are_contiguous_non_empty_and_about_equal(mixed_step, count):
+    _, chunks = mixed_step
     groups = split_chunks(chunks, count)
     assert [c for g in groups for c in g] == chunks
     assert all(groups) and len(groups) == min(count, len(chunks))
@@ -34,8 +35,8 @@ def test_groups_are_contiguous_non_empty_and_about_equal(tiny_llama, count):
     assert max(sizes) - min(sizes) <= biggest, sizes  # no group more than one chunk off another
 
 
-def test_micro_batches_run_one_after_another_give_the_whole_batchs_logits(tiny_llama):
-    engine, chunks = _mixed_step(tiny_llama)
+def test_micro_batches_run_one_after_another_give_the_whole_batchs_logits(mixed_step):
+    engine, chunks = mixed_step
     runner = engine.runner
     whole = RaggedBatch.build(chunks, 4, runner.device)
     parts = MicroBatches.build(chunks, 4, runner.device, 2)
