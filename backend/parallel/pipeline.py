@@ -84,7 +84,7 @@ class StageLink:
         self._wait(lambda: dist.irecv(tensor, peer, group=self.group.p2p).wait(self._bound), "sent no", peer, what)
 
     def _wait(self, op: Callable[[], Any], verb: str, peer: int, what: str) -> Any:
-        """`op()` (bounded by the p2p group's timeout), its time counted, its failure naming `peer`."""
+        """`op()` (its waits bounded by timeout_s), its time counted, its failure naming `peer`."""
         start = time.perf_counter()
         try:
             return op()
