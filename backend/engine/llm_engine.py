@@ -88,7 +88,7 @@ class LLMEngine:
         self._lora_requests: dict[str, int] = {name: 0 for name in (self.runner.lora.names if self.runner.lora else [])}
         self.masking = GrammarMasking(self.tokenizer, self.vocab_size, config.grammar_limits())
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len,
-                                          self._lora_requests)
+                                          self._lora_requests, embeddings=config.pipeline_parallel_size == 1)
         self.loras = LoraControl(self.runner.lora, config.lora_load_dir, self.validator, self._lora_requests)
         self.speculation = make_speculative_decoder(config, self.max_model_len, self.vocab_size)
         eos = eos_token_ids(config.model, self.runner.args.eos_token_ids, self.tokenizer.eos_token_id)

@@ -13,8 +13,11 @@ from splitfuse.inputs import PromptLimit
 
 
 class RequestValidator:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, lora_names: Collection[str]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, lora_names: Collection[str],
+                 embeddings: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.embeddings = embeddings
+        """Whether embedding requests are computed (not by a pipeline: its first stage has no hidden states to pool)."""
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.prompt_limit = PromptLimit(tokenizer, max_model_len)
@@ -28,6 +31,8 @@ class RequestValidator:
         params.validate()  # again: a caller may have changed a field since it was built
         self.check_lora(params)
         token_ids = self._token_ids(prompt)
+        if params.embed and not self.embeddings:
+            raise ValueError("embed: embeddings are not computed with pipeline_parallel_size > 1")
         if params.embed:  # generates nothing: the prompt alone must fit
             if len(token_ids) > self.max_model_len:
                 raise ValueError(f"prompt ({len(token_ids)} tokens) exceeds the model's context "

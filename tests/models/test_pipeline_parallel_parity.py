@@ -129,3 +129,11 @@ def test_a_step_of_several_sequences_goes_in_one_micro_batch_per_stage(case):
         pp2.step()
     assert pp2.blocks.num_used_blocks == 0
 
+
+
+def test_an_embedding_request_is_refused_naming_the_pipeline(case):
+    """The first stage holds no final hidden states to pool: refused before it is queued."""
+    _, _, prompts, pp2 = case
+    with pytest.raises(ValueError, match="embed: .*pipeline_parallel_size"):
+        pp2.add_request("embed", prompts[0], SamplingParams(embed=True))
+    assert not pp2.has_unfinished_requests()
