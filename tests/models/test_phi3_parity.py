@@ -196,6 +196,10 @@ def test_phi3_two_ranks_match_hf(tmp_path_factory):
         got = [o.token_ids for o in llm.generate(prompts, _params(prompts))]
         llm.engine.check_invariants()
     assert got == refs
+    with LLM(path, dtype="float32", pipeline_parallel_size=2, num_threads=1, token_budget=12, block_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, _params(prompts))]
+        llm.engine.check_invariants()
+    assert got == refs, "pipeline_parallel_size=2"
 
 
 @pytest.mark.parametrize("name", ["phi4-mini", "phi3-4k"])

@@ -118,7 +118,8 @@ def test_qwen3_two_ranks_match_hf(tmp_path_factory):
 
 
 def assert_two_ranks_match_hf(path: str) -> None:
-    """Two ranks, each with 2 of the 4 query heads and 1 of the 2 KV heads, give transformers' tokens."""
+    """Two ranks give transformers' tokens, split either way: tensor parallel (each with 2 of the 4
+    query heads and 1 of the 2 KV heads) and pipeline parallel (each a stage of the layers)."""
     prompts = _prompts(json.loads(Path(path, "config.json").read_text())["vocab_size"])
     refs = _hf_reference(path, prompts)
     with LLM(path, dtype="float32", tensor_parallel_size=2, num_threads=1, token_budget=12, block_size=4) as llm:
@@ -126,6 +127,11 @@ def assert_two_ranks_match_hf(path: str) -> None:
         got = [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
         llm.engine.check_invariants()
     assert got == refs
+    with LLM(path, dtype="float32", pipeline_parallel_size=2, num_threads=1, token_budget=12, block_size=4) as llm:
+        assert llm.engine.runner.layers.first == 0 and not llm.engine.runner.layers.has_head
+        got = [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
+        llm.engine.check_invariants()
+    assert got == refs, "pipeline_parallel_size=2"
 
 
 @pytest.mark.parametrize("tie", [False, True])
