@@ -20,7 +20,7 @@ from splitfuse import LLMEngine, SamplingParams
 from splitfuse.config import EngineConfig
 from splitfuse.engine.loop import EngineFailedError, EngineLoop
 from splitfuse.errors import FatalEngineError
-from test_tensor_parallel_ranks import _alive, _worker_pids
+from rank_processes import alive, greedy, worker_pids
 
 TIMEOUT_S = 3.0
 BOUND_S = 4 * TIMEOUT_S + 10
@@ -30,17 +30,6 @@ def _config(path: str, **overrides) -> EngineConfig:
     values = dict(dtype="float32", pipeline_parallel_size=2, num_kv_blocks=256, block_size=4,
                   tensor_parallel_timeout_s=TIMEOUT_S, num_threads=2)
     return EngineConfig(model=path, **(values | overrides))
-
-
-def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"g{i}", p, SamplingParams(max_tokens=6, temperature=0.0))
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.token_ids
-    return [tokens[f"g{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.slow  # starts rank processes
@@ -76,7 +65,7 @@ def test_killed_stage_fails_the_served_engine_and_every_request(tiny_llama):
     with pytest.raises(EngineFailedError):
         loop.submit("late", [1, 2, 3], SamplingParams(max_tokens=2), on_output)
     loop.shutdown(timeout=BOUND_S)
-    assert not _worker_pids()
+    assert not worker_pids()
 
 
 @pytest.mark.slow  # starts rank processes
@@ -109,10 +98,10 @@ def test_hung_stage_fails_the_step_within_the_timeout(tiny_llama):
         with pytest.raises(FatalEngineError):
             engine.step()
     finally:
-        if _alive(worker.pid):
+        if alive(worker.pid):
             os.kill(worker.pid, signal.SIGCONT)
     engine.shutdown()
-    assert not _alive(worker.pid) and not _worker_pids()
+    assert not alive(worker.pid) and not worker_pids()
 
 
 @pytest.mark.slow  # four rank processes
@@ -126,11 +115,11 @@ def test_two_stages_of_two_ranks_match_one_rank(tiny_model_factory):
     try:
         group = grid.runner.group
         assert (group.world_size, group.tp_size, group.stage, group.tp_rank) == (4, 2, 0, 0)
-        four = _greedy(grid, prompts)
+        four = greedy(grid, prompts)
     finally:
         grid.shutdown()
-    assert not _worker_pids()
-    one = _greedy(LLMEngine(_config(path, pipeline_parallel_size=1, token_budget=16, num_threads=1)), prompts)
+    assert not worker_pids()
+    one = greedy(LLMEngine(_config(path, pipeline_parallel_size=1, token_budget=16, num_threads=1)), prompts)
     assert four == one
 
 
@@ -151,11 +140,11 @@ def test_a_stage_started_apart_meets_the_engine_through_env_variables(tiny_llama
         engine = LLMEngine(_config(tiny_llama, tensor_parallel_launch="env"))
         try:
             assert engine.runner.leader.processes == []
-            two = _greedy(engine, prompts)
+            two = greedy(engine, prompts)
         finally:
             engine.shutdown()
         assert stage1.wait(30) == 0
-        assert two == _greedy(LLMEngine(_config(tiny_llama, pipeline_parallel_size=1, num_threads=1)), prompts)
+        assert two == greedy(LLMEngine(_config(tiny_llama, pipeline_parallel_size=1, num_threads=1)), prompts)
     finally:
         if stage1.poll() is None:
             stage1.kill()
@@ -165,7 +154,7 @@ def test_a_stage_started_apart_meets_the_engine_through_env_variables(tiny_llama
 def test_more_stages_than_layers_are_refused_before_any_rank_starts(tiny_llama):
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         LLMEngine(_config(tiny_llama, pipeline_parallel_size=3))
-    assert not _worker_pids()
+    assert not worker_pids()
 
 
 @pytest.mark.parametrize("bad, match", [

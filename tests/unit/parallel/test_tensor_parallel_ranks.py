@@ -13,8 +13,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
@@ -22,6 +20,8 @@ from splitfuse import LLMEngine, SamplingParams
 from splitfuse.config import EngineConfig
 from splitfuse.engine.loop import EngineFailedError, EngineLoop
 from splitfuse.errors import FatalEngineError
+
+from rank_processes import alive, greedy, wait_until, worker_pids
 
 TIMEOUT_S = 5.0
 # Liveness bound of each wait below: the configured timeout plus room for a loaded machine.
@@ -32,51 +32,6 @@ def _config(path: str, **overrides) -> EngineConfig:
     values = dict(dtype="float32", tensor_parallel_size=2, num_kv_blocks=256, block_size=4,
                   tensor_parallel_timeout_s=TIMEOUT_S, num_threads=2)
     return EngineConfig(model=path, **(values | overrides))
-
-
-def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"g{i}", p, SamplingParams(max_tokens=8, temperature=0.0))
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.token_ids
-    return [tokens[f"g{i}"] for i in range(len(prompts))]
-
-
-def _worker_pids(parent: int | None = None) -> list[int]:
-    """Processes running a tensor-parallel rank, children of `parent` (default: this process)."""
-    parent = os.getpid() if parent is None else parent
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and b"splitfuse.parallel.worker" in cmdline:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.mark.slow  # starts rank processes
@@ -112,7 +67,7 @@ def test_killed_rank_fails_the_served_engine_and_every_request(tiny_llama):
     with pytest.raises(EngineFailedError):
         loop.submit("late", [1, 2, 3], SamplingParams(max_tokens=2), on_output)
     loop.shutdown(timeout=BOUND_S)
-    assert not _worker_pids()
+    assert not worker_pids()
 
 
 @pytest.mark.slow  # starts rank processes
@@ -142,10 +97,10 @@ def test_hung_rank_fails_the_step_within_the_timeout(tiny_llama):
         with pytest.raises(FatalEngineError):
             engine.step()
     finally:
-        if _alive(worker.pid):
+        if alive(worker.pid):
             os.kill(worker.pid, signal.SIGCONT)
     engine.shutdown()
-    assert not _alive(worker.pid) and not _worker_pids()
+    assert not alive(worker.pid) and not worker_pids()
 
 
 @pytest.mark.slow  # starts rank processes
@@ -163,19 +118,19 @@ def test_ranks_leave_with_their_parent(tiny_llama, tmp_path):
                             text=True)
     try:
         assert proc.stdout.readline().strip() == "READY"
-        ranks = _worker_pids(proc.pid)
+        ranks = worker_pids(proc.pid)
         assert len(ranks) == 1
     finally:
         proc.kill()
         proc.wait()
     # Orphaned, the rank is re-parented (to init); it must notice and exit.
-    assert _wait_until(lambda: not _alive(ranks[0]), BOUND_S), "a rank outlived its engine's process"
+    assert wait_until(lambda: not alive(ranks[0]), BOUND_S), "a rank outlived its engine's process"
 
 
 def test_shapes_that_do_not_split_are_refused_before_any_rank_starts(tiny_llama):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         LLMEngine(_config(tiny_llama, tensor_parallel_size=3))
-    assert not _worker_pids()
+    assert not worker_pids()
 
 
 @pytest.mark.parametrize("bad", [dict(tensor_parallel_size=0), dict(tensor_parallel_timeout_s=0),
@@ -203,11 +158,11 @@ def test_ranks_started_apart_meet_through_env_variables(tiny_llama, monkeypatch)
         engine = LLMEngine(_config(tiny_llama, tensor_parallel_launch="env"))
         try:
             assert engine.runner.leader.processes == []  # nothing spawned: rank 1 came on its own
-            two = _greedy(engine, prompts)
+            two = greedy(engine, prompts)
         finally:
             engine.shutdown()
         assert rank1.wait(30) == 0
-        one = _greedy(LLMEngine(_config(tiny_llama, tensor_parallel_size=1, num_threads=1)), prompts)
+        one = greedy(LLMEngine(_config(tiny_llama, tensor_parallel_size=1, num_threads=1)), prompts)
         assert two == one
     finally:
         if rank1.poll() is None:
