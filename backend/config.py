@@ -211,7 +211,8 @@ class EngineConfig(_FromStrings):
             # The packed blocks are whole rows of the file's tensors (not sharded) multiplying
             # float32 activations.
             if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-                raise ValueError(f"quantization={self.quantization!r} cannot run with tensor/pipeline_parallel_size>1")
+                raise ValueError(f"quantization={self.quantization!r} cannot run with tensor_parallel_size > 1 or "
+                                 "pipeline_parallel_size > 1")
             if self.dtype not in ("auto", "float32"):
                 raise ValueError(f"quantization={self.quantization!r} runs float32 activations: dtype must be auto or "
                                  f"float32, got {self.dtype!r}")

@@ -48,6 +48,21 @@ class _Sender:
             self.conn.send(message)
 
 
+class _PipeLogHandler(logging.Handler):
+    """The engine's log records (its start-up facts, warnings, errors) to the stub, which logs them
+    where its own go (Triton's log): this process's stderr is not the server's log."""
+
+    def __init__(self, sender: _Sender) -> None:
+        super().__init__(logging.INFO)
+        self.sender = sender
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sender.send((wire.LOG, record.name, record.levelno, self.format(record)))
+        except Exception:  # a log line must never break the engine (the pipe may be gone)
+            self.handleError(record)
+
+
 class _Outbox:
     """Outputs and step statistics waiting for the writer thread, which sends them in batches."""
 
@@ -176,12 +191,15 @@ def _limit_memory(limit: int) -> None:
 
 def main(fd: int) -> None:
     conn = Connection(fd)
-    config, server, name = conn.recv()
+    config, server, _name = conn.recv()
     config: EngineConfig
     server: ServerConfig
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"{name} engine process: %(message)s")
     _limit_memory(server.engine_memory_limit_bytes)
     sender = _Sender(conn)
+    splitfuse_log = logging.getLogger("splitfuse")
+    splitfuse_log.addHandler(_PipeLogHandler(sender))
+    splitfuse_log.setLevel(logging.INFO)
+    splitfuse_log.propagate = False  # not also to stderr (the stub logs them)
     outbox = _Outbox(sender)
     loop = EngineLoop(config, on_step=outbox.step, server=server)
     try:

@@ -267,7 +267,7 @@ class RemoteEngine:
             theirs.close()
         self._process = process
         ours.send((self.config, self.server, self.name))
-        hello = ours.poll(START_TIMEOUT_S) and _recv(ours)
+        hello = self._first_word(ours)
         if not hello or hello[0] != wire.HELLO:
             process.kill()
             how = hello[1] if hello and hello[0] == wire.START_FAILED else exit_description(process.wait())
@@ -286,6 +286,18 @@ class RemoteEngine:
         self._serving.set()
         self._started.set()
         return True
+
+    @staticmethod
+    def _first_word(conn: Connection) -> tuple | None:
+        """The child's HELLO or START_FAILED (None: it died or said nothing in time); the log
+        records it sends while it builds the engine go to this process's log meanwhile."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while conn.poll(max(0.0, deadline - time.monotonic())):
+            message = _recv(conn)
+            if message is None or message[0] != wire.LOG:
+                return message
+            _log_record(message)
+        return None
 
     def _give_up(self, reason: str) -> bool:
         log.error("%s: %s", self.name, reason)
@@ -322,6 +334,8 @@ class RemoteEngine:
                 future = self._grammars.pop(message[1], None)
             if future is not None and not future.done():
                 future.set_result(None)
+        elif kind == wire.LOG:
+            _log_record(message)
         elif kind == wire.FAILED:
             log.error("%s: the engine is broken: %s", self.name, message[1])
             with self._lock:
@@ -399,6 +413,13 @@ class RemoteEngine:
             return self._give_up(f"the engine process failed {budget.recent + 1} times within "
                                  f"{budget.window_s:g} s (engine_restarts={budget.max_restarts})")
         return True
+
+def _log_record(message: tuple) -> None:
+    """A record of the engine process's loggers, logged here under the same logger (so the stub's
+    handlers, Triton's log among them, take it as one of their own)."""
+    _, name, level, text = message
+    logging.getLogger(name).log(level, "%s", text)
+
 
 def _recv(conn: Connection) -> tuple | None:
     try:

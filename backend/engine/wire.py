@@ -23,6 +23,7 @@ REPLY = "reply"  # (REPLY, call id, error class name or None, message, whether a
 GRAMMAR = "grammar"  # (GRAMMAR, request id): its guide's compile ended (either way)
 BATCH = "batch"  # (BATCH, Progress): outputs and step statistics since the last batch
 FAILED = "failed"  # (FAILED, reason): the engine is broken for good (EngineLoop.failure)
+LOG = "log"  # (LOG, logger name, level, text): a record of the engine's loggers, for the stub's log
 
 # The exceptions `submit` may raise, by class name, rebuilt in the stub (others: RuntimeError).
 SUBMIT_ERRORS = ("ValueError", "InputError", "ServerBusyError", "EngineFailedError", "RuntimeError")
@@ -41,6 +42,8 @@ class EngineFacts:
     max_model_len: int
     runner_line: str
     """The runner's backends, weights and threads, for the stub's start-up log line."""
+    threads: int = 1
+    """The engine's compute threads (torch's, in the process that runs it)."""
 
 
 @dataclass
@@ -113,4 +116,4 @@ def engine_facts(engine) -> EngineFacts:
             f"quantization={runner.quantization} weights={runner.weight_memory_summary()} "
             f"threads={torch.get_num_threads()} decoder layers in {runner.decoder_layers}")
     return EngineFacts(pid=os.getpid(), tokenizer=engine.config.tokenizer, lora_names=tuple(engine.lora_names()),
-                       max_model_len=engine.max_model_len, runner_line=line)
+                       max_model_len=engine.max_model_len, runner_line=line, threads=torch.get_num_threads())

@@ -103,7 +103,7 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
-        log_cpu_placement(node)
+        log_cpu_placement(node, facts.threads)
         pb_utils.Logger.log_info(
             f"{self.instance}: splitfuse engine ready"
             f"{f' in its own process (pid {facts.pid})' if self.remote else ''}: {facts.runner_line}; "

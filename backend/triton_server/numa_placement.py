@@ -8,7 +8,6 @@ import logging
 import math
 import os
 
-import torch
 
 from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.utils.cpu_budget import cgroup_cpu_limit
@@ -51,8 +50,9 @@ def apply_numa(config: EngineConfig, server: ServerConfig, instance: str) -> tup
     return config, placement.node
 
 
-def log_cpu_placement(node: int | None) -> None:
-    """One line: the engine's threads, the CPUs they may run on, their NUMA node(s), the memory policy."""
+def log_cpu_placement(node: int | None, threads: int) -> None:
+    """One line: the engine's `threads`, the CPUs they may run on, their NUMA node(s), the memory
+    policy (an engine process inherits this process's CPUs and policy)."""
     cpus = os.sched_getaffinity(0)
     nodes = read_nodes()
     on = sorted(n.node for n in nodes if n.cpus & cpus)
@@ -60,6 +60,6 @@ def log_cpu_placement(node: int | None) -> None:
     bound = policy is not None and policy[0] == MPOL_BIND
     memory = (f"memory bound to node(s) {format_cpulist(i for i in range(64) if policy[1] >> i & 1)}" if bound
               else "memory not bound")
-    log.info("splitfuse: threads=%d on CPUs %s (%d); NUMA node %s of %d; %s%s", torch.get_num_threads(),
+    log.info("splitfuse: threads=%d on CPUs %s (%d); NUMA node %s of %d; %s%s", threads,
              format_cpulist(cpus), len(cpus), format_cpulist(on) or "?", len(nodes), memory,
              "" if node is not None else " (numa_nodes unset: not placed)")

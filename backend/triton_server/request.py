@@ -222,7 +222,8 @@ def _sampling_kwargs(request: Mapping[str, np.ndarray], default_temperature: flo
     max_tokens = _scalar(request, "max_tokens", int)
     if max_tokens is None and not embed:  # an embedding generates nothing: max_tokens plays no part
         raise InputError("max_tokens is required")
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens or 1, "temperature": default_temperature, "embed": embed}
+    kwargs: dict[str, Any] = {"max_tokens": 1 if max_tokens is None else max_tokens, "temperature": default_temperature,
+                              "embed": embed}
     for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("repetition_penalty", float),
                        ("presence_penalty", float), ("frequency_penalty", float), ("ignore_eos", bool)):
         value = _scalar(request, name, kind)
