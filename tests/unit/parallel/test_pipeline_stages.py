@@ -9,18 +9,15 @@ at several times the configured timeout; they say nothing about speed."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from splitfuse import LLMEngine, SamplingParams
 from splitfuse.config import EngineConfig
-from splitfuse.engine.loop import EngineFailedError, EngineLoop
-from splitfuse.errors import FatalEngineError
-from rank_processes import alive, greedy, worker_pids
+from splitfuse.engine.loop import EngineLoop
+from rank_processes import greedy, kill_a_rank_mid_generation, stop_a_rank_mid_step, worker_pids
 
 TIMEOUT_S = 3.0
 BOUND_S = 4 * TIMEOUT_S + 10
@@ -39,33 +36,9 @@ def test_killed_stage_fails_the_served_engine_and_every_request(tiny_llama):
     no process is left once it shuts down."""
     loop = EngineLoop(_config(tiny_llama))
     loop.start()
-    worker = loop.engine.runner.leader.processes[0]
-    finals: dict[str, object] = {}
-    first_token = threading.Event()
-    done = threading.Event()
-
-    def on_output(out):
-        if out.delta_token_ids:
-            first_token.set()
-        if out.finished:
-            finals[out.request_id] = out
-            if len(finals) == 3:
-                done.set()
-
-    for i in range(3):
-        loop.submit(f"r{i}", [1, 5 + i, 9, 13], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
-                    on_output)
-    assert first_token.wait(60)
-    os.kill(worker.pid, signal.SIGKILL)
-    assert done.wait(BOUND_S), "requests still pending after a stage was killed"
-    for out in finals.values():
-        assert out.finish_reason == "error"
+    for out in kill_a_rank_mid_generation(loop, BOUND_S):
         assert "rank 1 (stage 1)" in out.error and "exited with code -9" in out.error, out.error
     assert loop.failure is not None and "pipeline-parallel group failed" in loop.failure
-    with pytest.raises(EngineFailedError):
-        loop.submit("late", [1, 2, 3], SamplingParams(max_tokens=2), on_output)
-    loop.shutdown(timeout=BOUND_S)
-    assert not worker_pids()
 
 
 @pytest.mark.slow  # starts rank processes
@@ -73,35 +46,9 @@ def test_hung_stage_fails_the_step_within_the_timeout(tiny_llama):
     """The second stage stops answering (SIGSTOP): the step fails when rank 0's send of the step
     to it runs out of time, naming its rank and stage; later steps fail at once; shutdown leaves
     no process behind."""
-    engine = LLMEngine(_config(tiny_llama))
-    worker = engine.runner.leader.processes[0]
-    engine.add_request("a", [1, 7, 8, 9], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
-    engine.step()
-    os.kill(worker.pid, signal.SIGSTOP)
-    try:
-        result: dict = {}
-
-        def step():
-            try:
-                engine.step()
-            except BaseException as e:
-                result["error"] = e
-
-        thread = threading.Thread(target=step, daemon=True)
-        thread.start()
-        thread.join(BOUND_S)
-        assert not thread.is_alive(), "a step with a hung stage did not end"
-        assert isinstance(result.get("error"), FatalEngineError), result
-        message = str(result["error"])
-        assert "pipeline-parallel group failed" in message
-        assert "rank 1 (pipeline stage 1) took no step message within 3 s" in message, message
-        with pytest.raises(FatalEngineError):
-            engine.step()
-    finally:
-        if alive(worker.pid):
-            os.kill(worker.pid, signal.SIGCONT)
-    engine.shutdown()
-    assert not alive(worker.pid) and not worker_pids()
+    message = stop_a_rank_mid_step(LLMEngine(_config(tiny_llama)), BOUND_S)
+    assert "pipeline-parallel group failed" in message
+    assert "rank 1 (pipeline stage 1) took no step message within 3 s" in message, message
 
 
 @pytest.mark.slow  # four rank processes
