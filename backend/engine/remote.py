@@ -48,6 +48,7 @@ START_TIMEOUT_S = 600.0
 """For the engine to load its weights (a large GGUF file converts once, then memory-maps)."""
 _POLL_S = 0.05
 _STALE_S = 1.0  # a child's "idle" is believed this long (it sends a batch every 0.25 s)
+# The exceptions the child's answers name, rebuilt here (any other: RuntimeError).
 _ERRORS = {"ValueError": ValueError, "InputError": InputError, "ServerBusyError": ServerBusyError,
            "EngineFailedError": EngineFailedError, "UnknownLoraError": UnknownLoraError}
 

@@ -25,8 +25,6 @@ BATCH = "batch"  # (BATCH, Progress): outputs and step statistics since the last
 FAILED = "failed"  # (FAILED, reason): the engine is broken for good (EngineLoop.failure)
 LOG = "log"  # (LOG, logger name, level, text): a record of the engine's loggers, for the stub's log
 
-# The exceptions `submit` may raise, by class name, rebuilt in the stub (others: RuntimeError).
-SUBMIT_ERRORS = ("ValueError", "InputError", "ServerBusyError", "EngineFailedError", "RuntimeError")
 LORA_TIMEOUT_S = 300.0
 """Longest a run-time LoRA load or unload waits for the engine thread (reading happens before)."""
 
