@@ -15,3 +15,25 @@ SERVER_BUSY = "server busy"
 
 class ServerBusyError(RuntimeError):
     """A replica refuses a request for now (its waiting queue is full): retry later or elsewhere."""
+
+
+ERROR_CODE_PARAMETER = "splitfuse_error_code"
+"""A request parameter (bool) that asks the `llm` model to lead each error message with its
+status, "[INVALID_ARGUMENT] ...". A gRPC stream's in-band errors carry no status; Triton's
+`triton_grpc_error` header would end the stream with it, but Triton 2.51's handling of such an
+ending races with its own done-notification and, once in a few hundred errors, crashes the
+server (SIGSEGV in infer_handler.h). The OpenAI front asks for the code this way instead."""
+
+
+def with_error_code(message: str, code_name: str) -> str:
+    """`message` led by its status name (gRPC's spelling: INVALID_ARGUMENT, UNAVAILABLE, ...)."""
+    return f"[{code_name}] {message}"
+
+
+def split_error_code(message: str) -> tuple[str | None, str]:
+    """(status name or None, the message without it): the inverse of with_error_code."""
+    if message.startswith("["):
+        name, sep, rest = message[1:].partition("] ")
+        if sep and name and name.replace("_", "").isalpha() and name.isupper():
+            return name, rest
+    return None, message

@@ -17,7 +17,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
-from splitfuse.errors import SERVER_BUSY  # how llm's refusals for load start (a stream's error has no status)
+# SERVER_BUSY: how llm's refusals for load start; ERROR_CODE_PARAMETER: llm's errors then carry their status.
+from splitfuse.errors import ERROR_CODE_PARAMETER, SERVER_BUSY, split_error_code
 
 LLM_MODEL = "llm"
 
@@ -37,9 +38,10 @@ INPUT_DTYPES = {
 }
 
 
-# Sent with every stream: Triton then ends a stream whose request failed with the error's gRPC
-# status (INVALID_ARGUMENT, UNAVAILABLE, INTERNAL, ...) instead of a bare message.
-STATUS_HEADERS = {"triton_grpc_error": "true"}
+# Sent with every request: llm leads its error messages with their gRPC status (INVALID_ARGUMENT,
+# UNAVAILABLE, ...), which a stream's in-band error lacks. Not Triton's `triton_grpc_error` header:
+# 2.51 crashes, now and then, on the streams that header makes it end with an error status.
+CODED_ERRORS = {ERROR_CODE_PARAMETER: True}
 # The status of what the request itself asked wrong (the llm model's TritonError.INVALID_ARG).
 CLIENT_ERROR_CODES = frozenset({"INVALID_ARGUMENT"})
 
@@ -165,19 +167,21 @@ class TritonLLM:
         Use it under `contextlib.aclosing` so that happens at once, not at garbage collection.
         """
         finished = asyncio.Event()
-        request = {"model_name": self.model_name, "inputs": build_inputs(inputs), "request_id": request_id}
+        request = {"model_name": self.model_name, "inputs": build_inputs(inputs), "request_id": request_id,
+                   "parameters": CODED_ERRORS}
 
         async def requests():
             yield request
             await finished.wait()  # keep the stream open until the final response is in
 
-        call = self.client.stream_infer(requests(), headers=STATUS_HEADERS)
+        call = self.client.stream_infer(requests())
         complete = False
         try:
             async for result, error in call:
                 if error is not None:
                     complete = True
-                    raise GenerationError(error.message() or str(error), _code_name(error.status()))
+                    code, message = split_error_code(error.message() or str(error))
+                    raise GenerationError(message, code or _code_name(error.status()))
                 step = parse_step(result)
                 if step.final:
                     complete = True
@@ -187,7 +191,7 @@ class TritonLLM:
             raise GenerationError("unavailable: Triton closed the stream before the final response")
         except GenerationError:
             raise
-        except grpc.aio.AioRpcError as e:  # the request failed (STATUS_HEADERS), or the server is gone
+        except grpc.aio.AioRpcError as e:  # Triton refused the request before llm saw it, or is gone
             complete = True
             raise GenerationError(e.details() or str(e), e.code().name) from None
         except Exception as e:  # the stream broken some other way

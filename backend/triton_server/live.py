@@ -25,6 +25,8 @@ class Live:
     cancelled: bool = False
     echo_pending: bool = False
     handle_pending: bool = False
+    error_code: bool = False
+    """Its error responses lead with their status (errors.ERROR_CODE_PARAMETER)."""
     error: str | None = None
     """Its response could not be built: the final response carries this error."""
     done: bool = False

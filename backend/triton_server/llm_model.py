@@ -30,13 +30,13 @@ from splitfuse.engine.remote import ENGINE_FAULT, RemoteEngine
 from splitfuse.engine.wire import engine_facts
 from splitfuse.inputs import PromptLimit
 from transformers import AutoTokenizer
-from splitfuse.errors import SERVER_BUSY, ServerBusyError
+from splitfuse.errors import SERVER_BUSY, ServerBusyError, with_error_code
 from splitfuse.engine.sequence import RequestOutput
 from splitfuse.triton_server.metrics import MetricsRecorder, TritonMetrics
 from splitfuse.utils.orphan_guard import exit_with_parent
 from splitfuse.triton_server.replica_balance import NOT_TAKING, ReplicaBalance
 from splitfuse.inputs import InputError
-from splitfuse.triton_server.request import InputBounds, input_arrays, parse_request
+from splitfuse.triton_server.request import InputBounds, input_arrays, parse_request, wants_error_code
 from splitfuse.triton_server.response import lora_ack_arrays, response_arrays, stop_ack_arrays
 from splitfuse.triton_server.lora_admin import LoraAdmin
 from splitfuse.engine.lora_control import UnknownLoraError
@@ -44,6 +44,10 @@ from splitfuse.engine.lora_control import UnknownLoraError
 log = logging.getLogger("splitfuse.triton_server.llm")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# gRPC's names of the statuses this model answers with (errors.with_error_code), by TritonError's
+# attribute: pb_utils has no TritonError while Triton auto-completes the config.
+_STATUS_NAMES = {"INVALID_ARG": "INVALID_ARGUMENT", "NOT_FOUND": "NOT_FOUND", "UNAVAILABLE": "UNAVAILABLE",
+                 "INTERNAL": "INTERNAL"}
 # How often stop requests and the shutdown handshake are checked.
 HOUSEKEEPING_INTERVAL_S = 0.01
 # How often metrics go to Triton (every update is a round trip to the server process;
@@ -129,19 +133,20 @@ class TritonPythonModel:
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
+            coded = wants_error_code(request.parameters())
             try:
-                self._start(request, sender)
+                self._start(request, sender, coded)
             except ValueError as e:  # InputError, SamplingParams, the engine's own validation
-                self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+                self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG, coded)
             except ServerBusyError as e:  # max_waiting_requests: refused at once, nothing queued
                 self.recorder.refused("queue_full")
-                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE, coded)
             except RuntimeError as e:  # the engine is shutting down, or failed for good (EngineFailedError)
-                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE, coded)
             except Exception as e:  # never let one request take down the others
                 log.exception("unexpected error handling a request")
                 self._send_error(sender, f"internal error: {type(e).__name__}: {e}",
-                                 pb_utils.TritonError.INTERNAL)
+                                 pb_utils.TritonError.INTERNAL, coded)
         # Holding more than another replica: take no more for now, so Triton gives the next
         # requests to the others (replica_balance.py). Not while draining: all are refused.
         if not self.control.draining():
@@ -175,14 +180,14 @@ class TritonPythonModel:
         triton_log.uninstall(self.log_handler)
 
     # ---- requests ----------------------------------------------------------------------------
-    def _start(self, request, sender) -> None:
+    def _start(self, request, sender, coded: bool) -> None:
         parsed = parse_request(input_arrays(request.inputs(), self.bounds), self.server.default_temperature)
         client_id = request.request_id() or ""
         if parsed.stop_request:
             self._stop(parsed.stop_handle, sender)
             return
         if parsed.lora_admin is not None:  # ValueError (the caller's INVALID_ARG): nothing changed
-            self._lora_request(parsed.lora_admin, sender)
+            self._lora_request(parsed.lora_admin, sender, coded)
             return
         engine_id = f"{client_id}#{next(self.ids)}"
         if self.control.draining():  # the file itself, not the housekeeper's copy: no 10 ms window
@@ -201,7 +206,8 @@ class TritonPythonModel:
         # finds it (request ids are the client's choice: any client could reuse another's).
         handle = f"{self.control.tag}.{secrets.token_hex(16)}"
         live = Live(engine_id, handle, sender, parsed, arrival=time.perf_counter(),
-                    echo_pending=not parsed.exclude_input, handle_pending=parsed.return_stop_handle)
+                    echo_pending=not parsed.exclude_input, handle_pending=parsed.return_stop_handle,
+                    error_code=coded)
         with self.live_lock:
             self.live[engine_id] = live
             self._post_load()
@@ -229,12 +235,12 @@ class TritonPythonModel:
             self.control.post_stop(owner, Control.key(handle))
         sender.send(_response(stop_ack_arrays()), flags=FINAL)
 
-    def _lora_request(self, op: tuple, sender) -> None:
+    def _lora_request(self, op: tuple, sender, coded: bool) -> None:
         """A run-time LoRA load or unload: here, then on the other instances (lora_admin.py)."""
         try:
             message = self.lora_admin.apply(op)
         except UnknownLoraError as e:
-            self._send_error(sender, str(e), pb_utils.TritonError.NOT_FOUND)
+            self._send_error(sender, str(e), pb_utils.TritonError.NOT_FOUND, coded)
             return
         sender.send(_response(lora_ack_arrays(message)), flags=FINAL)
 
@@ -247,7 +253,11 @@ class TritonPythonModel:
         for lv in victims:
             self.loop.abort(lv.engine_id)
 
-    def _send_error(self, sender, message: str, code: int) -> None:
+    def _send_error(self, sender, message: str, code: int, coded: bool) -> None:
+        if coded:
+            name = next((grpc for attr, grpc in _STATUS_NAMES.items() if getattr(pb_utils.TritonError, attr) == code),
+                        "UNKNOWN")
+            message = with_error_code(message, name)
         try:
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code)),
                         flags=FINAL)
@@ -267,13 +277,13 @@ class TritonPythonModel:
                 with live.lock:
                     try:
                         if out.error is not None:  # failed inside the engine
-                            self._send_error(live.sender, out.error, self._error_code(out.error))
+                            self._send_error(live.sender, out.error, self._error_code(out.error), live.error_code)
                         elif live.error is not None:
-                            self._send_error(live.sender, live.error, pb_utils.TritonError.INTERNAL)
+                            self._send_error(live.sender, live.error, pb_utils.TritonError.INTERNAL, live.error_code)
                         else:
                             error = self._send(live, out)
                             if error is not None:
-                                self._send_error(live.sender, error, pb_utils.TritonError.INTERNAL)
+                                self._send_error(live.sender, error, pb_utils.TritonError.INTERNAL, live.error_code)
                     finally:
                         live.done = True
             elif live.parsed.stream and live.error is None:

@@ -6,6 +6,7 @@ Pure numpy over a mapping of input name -> array, so it is tested without a serv
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 
 from splitfuse.engine.sequence import (MAX_CACHE_SALT_LENGTH, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
                                        SamplingParams)
+from splitfuse.errors import ERROR_CODE_PARAMETER
 from splitfuse.inputs import InputError, PromptLimit
 from splitfuse.structured.guide import MAX_GUIDE_LENGTH, Guide
 
@@ -88,6 +90,14 @@ def check_bytes(name: str, arr: np.ndarray, bounds: InputBounds) -> None:
         limit, why = bounds.bytes(name)
         if total > limit:
             raise InputError(f"{name}: {total} bytes, the limit is {limit} ({why})")
+
+
+def wants_error_code(parameters_json: str) -> bool:
+    """Whether a request's parameters (Triton's JSON text) ask for ERROR_CODE_PARAMETER."""
+    try:
+        return json.loads(parameters_json or "{}").get(ERROR_CODE_PARAMETER) is True
+    except (ValueError, AttributeError):
+        return False
 
 
 def input_arrays(tensors: Any, bounds: InputBounds) -> dict[str, np.ndarray]:

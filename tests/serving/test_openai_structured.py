@@ -298,6 +298,28 @@ def test_bad_structured_requests_are_400_naming_the_parameter(api, kwargs, param
     assert _chat(api, max_tokens=2, temperature=0).usage.completion_tokens == 2
 
 
+def test_refusals_by_llm_are_400s_that_leave_triton_unharmed(api, server):
+    """llm's error responses carry their status in the message (errors.ERROR_CODE_PARAMETER), not
+    through Triton's triton_grpc_error header, on whose error endings Triton 2.51 logged a
+    HandleCancellation error every time and now and then crashed (SIGSEGV): none is logged now."""
+    import concurrent.futures
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}
+
+    def refused(i: int) -> str:
+        try:
+            answer = _chat(api, max_tokens=4, response_format=fmt, stream=bool(i % 2))
+            list(answer) if i % 2 else None
+        except openai.BadRequestError as e:
+            return e.body["param"]
+        return "answered"
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert set(pool.map(refused, range(40))) == {"response_format"}
+    assert _chat(api, max_tokens=2, temperature=0).usage.completion_tokens == 2
+    assert "HandleCancellation" not in Path(server.log_file).read_text()
+
+
 def test_a_schema_that_does_not_compile_is_400(api):
     fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}
     for stream in (False, True):
