@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitfuse.config_parsing import _FromStrings, _check_choice, _check_positive
+from splitfuse.kv_events.endpoint import check_endpoint, replica_endpoint
+from splitfuse.kv_events.events import ENCODINGS as KV_EVENT_ENCODINGS
 from splitfuse.server_config import ServerConfig  # its own module; imported from here as ever
 
 SCHEDULER_POLICIES = ("splitfuse", "prefill_first", "orca")
@@ -142,6 +144,27 @@ class EngineConfig(_FromStrings):
     enable_prefix_caching: bool = True
     """Share the KV of full blocks between requests that start with the same tokens (a system
     prompt, earlier chat turns); freed blocks stay cached until their room is needed."""
+    kv_events_endpoint: str = ""
+    """Publish KV cache events (blocks stored in and removed from the prefix cache, with their
+    hashes and tokens) on a ZeroMQ PUB socket bound here, in vLLM's format, for a KV-aware router
+    (NVIDIA Dynamo, llm-d) to send each request where its prefix is cached (docs/kv_events.md).
+    tcp://127.0.0.1:PORT, ipc://PATH or inproc://NAME; "" = off. Replica i binds PORT + i (an ipc
+    path or inproc name gets "-i"). A non-loopback address needs kv_events_allow_remote."""
+    kv_events_topic: str = ""
+    """The topic frame of every KV event message (subscribers filter on its prefix)."""
+    kv_events_max_queue: int = 1000
+    """Step batches of KV events waiting for the publisher's thread; when full, the oldest is
+    dropped (counted in splitfuse_kv_event_batches_dropped_total): a step never waits on events."""
+    kv_events_encoding: str = "array"
+    """array | map: each event as a tagged array (vLLM up to 0.23; read by every consumer) or a
+    tagged map with named fields (vLLM since 0.24; Dynamo and llm-d read both)."""
+    kv_events_allow_remote: bool = False
+    """Let kv_events_endpoint bind a non-loopback address (e.g. tcp://*:5557): the events carry
+    prompts' token ids, so they stay on this machine unless the operator says otherwise."""
+    kv_events_replica: int = 0
+    """This engine's index among a server's replicas: its port offset and the data_parallel_rank
+    of its event batches. A served replica's is its Triton instance index (set by the stub); set
+    it for engines started apart (LLM) that publish on one host."""
     num_threads: int = 0
     """OpenMP threads on CPU for torch and the C++ kernels; 0 keeps torch's default (one per core).
     With tensor parallelism this is the total, divided evenly among the ranks."""
@@ -223,6 +246,7 @@ class EngineConfig(_FromStrings):
             raise ValueError(f"fused_decoder must be true or false, got {self.fused_decoder!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        self._check_kv_events()
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         _check_choice("prompt_order", self.prompt_order, PROMPT_ORDERS)
@@ -257,6 +281,19 @@ class EngineConfig(_FromStrings):
                                  "parallel_size > 1 or speculative_method=draft; give kv_cache_memory_gb in GiB")
         elif isinstance(gb, str) or isinstance(gb, bool) or not gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be a number of GiB > 0 or auto, got {gb!r}")
+
+    def _check_kv_events(self) -> None:
+        if not isinstance(self.kv_events_allow_remote, bool):
+            raise ValueError(f"kv_events_allow_remote must be true or false, got {self.kv_events_allow_remote!r}")
+        check_endpoint(self.kv_events_endpoint, self.kv_events_allow_remote)
+        if not isinstance(self.kv_events_replica, int) or isinstance(self.kv_events_replica, bool) \
+                or self.kv_events_replica < 0:
+            raise ValueError(f"kv_events_replica must be an integer >= 0, got {self.kv_events_replica!r}")
+        replica_endpoint(self.kv_events_endpoint, self.kv_events_replica)  # the port it moves to exists
+        _check_positive("kv_events_max_queue", self.kv_events_max_queue)
+        _check_choice("kv_events_encoding", self.kv_events_encoding, KV_EVENT_ENCODINGS)
+        if not isinstance(self.kv_events_topic, str):
+            raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
 
     def _check_lora(self) -> None:
         _check_positive("max_loras", self.max_loras)

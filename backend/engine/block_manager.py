@@ -26,6 +26,7 @@ from collections.abc import Sequence as Tokens
 import numpy as np
 
 from splitfuse.engine.sequence import Sequence
+from splitfuse.kv_events.events import KvEvent, KvEventLog
 
 ROOT_HASH = b""
 """Parent hash of a sequence's first block (without a cache salt)."""
@@ -97,6 +98,8 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._hash_of_block: list[bytes | None] = [None] * num_blocks
         self._block_of_hash: dict[bytes, int] = {}
+        self.kv_events: KvEventLog | None = None
+        """Where blocks cached and evicted are recorded, when KV events are published (kv_events/)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,11 +153,31 @@ class BlockManager:
         if last <= first:
             return
         hashes = self.block_hashes(seq, last)
+        stored: list[int] = []
         for i in range(first, last):
             block = seq.block_table[i]
             if self._hash_of_block[block] is None and hashes[i] not in self._block_of_hash:
                 self._hash_of_block[block] = hashes[i]
                 self._block_of_hash[hashes[i]] = block
+                stored.append(i)
+        if self.kv_events is not None and stored:
+            self._record_stored(seq, hashes, stored)
+
+    def _record_stored(self, seq: Sequence, hashes: list[bytes], stored: list[int]) -> None:
+        """One BlockStored event per run of consecutive blocks of `seq` made findable."""
+        bs = self.block_size
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            a, b = stored[start], stored[k - 1] + 1
+            self.kv_events.stored(hashes[a:b], hashes[a - 1] if a else None, seq.token_ids[a * bs : b * bs], bs,
+                                  seq.params.lora_name, seq.params.cache_salt)
+            start = k
+
+    def take_events(self) -> list[KvEvent]:
+        """The KV events recorded since the last call (none when they are not recorded)."""
+        return self.kv_events.take() if self.kv_events is not None else []
 
     # ---- allocation -----------------------------------------------------------------------------
     def blocks_missing(self, seq: Sequence, num_tokens: int) -> int:
@@ -196,6 +219,8 @@ class BlockManager:
     def _evict(self) -> int:
         block, _ = self._cached_free.popitem(last=False)
         del self._block_of_hash[self._hash_of_block[block]]
+        if self.kv_events is not None:
+            self.kv_events.removed(self._hash_of_block[block])
         self._hash_of_block[block] = None
         return block
 
