@@ -37,6 +37,8 @@ from splitfuse.engine.stats import EngineStats, StepStats, StepTally
 from splitfuse.engine.stop import StopChecker, eos_token_ids
 from splitfuse.engine.validation import RequestValidator
 from splitfuse.errors import SERVER_BUSY
+from splitfuse.kv_events.events import AllBlocksCleared, KvEventLog
+from splitfuse.kv_events.publisher import KvEventPublisher
 from splitfuse.lora.registry import LoraStats
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 from splitfuse.spec_decode.decoder import make_speculative_decoder, sampling_rows, verified_tokens
@@ -99,6 +101,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
         self.last_step: StepStats | None = None
+        self.kv_event_publisher = self._start_kv_events(config)
 
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -186,9 +189,23 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def shutdown(self) -> None:
-        """Stop the processes that outlive the object (tensor-parallel ranks, grammar compiler)."""
+        """Stop the processes that outlive the object (tensor-parallel ranks, grammar compiler)
+        and the KV event publisher's socket."""
         self.runner.shutdown()
         self.masking.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+
+    def _start_kv_events(self, config: EngineConfig) -> KvEventPublisher | None:
+        """The KV event publisher (None when kv_events_endpoint is unset); its first batch says the
+        cache is empty (a router drops what it knew of an engine that was at this endpoint before)."""
+        if not config.kv_events_endpoint:
+            return None
+        publisher = KvEventPublisher(config.kv_events_endpoint, config.kv_events_topic, config.kv_events_max_queue,
+                                     config.kv_events_replica, config.kv_events_encoding)
+        self.blocks.kv_events = KvEventLog()
+        publisher.publish([AllBlocksCleared()])
+        return publisher
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
@@ -231,6 +248,7 @@ class LLMEngine:
         sampled = self._sample(logits, sampling, tally)
         outputs = plan.failed + self._update(plan.decision, sampling, sampled, tally)
         outputs += [self._embedded(seq, vector) for seq, vector in embedded]
+        self._publish_kv_events(tally)
         self._record(plan, tally)
         return outputs
 
@@ -304,6 +322,14 @@ class LLMEngine:
             self.masking.cut_drafts(self.speculation.propose_next(self.scheduler))
         return outputs
 
+    def _publish_kv_events(self, tally: StepTally) -> None:
+        """Hand the step's KV events (blocks cached and evicted) to the publisher, which never waits."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.blocks.take_events()
+        tally.kv_events = len(events)
+        tally.kv_event_batches_dropped = self.kv_event_publisher.publish(events)
+
     def _record(self, plan: StepPlan, tally: StepTally) -> None:
         duration_s = time.perf_counter() - plan.start
         self.scheduler.record_step(plan.batch.num_tokens, duration_s)
@@ -315,7 +341,8 @@ class LLMEngine:
             kv_blocks_free=self.blocks.num_free_blocks, duration_s=duration_s, forward_s=tally.forward_s,
             num_preemptions=len(decision.preempted), prefix_cache_queries=decision.prefix_cache_queries,
             prefix_cache_hits=decision.prefix_cache_hits, spec_draft_tokens=tally.drafts,
-            spec_accepted_tokens=tally.accepted, grammar_mask_s=tally.grammar_mask_s)
+            spec_accepted_tokens=tally.accepted, grammar_mask_s=tally.grammar_mask_s, kv_events=tally.kv_events,
+            kv_event_batches_dropped=tally.kv_event_batches_dropped)
 
     def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
         """Append the step's tokens one by one, stopping exactly where decoding them one per

@@ -31,6 +31,10 @@ class StepStats:
     """Of those, tokens accepted (each one a decode step saved)."""
     grammar_mask_s: float = 0.0
     """Seconds spent masking constrained sequences' logits to their grammars."""
+    kv_events: int = 0
+    """KV cache events (blocks stored, removed) this step queued for publishing (kv_events_endpoint)."""
+    kv_event_batches_dropped: int = 0
+    """Older batches of KV events dropped unsent to queue this step's (kv_events_max_queue)."""
 
 
 @dataclass
@@ -52,3 +56,5 @@ class StepTally:
     accepted: int = 0
     forward_s: float = 0.0
     grammar_mask_s: float = 0.0
+    kv_events: int = 0
+    kv_event_batches_dropped: int = 0

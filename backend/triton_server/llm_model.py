@@ -9,6 +9,7 @@ engine's metrics, so the engine thread does nothing but step and send.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import itertools
 import json
@@ -24,7 +25,7 @@ from splitfuse.config import split_parameters
 from splitfuse.triton_server.control import Control
 from splitfuse.triton_server import triton_log
 from splitfuse.triton_server.live import Live
-from splitfuse.triton_server.numa_placement import apply_numa, log_cpu_placement
+from splitfuse.triton_server.numa_placement import apply_numa, instance_index, log_cpu_placement
 from splitfuse.engine.loop import GUIDE_REFUSED, EngineLoop
 from splitfuse.engine.remote import ENGINE_FAULT, RemoteEngine
 from splitfuse.engine.wire import engine_facts
@@ -85,6 +86,8 @@ class TritonPythonModel:
         config, self.server = split_parameters(params)
         # Before the engine's threads exist: they inherit the node's CPUs and memory policy.
         config, node = apply_numa(config, self.server, self.instance)
+        if config.kv_events_endpoint:  # each replica publishes on its own port: the endpoint's + its index
+            config = dataclasses.replace(config, kv_events_replica=instance_index(self.instance))
         self.config = config
         self.recorder = MetricsRecorder()
         self.loop, facts = self._start_engine(config)
