@@ -37,7 +37,7 @@ from splitfuse.engine.stats import EngineStats, StepStats, StepTally
 from splitfuse.engine.stop import StopChecker, eos_token_ids
 from splitfuse.engine.validation import RequestValidator
 from splitfuse.errors import SERVER_BUSY
-from splitfuse.kv_events.events import AllBlocksCleared, KvEventLog
+from splitfuse.kv_events.events import KvEventLog
 from splitfuse.kv_events.publisher import KvEventPublisher
 from splitfuse.lora.registry import LoraStats
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
@@ -197,14 +197,21 @@ class LLMEngine:
             self.kv_event_publisher.close()
 
     def _start_kv_events(self, config: EngineConfig) -> KvEventPublisher | None:
-        """The KV event publisher (None when kv_events_endpoint is unset); its first batch says the
-        cache is empty (a router drops what it knew of an engine that was at this endpoint before)."""
+        """The KV event publisher (None when kv_events_endpoint is unset). Its first batch, with
+        the first step's events, starts with AllBlocksCleared: a router drops what it knew of an
+        engine that was at this endpoint before (its subscriber has reconnected by then)."""
         if not config.kv_events_endpoint:
             return None
-        publisher = KvEventPublisher(config.kv_events_endpoint, config.kv_events_topic, config.kv_events_max_queue,
-                                     config.kv_events_replica, config.kv_events_encoding)
+        try:
+            publisher = KvEventPublisher(config.kv_events_endpoint, config.kv_events_topic,
+                                         config.kv_events_max_queue, config.kv_events_replica,
+                                         config.kv_events_encoding)
+        except BaseException:  # the endpoint is taken: stop what the engine started so far
+            self.runner.shutdown()
+            self.masking.close()
+            raise
         self.blocks.kv_events = KvEventLog()
-        publisher.publish([AllBlocksCleared()])
+        self.blocks.kv_events.cleared()
         return publisher
 
     def has_unfinished_requests(self) -> bool:

@@ -38,6 +38,8 @@ def heard(tiny_llama):
 
 def test_first_prompt_is_stored_as_one_chain(heard):
     _, messages = heard
+    assert messages[0].events[0] == ["AllBlocksCleared"]  # the engine's first step: its cache was empty
+    assert {m.rank for m in messages} == {0}
     stored = [e for m in messages for e in m.events if e[0] == "BlockStored"]
     prompt = PROMPTS[0]
     hashes, parent = [], ROOT_HASH
@@ -72,3 +74,18 @@ def test_evictions_are_removed_and_a_router_view_matches_the_cache(heard):
                 view.clear()
     assert removed > 0
     assert view == cached
+
+
+def test_a_taken_endpoint_fails_the_engine_naming_it(tiny_llama):
+    import zmq
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    context = zmq.Context()
+    taken = context.socket(zmq.PUB)
+    taken.bind(endpoint)
+    try:
+        with pytest.raises(ValueError, match="kv_events_endpoint: cannot bind"):
+            LLM(tiny_llama, num_kv_blocks=16, attention_backend="torch", kv_events_endpoint=endpoint)
+    finally:
+        taken.close(linger=0)
+        context.term()
