@@ -94,18 +94,22 @@ class KvEventLog:
     events: list[KvEvent] = field(default_factory=list)
 
     def stored(self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
-               lora_name: str | None, cache_salt: str | None) -> None:
+               lora_name: str | None, cache_salt: str | None, medium: str | None = None) -> None:
+        """A chain of blocks stored in `medium` (default: the KV pool's; "CPU" / "DISK" for the
+        tiers behind it)."""
         self.events.append(BlockStored([external_hash(h) for h in block_hashes],
                                        None if parent is None else external_hash(parent), list(token_ids),
-                                       block_size, None, self.medium, lora_name, cache_salt))
+                                       block_size, None, medium or self.medium, lora_name, cache_salt))
 
-    def removed(self, block_hash: bytes) -> None:
-        """One evicted block; evictions in a row share one event."""
+    def removed(self, block_hash: bytes, medium: str | None = None) -> None:
+        """One block dropped from `medium` (default: the KV pool's); drops in a row from one
+        medium share one event."""
+        medium = medium or self.medium
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved) and last.medium == self.medium:
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(external_hash(block_hash))
         else:
-            self.events.append(BlockRemoved([external_hash(block_hash)], self.medium))
+            self.events.append(BlockRemoved([external_hash(block_hash)], medium))
 
     def cleared(self) -> None:
         self.events.append(AllBlocksCleared())

@@ -61,6 +61,12 @@ def test_log_joins_evictions_in_a_row():
     assert [type(e) for e in events] == [BlockRemoved, BlockStored, BlockRemoved]
     assert events[0].block_hashes == [external_hash(b"\1" * 32), external_hash(b"\2" * 32)]
     assert log.take() == []
+    # A tier behind the pool (host memory) records in the same log under its own medium.
+    log.removed(b"\1" * 32)
+    log.removed(b"\2" * 32, medium="CPU")
+    log.stored([b"\3" * 32], None, [1, 2], 2, None, None, medium="DISK")
+    assert [(type(e).__name__, e.medium) for e in log.take()] == [
+        ("BlockRemoved", "GPU"), ("BlockRemoved", "CPU"), ("BlockStored", "DISK")]
 
 
 def _computed(bm: BlockManager, name: str, tokens: list[int], params: SamplingParams | None = None) -> Sequence:
