@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from splitfuse.config_parsing import _FromStrings, _check_choice, _check_positive
+from splitfuse.config_parsing import _FromStrings, _check_choice, _check_non_negative, _check_positive
 from splitfuse.kv_events.endpoint import check_endpoint, replica_endpoint
 from splitfuse.kv_events.events import ENCODINGS as KV_EVENT_ENCODINGS
 from splitfuse.server_config import ServerConfig  # its own module; imported from here as ever
@@ -165,6 +165,21 @@ class EngineConfig(_FromStrings):
     """This engine's index among a server's replicas: its port offset and the data_parallel_rank
     of its event batches. A served replica's is its Triton instance index (set by the stub); set
     it for engines started apart (LLM) that publish on one host."""
+    kv_offload_memory_gb: float = 0.0
+    """Host-RAM tier of the prefix cache, in GiB; 0 = off. Full KV blocks the pool evicts are
+    copied here (the least recently used dropped past the bound, or moved down to the disk tier)
+    and copied back instead of recomputed when a later prompt starts with them. Per engine
+    process: replicas do not share it. Costs up to that much host memory; pays off when shared
+    prefixes (system prompts, chat histories) outgrow the KV pool. Needs enable_prefix_caching."""
+    kv_offload_dir: str = ""
+    """Disk tier of the prefix cache: a folder, one file per block ("" = off). Blocks leaving the
+    host-RAM tier (or evicted from the pool, without one) are written here; shared by every engine
+    process that sets the same folder (atomic writes; a fingerprint of the model keeps another
+    model's blocks out). Slower than RAM, larger and surviving restarts. Not with LoRA adapters
+    (another process may serve other weights under an adapter's name)."""
+    kv_offload_disk_gb: float = 4.0
+    """Bound of the disk tier in GiB (this model's files in kv_offload_dir); past it the least
+    recently used blocks are deleted."""
     num_threads: int = 0
     """OpenMP threads on CPU for torch and the C++ kernels; 0 keeps torch's default (one per core).
     With tensor parallelism this is the total, divided evenly among the ranks."""
@@ -270,6 +285,7 @@ class EngineConfig(_FromStrings):
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9):
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         self._check_lora()
+        self._check_kv_offload()
 
     def _check_kv_cache_memory(self) -> None:
         gb = self.kv_cache_memory_gb
@@ -313,6 +329,32 @@ class EngineConfig(_FromStrings):
         if (adapters or self.lora_load_dir) and self.speculative_method == "draft":
             raise ValueError(f"{what} cannot be combined with speculative_method=draft (the draft model has "
                              "no adapters); use speculative_method=ngram or none")
+
+    def _check_kv_offload(self) -> None:
+        _check_non_negative("kv_offload_memory_gb", self.kv_offload_memory_gb)
+        _check_non_negative("kv_offload_disk_gb", self.kv_offload_disk_gb)
+        if not isinstance(self.kv_offload_dir, str):
+            raise ValueError(f"kv_offload_dir must be a folder's path, got {self.kv_offload_dir!r}")
+        if not self.kv_offload_tiers:
+            return
+        what = "kv_offload_memory_gb" if self.kv_offload_memory_gb > 0 else "kv_offload_dir"
+        if self.kv_offload_dir and self.kv_offload_disk_gb <= 0:
+            raise ValueError("kv_offload_disk_gb must be > 0 with kv_offload_dir set")
+        if not self.enable_prefix_caching:
+            raise ValueError(f"{what} needs enable_prefix_caching=true (the tiers hold evicted prefix-cache blocks)")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(f"{what} cannot be combined with tensor_parallel_size or pipeline_parallel_size > 1: "
+                             "each rank holds only its shard or its stage's layers of a block's KV, which the "
+                             "engine (rank 0) cannot copy whole")
+        if self.kv_offload_dir and (self.lora_modules or self.lora_load_dir):
+            raise ValueError("kv_offload_dir cannot be combined with lora_modules or lora_load_dir: an adapter's "
+                             "KV is keyed by its name, and another process sharing the folder (or this one after "
+                             "a restart) may serve other weights under that name; use kv_offload_memory_gb alone")
+
+    @property
+    def kv_offload_tiers(self) -> bool:
+        """Whether a host-RAM or disk tier holds blocks the KV pool evicts."""
+        return self.kv_offload_memory_gb > 0 or bool(self.kv_offload_dir)
 
     def lora_adapters(self) -> dict[str, str]:
         """`lora_modules` parsed: adapter name -> PEFT folder, in the order given."""
