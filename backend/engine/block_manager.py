@@ -13,6 +13,10 @@ is needed. A freed block that carries a hash stays findable ("cached-free") unti
 block is needed and no block without a hash is free: then the least recently freed one is
 evicted and its hash forgotten.
 
+Tiers below the pool (kv_tiers/, `record_evictions`): an evicted block's (hash, id) is kept
+until the engine drains it, before the step's forward pass can overwrite the block, so its KV can
+be copied down first; `tier_candidates` names the blocks past the pool's hits a tier may restore.
+
 Every block is in exactly one state: free (no hash), cached-free (hash, no owner) or owned
 (reference count = number of sequences whose block table holds it).
 """
@@ -86,7 +90,7 @@ def pool_blocks_for(num_blocks: int, watermark: float) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, record_evictions: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -100,6 +104,8 @@ class BlockManager:
         self._block_of_hash: dict[bytes, int] = {}
         self.kv_events: KvEventLog | None = None
         """Where blocks cached and evicted are recorded, when KV events are published (kv_events/)."""
+        self.record_evictions = record_evictions
+        self._evicted: list[tuple[bytes, int]] = []  # (hash, block) evicted since the last drain
 
     @property
     def num_free_blocks(self) -> int:
@@ -126,20 +132,36 @@ class BlockManager:
             hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
-    def lookup(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding `seq`'s longest computed prefix, leaving at least its last
-        token to compute (that step samples the next token). Does not take them."""
+    def _max_cached_blocks(self, seq: Sequence) -> int:
+        """Most leading blocks of `seq` a cache may give it: full ones, leaving at least its last
+        token to compute (that step samples the next token); 0 where none may be skipped."""
         # A mean-pooled embedding needs every token's hidden state: nothing of it may be skipped.
         if not self.enable_prefix_caching or seq.block_table or seq.pooling == "mean":
-            return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+            return 0
+        return (seq.num_tokens - 1) // self.block_size
+
+    def lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding `seq`'s longest computed prefix (see `_max_cached_blocks`).
+        Does not take them."""
         hits: list[int] = []
-        for i in range(max_blocks):
+        for i in range(self._max_cached_blocks(seq)):
             block = self._block_of_hash.get(self.block_hashes(seq, i + 1)[i])
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def tier_candidates(self, seq: Sequence, num_hits: int) -> list[bytes]:
+        """Hashes of `seq`'s blocks after its `num_hits` pool hits that a lower tier may restore
+        (the same rule as pool hits: full blocks, its last token left to compute)."""
+        max_blocks = self._max_cached_blocks(seq)
+        return self.block_hashes(seq, max_blocks)[num_hits:max_blocks] if max_blocks > num_hits else []
+
+    def drain_evicted(self) -> list[tuple[bytes, int]]:
+        """(hash, block) of each cached block evicted since the last drain (`record_evictions`):
+        their KV is intact until the next forward pass writes into the blocks."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def cache_computed_blocks(self, seq: Sequence, num_computed_before: int) -> None:
         """Make the blocks that became full and computed since `num_computed_before` findable.
@@ -218,10 +240,13 @@ class BlockManager:
 
     def _evict(self) -> int:
         block, _ = self._cached_free.popitem(last=False)
-        del self._block_of_hash[self._hash_of_block[block]]
+        h = self._hash_of_block[block]
+        del self._block_of_hash[h]
         if self.kv_events is not None:
-            self.kv_events.removed(self._hash_of_block[block])
+            self.kv_events.removed(h)
         self._hash_of_block[block] = None
+        if self.record_evictions:
+            self._evicted.append((h, block))
         return block
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:

@@ -26,6 +26,7 @@ from splitfuse.engine.batch import RaggedBatch
 from splitfuse.engine.micro_batches import MicroBatches
 from splitfuse.engine.block_manager import BlockManager
 from splitfuse.engine.detokenizer import IncrementalDetokenizer
+from splitfuse.engine.kv_offload import KVOffload, TierStep
 from splitfuse.engine.lora_control import LoraControl
 from splitfuse.engine.model_runner import ModelRunner
 from splitfuse.engine.outputs import error_output, request_output
@@ -60,6 +61,8 @@ class StepPlan:
     """Final outputs of requests that left the step (their LoRA adapter failed to load)."""
     start: float
     """time.perf_counter() when scheduling began (the step's duration counts from there)."""
+    tiers: TierStep | None = None
+    """What moved between the KV pool and the tiers below it (kv_offload_*), before the forward."""
 
 
 def with_checkpoint_dirs(config: EngineConfig) -> EngineConfig:
@@ -81,12 +84,16 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.args.vocab_size
+        self.offload = KVOffload(config, self.runner) if config.kv_offload_tiers else None
         self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, config.kv_watermark,
-                                   enable_prefix_caching=config.enable_prefix_caching)
+                                   enable_prefix_caching=config.enable_prefix_caching,
+                                   record_evictions=self.offload is not None)
         self.scheduler = Scheduler(self.blocks, config.token_budget, config.max_num_seqs, config.scheduler_policy,
                                    config.speculative_disable_batch_size, max_loras=config.max_loras,
                                    prompt_order=config.prompt_order,
-                                   first_token_deadline_tokens_per_s=config.first_token_deadline_tokens_per_s)
+                                   first_token_deadline_tokens_per_s=config.first_token_deadline_tokens_per_s,
+                                   tier_prefix=self.offload.prefix_length if self.offload is not None else None)
+        self._prefill_s_per_token: float | None = None  # measured, for kv_tier_saved_s
         self._lora_requests: dict[str, int] = {name: 0 for name in (self.runner.lora.names if self.runner.lora else [])}
         self.masking = GrammarMasking(self.tokenizer, self.vocab_size, config.grammar_limits())
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len,
@@ -218,9 +225,10 @@ class LLMEngine:
         return bool(self._seqs)
 
     def stats(self) -> EngineStats:
+        memory, disk = self.offload.used_bytes() if self.offload is not None else (0, 0)
         return EngineStats(kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_free=self.blocks.num_free_blocks,
                            kv_blocks_total=self.blocks.num_blocks, num_running=len(self.scheduler.running),
-                           num_waiting=self.num_waiting)
+                           num_waiting=self.num_waiting, kv_tier_memory_bytes=memory, kv_tier_disk_bytes=disk)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -232,6 +240,8 @@ class LLMEngine:
         start = time.perf_counter()
         self.last_step = None
         decision = self.scheduler.schedule()
+        # Before the batch is built (a failed restore moves a chunk's start back) and the forward.
+        tiers = self.offload.move(self.blocks, self.scheduler, decision.restores) if self.offload is not None else None
         if self.speculation is not None:
             for seq in decision.preempted:
                 self.speculation.release(seq)
@@ -242,7 +252,7 @@ class LLMEngine:
                                        self.config.pipeline_parallel_size)
         elif not decision.is_empty:
             batch = RaggedBatch.build(decision.chunks, self.config.block_size, self.runner.device)
-        return StepPlan(decision, batch, failed, start)
+        return StepPlan(decision, batch, failed, start, tiers)
 
     def execute(self, plan: StepPlan) -> list[RequestOutput]:
         """Run `plan`: forward, sample, update (append, stop, detokenize); the step's outputs."""
@@ -350,6 +360,21 @@ class LLMEngine:
             prefix_cache_hits=decision.prefix_cache_hits, spec_draft_tokens=tally.drafts,
             spec_accepted_tokens=tally.accepted, grammar_mask_s=tally.grammar_mask_s, kv_events=tally.kv_events,
             kv_event_batches_dropped=tally.kv_event_batches_dropped)
+        if plan.tiers is not None:
+            self._record_tiers(plan.tiers, self.last_step)
+
+    def _record_tiers(self, tiers: TierStep, stats: StepStats) -> None:
+        """The step's tier counts, and the time its restores saved at the measured prefill rate
+        (from steps that are mostly prompt tokens)."""
+        if stats.num_prompt_tokens * 2 >= stats.num_tokens > 0:
+            rate = stats.forward_s / stats.num_tokens
+            prev = self._prefill_s_per_token
+            self._prefill_s_per_token = rate if prev is None else 0.9 * prev + 0.1 * rate
+        saved = tiers.restored_tokens * (self._prefill_s_per_token or 0.0) - tiers.seconds
+        stats.kv_tier_memory_hits, stats.kv_tier_disk_hits = tiers.memory_hits, tiers.disk_hits
+        stats.kv_tier_restored_tokens, stats.kv_tier_restored_bytes = tiers.restored_tokens, tiers.restored_bytes
+        stats.kv_tier_offloaded_bytes, stats.kv_tier_corrupt_blocks = tiers.offloaded_bytes, tiers.corrupt_blocks
+        stats.kv_tier_s, stats.kv_tier_saved_s = tiers.seconds, max(0.0, saved)
 
     def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
         """Append the step's tokens one by one, stopping exactly where decoding them one per

@@ -17,6 +17,8 @@ from splitfuse.utils.memory_budget import AUTO_KV_SHARE, auto_kv_cache_bytes, me
 from splitfuse.kernels.cpu.paged_attention import huge_page_empty
 from splitfuse.layers.attention import resolve_backend, resolve_kv_cache_dtype
 from splitfuse.layers.kernels import KernelSet
+from splitfuse.kv_tiers import block_codec
+from splitfuse.kv_tiers.fingerprint import KVFingerprint, model_files_identity
 from splitfuse.layers.linear import check_quantization, make_linear_kernel, native_bf16_cpu, resolve_linear_backend
 from splitfuse.layers.rope_tables import RopeTables, build_rope_tables
 from splitfuse.lora.adapter import TARGETS, BaseShape, LoraAdapter
@@ -356,6 +358,25 @@ class ModelRunner:
         if not self.layers.has_head:
             self.pipe.send_hidden(out)
         return out
+
+    def kv_fingerprint(self) -> KVFingerprint:
+        """What this runner's KV blocks depend on besides their tokens (kv_tiers/fingerprint.py)."""
+        a, name = self.args, lambda dtype: str(dtype).removeprefix("torch.")
+        return KVFingerprint(architecture=a.architecture, num_layers=a.num_layers, num_kv_heads=a.num_kv_heads,
+                             head_dim=a.head_dim, block_size=self.config.block_size,
+                             kv_dtype=name(self.kv_cache_dtype), block_shape=tuple(self.kv_caches[0][0].shape[1:]),
+                             numerics=f"{name(self.dtype)} {self.quantization} {self.linear_backend}",
+                             weights=model_files_identity(self.config.model))
+
+    @torch.inference_mode()
+    def read_kv_blocks(self, block_ids: list[int], fingerprint: bytes) -> list[bytes]:
+        """The KV of blocks `block_ids` over every layer, each encoded (kv_tiers/block_codec.py)."""
+        return block_codec.read_blocks(self.kv_caches, block_ids, fingerprint)
+
+    @torch.inference_mode()
+    def write_kv_blocks(self, block_ids: list[int], payloads: list[memoryview]) -> None:
+        """Copy blocks' KV (decoded payloads of `read_kv_blocks`) into blocks `block_ids`."""
+        block_codec.write_blocks(self.kv_caches, block_ids, payloads)
 
     def acquire_adapters(self, names: list[str]) -> dict[str, Exception]:
         """Make the next step's LoRA adapters resident, each on its own: one that cannot be read

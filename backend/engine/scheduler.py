@@ -30,7 +30,11 @@ and new ones together), or by deadline with the prompts that cannot make theirs 
 
 Prefix caching: a sequence is admitted after the longest prefix of full blocks the cache
 holds (the BlockManager's `lookup`), so its first chunk starts at that offset; after each
-step `advance` makes the blocks a chunk filled findable for requests admitted later.
+step `advance` makes the blocks a chunk filled findable for requests admitted later. With tiers
+below the pool (`tier_prefix`, kv_tiers/), the chain goes on past the pool's hits into them: the
+blocks found there are counted computed at admission and listed in `SchedulerOutput.restores`,
+for the engine to copy their KV in before the forward pass; `restored` then records how many
+arrived (one that failed to load ends the restored prefix: the rest is computed this step on).
 
 LoRA adapters: running sequences use at most `max_loras` adapters. A waiting sequence whose
 adapter would be one too many waits, but does not hold up the queue: later base requests and
@@ -44,6 +48,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitfuse.engine.block_manager import BlockManager
@@ -71,13 +76,27 @@ class ScheduledChunk:
 
 
 @dataclass
+class TierRestore:
+    """Blocks of `seq` a tier below the pool holds: its block table's entries from `first_block`
+    on, one per hash, counted computed already; their KV is to be copied in before the forward."""
+
+    seq: Sequence
+    first_block: int
+    hashes: list[bytes]
+    first_admission: bool
+    """This admission set the sequence's num_cached_tokens (a failed restore lowers it too)."""
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     prefix_cache_queries: int = 0
     """Tokens of the sequences admitted this step that were looked up in the prefix cache."""
     prefix_cache_hits: int = 0
-    """Of those, tokens found (their KV is reused, not computed)."""
+    """Of those, tokens found in the pool (their KV is reused, not computed)."""
+    restores: list[TierRestore] = field(default_factory=list)
+    """Blocks of the sequences admitted this step to copy in from the tiers below the pool."""
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +110,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, token_budget: int, max_num_seqs: int, policy: str,
                  speculative_disable_batch_size: int = 0, max_loras: int | None = None,
-                 prompt_order: str = "arrival", first_token_deadline_tokens_per_s: float = 512.0) -> None:
+                 prompt_order: str = "arrival", first_token_deadline_tokens_per_s: float = 512.0,
+                 tier_prefix: Callable[[list[bytes]], int] | None = None) -> None:
         self.blocks = block_manager
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
@@ -101,6 +121,8 @@ class Scheduler:
         # the resident set (None: no bound).
         self.max_loras = max_loras
         self.prompt_order = PromptOrder(prompt_order, first_token_deadline_tokens_per_s, token_budget)
+        # How many of a chain's block hashes, from the first, the tiers below the pool hold.
+        self.tier_prefix = tier_prefix
         self._running_loras: Counter[str] = Counter()
         self._lora_blocked: Sequence | None = None  # the first waiting sequence max_loras holds back
         self._lora_blocked_steps = 0  # steps it has been so
@@ -177,6 +199,18 @@ class Scheduler:
             before = c.seq.num_computed_tokens
             c.seq.num_computed_tokens += c.num_tokens
             self.blocks.cache_computed_blocks(c.seq, before)
+
+    def restored(self, restore: TierRestore, num_blocks: int) -> None:
+        """Record that the first `num_blocks` blocks of `restore` have their KV copied in: they
+        become findable in the pool's prefix cache; those past them (a block failed to load) are
+        computed instead, from the first of them, by the sequence's chunk this step."""
+        seq, bs = restore.seq, self.blocks.block_size
+        lost = (len(restore.hashes) - num_blocks) * bs
+        if lost:
+            seq.num_computed_tokens -= lost
+            if restore.first_admission:
+                seq.num_cached_tokens -= lost
+        self.blocks.cache_computed_blocks(seq, restore.first_block * bs)
 
     def may_speculate(self, num_decodes: int) -> bool:
         """Whether a step decoding `num_decodes` sequences runs their proposed tokens."""
@@ -349,6 +383,10 @@ class Scheduler:
         prompts are not starved by short ones."""
         lora = seq.params.lora_name
         cached = self.blocks.lookup(seq)
+        restore = []
+        if self.tier_prefix is not None:
+            candidates = self.blocks.tier_candidates(seq, len(cached))
+            restore = candidates[: self.tier_prefix(candidates)] if candidates else []
         if not self.blocks.can_admit(seq, seq.num_tokens, cached):
             return False
         if self.waiting[0] is seq:
@@ -357,12 +395,15 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.take_cached(seq, cached)
         self.blocks.grow(seq, seq.num_tokens)
-        seq.num_computed_tokens = len(cached) * self.blocks.block_size
-        if seq.num_cached_tokens is None:
+        seq.num_computed_tokens = (len(cached) + len(restore)) * self.blocks.block_size
+        first_admission = seq.num_cached_tokens is None
+        if first_admission:
             seq.num_cached_tokens = seq.num_computed_tokens
         if self.blocks.enable_prefix_caching:
             out.prefix_cache_queries += seq.num_tokens
-            out.prefix_cache_hits += seq.num_computed_tokens
+            out.prefix_cache_hits += len(cached) * self.blocks.block_size
+        if restore:
+            out.restores.append(TierRestore(seq, len(cached), restore, first_admission))
         seq.status = SequenceStatus.RUNNING
         key = (-seq.params.priority, seq.arrival)
         idx = bisect.bisect(self._running_keys, key)

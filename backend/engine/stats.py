@@ -35,6 +35,22 @@ class StepStats:
     """KV cache events (blocks stored, removed) this step queued for publishing (kv_events_endpoint)."""
     kv_event_batches_dropped: int = 0
     """Older batches of KV events dropped unsent to queue this step's (kv_events_max_queue)."""
+    kv_tier_memory_hits: int = 0
+    """Blocks restored from the host-RAM tier below the KV pool (kv_offload_memory_gb)."""
+    kv_tier_disk_hits: int = 0
+    """Blocks restored from the disk tier (kv_offload_dir)."""
+    kv_tier_restored_tokens: int = 0
+    """Prompt tokens whose KV came from a tier instead of being computed."""
+    kv_tier_restored_bytes: int = 0
+    kv_tier_offloaded_bytes: int = 0
+    """Bytes of blocks the pool evicted copied down to a tier."""
+    kv_tier_corrupt_blocks: int = 0
+    """Disk blocks that failed their checks: deleted, their tokens computed."""
+    kv_tier_s: float = 0.0
+    """Seconds of the step spent copying blocks to and from the tiers."""
+    kv_tier_saved_s: float = 0.0
+    """Estimated seconds the restores saved: restored tokens at the engine's measured prefill
+    seconds per token, less kv_tier_s (0 when that is negative)."""
 
 
 @dataclass
@@ -44,6 +60,10 @@ class EngineStats:
     kv_blocks_total: int
     num_running: int
     num_waiting: int
+    kv_tier_memory_bytes: int = 0
+    """Bytes the host-RAM tier holds."""
+    kv_tier_disk_bytes: int = 0
+    """Bytes the disk tier holds, as this process estimates them (others may share the folder)."""
 
 
 @dataclass

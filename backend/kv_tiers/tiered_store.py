@@ -53,12 +53,18 @@ class TieredStore:
                 return i
         return len(keys)
 
-    def touch(self, key: bytes) -> None:
-        """Mark a block the pool evicted again, that a tier still holds, as recently used."""
-        if self.memory is not None and key in self.memory:
+    def refresh(self, key: bytes) -> bool:
+        """Whether the top tier (memory, else disk) holds `key` already, then marked recently
+        used: a block the pool evicts again needs no copy then."""
+        if self.memory is not None:
+            if key not in self.memory:
+                return False
             self.memory.touch(key)
-        elif self.disk is not None:
-            self.disk.touch(key)
+            return True
+        if key not in self.disk:
+            return False
+        self.disk.touch(key)
+        return True
 
     def put(self, key: bytes, blob: bytes) -> None:
         """Keep an encoded block: in memory (what that pushes out goes to disk), else on disk."""
