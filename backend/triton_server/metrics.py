@@ -139,7 +139,24 @@ STEP_COUNTERS = [
     ("splitfuse_forward_seconds_total", "forward_s", "Of the step seconds, the model's forward pass"),
     ("splitfuse_grammar_mask_seconds_total", "grammar_mask_s",
      "Of the step seconds, masking constrained requests' logits to their grammars (structured outputs)"),
+    # The prefix cache's tiers below the KV pool (kv_offload_memory_gb, kv_offload_dir).
+    ("splitfuse_kv_tier_memory_hits_total", "kv_tier_memory_hits",
+     "Prefix-cache blocks restored from the host-RAM tier instead of computed"),
+    ("splitfuse_kv_tier_disk_hits_total", "kv_tier_disk_hits",
+     "Prefix-cache blocks restored from the disk tier instead of computed"),
+    ("splitfuse_kv_tier_restored_tokens_total", "kv_tier_restored_tokens",
+     "Prompt tokens whose KV was restored from a tier instead of computed"),
+    ("splitfuse_kv_tier_restored_bytes_total", "kv_tier_restored_bytes", "Bytes of KV copied back from the tiers"),
+    ("splitfuse_kv_tier_offloaded_bytes_total", "kv_tier_offloaded_bytes",
+     "Bytes of KV the pool evicted copied down to the tiers"),
+    ("splitfuse_kv_tier_corrupt_blocks_total", "kv_tier_corrupt_blocks",
+     "Disk-tier blocks that failed their checks (deleted; their tokens computed)"),
+    ("splitfuse_kv_tier_seconds_total", "kv_tier_s", "Of the step seconds, copying blocks to and from the tiers"),
+    ("splitfuse_kv_tier_saved_seconds_total", "kv_tier_saved_s",
+     "Estimated step seconds the tiers' restores saved (restored tokens at the measured prefill rate, "
+     "less the copies)"),
 ]
+KV_TIERS = ("memory", "disk")
 GRAMMAR_COMPILE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
 
@@ -183,6 +200,9 @@ class TritonMetrics:
         finished = family("splitfuse_requests_finished_total", "Requests finished, by finish reason", MF.COUNTER)
         self.kv_used = kv.Metric(labels={**labels, "state": "used"})
         self.kv_free = kv.Metric(labels={**labels, "state": "free"})
+        tier_bytes = family("splitfuse_kv_tier_bytes", "Bytes the prefix cache's tiers below the KV pool hold "
+                            "(disk: as this replica counts them)", MF.GAUGE)
+        self.kv_tier_bytes = {tier: tier_bytes.Metric(labels={**labels, "tier": tier}) for tier in KV_TIERS}
         self.kv_usage = family("splitfuse_kv_cache_usage_ratio", "Share of KV-cache blocks in use (0-1)",
                                MF.GAUGE).Metric(labels=labels)
         self.running = req.Metric(labels={**labels, "state": "running"})
@@ -296,6 +316,10 @@ class TritonMetrics:
             self._set("kv_usage", stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
             self._set("running", stats.num_running)
             self._set("waiting", stats.num_waiting)
+            for tier, used in zip(KV_TIERS, (stats.kv_tier_memory_bytes, stats.kv_tier_disk_bytes)):
+                if self._gauges.get("kv_tier:" + tier) != used:
+                    self._gauges["kv_tier:" + tier] = used
+                    self.kv_tier_bytes[tier].set(used)
 
     def publish_lora(self, stats: LoraStats) -> None:
         """The engine's LoRA counters (cumulative: each counter grows by what is new since the

@@ -40,3 +40,54 @@ def test_recorder_batches_and_drains():
     empty = r.drain()
     assert not (empty.steps or empty.finished or empty.first_token_latencies or empty.inter_token_latencies
                 or empty.balance_waits)
+
+
+def test_kv_tier_counts_and_bytes_are_published(monkeypatch):
+    """The tier counters add up the steps' counts; the tier gauges follow EngineStats (through a
+    stand-in for Triton's pb_utils)."""
+    import sys
+    import types
+
+    from splitfuse.engine.stats import EngineStats
+    from splitfuse.triton_server.metrics import MetricsBatch, TritonMetrics
+
+    published: dict[tuple, float] = {}
+
+    class Metric:
+        def __init__(self, name, labels, **_):
+            self.key = (name, labels.get("tier"))
+
+        def increment(self, value):
+            published[self.key] = published.get(self.key, 0) + value
+
+        def set(self, value):
+            published[self.key] = value
+
+        def observe(self, value):
+            pass
+
+    class MetricFamily:
+        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels, **kw):  # noqa: N802 (pb_utils' name)
+            return Metric(self.name, labels, **kw)
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(MetricFamily=MetricFamily))
+    metrics = TritonMetrics({"model": "llm"})
+    s = step(16, 1, 0)
+    s.kv_tier_memory_hits, s.kv_tier_disk_hits, s.kv_tier_restored_tokens = 3, 1, 64
+    s.kv_tier_offloaded_bytes, s.kv_tier_corrupt_blocks, s.kv_tier_saved_s = 1000, 1, 0.25
+    stats = EngineStats(kv_blocks_used=1, kv_blocks_free=1, kv_blocks_total=2, num_running=0, num_waiting=0,
+                        kv_tier_memory_bytes=5000, kv_tier_disk_bytes=7000)
+    metrics.publish(MetricsBatch(steps=[s, s]), stats, healthy=True)
+    assert published[("splitfuse_kv_tier_memory_hits_total", None)] == 6
+    assert published[("splitfuse_kv_tier_disk_hits_total", None)] == 2
+    assert published[("splitfuse_kv_tier_restored_tokens_total", None)] == 128
+    assert published[("splitfuse_kv_tier_offloaded_bytes_total", None)] == 2000
+    assert published[("splitfuse_kv_tier_corrupt_blocks_total", None)] == 2
+    assert published[("splitfuse_kv_tier_saved_seconds_total", None)] == 0.5
+    assert published[("splitfuse_kv_tier_bytes", "memory")] == 5000
+    assert published[("splitfuse_kv_tier_bytes", "disk")] == 7000
