@@ -383,12 +383,12 @@ class Scheduler:
         prompts are not starved by short ones."""
         lora = seq.params.lora_name
         cached = self.blocks.lookup(seq)
-        restore = []
+        if not self.blocks.can_admit(seq, seq.num_tokens, cached):
+            return False
+        restore = []  # restored blocks take fresh blocks, which can_admit counted already
         if self.tier_prefix is not None:
             candidates = self.blocks.tier_candidates(seq, len(cached))
             restore = candidates[: self.tier_prefix(candidates)] if candidates else []
-        if not self.blocks.can_admit(seq, seq.num_tokens, cached):
-            return False
         if self.waiting[0] is seq:
             self.waiting.popleft()
         else:
