@@ -30,7 +30,7 @@ from collections.abc import Sequence as Tokens
 import numpy as np
 
 from splitfuse.engine.sequence import Sequence
-from splitfuse.kv_events.events import KvEvent, KvEventLog
+from splitfuse.kv_events.events import KvEventLog
 
 ROOT_HASH = b""
 """Parent hash of a sequence's first block (without a cache salt)."""
@@ -90,7 +90,8 @@ def pool_blocks_for(num_blocks: int, watermark: float) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 enable_prefix_caching: bool = True, record_evictions: bool = False) -> None:
+                 enable_prefix_caching: bool = True, record_evictions: bool = False,
+                 kv_events: KvEventLog | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -102,7 +103,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._hash_of_block: list[bytes | None] = [None] * num_blocks
         self._block_of_hash: dict[bytes, int] = {}
-        self.kv_events: KvEventLog | None = None
+        self.kv_events = kv_events
         """Where blocks cached and evicted are recorded, when KV events are published (kv_events/)."""
         self.record_evictions = record_evictions
         self._evicted: list[tuple[bytes, int]] = []  # (hash, block) evicted since the last drain
@@ -196,10 +197,6 @@ class BlockManager:
             self.kv_events.stored(hashes[a:b], hashes[a - 1] if a else None, seq.token_ids[a * bs : b * bs], bs,
                                   seq.params.lora_name, seq.params.cache_salt)
             start = k
-
-    def take_events(self) -> list[KvEvent]:
-        """The KV events recorded since the last call (none when they are not recorded)."""
-        return self.kv_events.take() if self.kv_events is not None else []
 
     # ---- allocation -----------------------------------------------------------------------------
     def blocks_missing(self, seq: Sequence, num_tokens: int) -> int:

@@ -19,6 +19,7 @@ from splitfuse.config import EngineConfig
 from splitfuse.engine.block_manager import BlockManager
 from splitfuse.engine.model_runner import ModelRunner
 from splitfuse.engine.scheduler import Scheduler, TierRestore
+from splitfuse.engine.stats import StepStats
 from splitfuse.kv_tiers.disk_tier import DiskTier
 from splitfuse.kv_tiers.memory_tier import MemoryTier
 from splitfuse.kv_tiers.tiered_store import MEDIUM_DISK, MEDIUM_MEMORY, TieredStore, TierListener
@@ -53,6 +54,7 @@ class KVOffload:
         disk = (DiskTier(config.kv_offload_dir, int(config.kv_offload_disk_gb * GIB), self.fingerprint)
                 if config.kv_offload_dir else None)
         self.store = TieredStore(self.fingerprint, memory, disk, listener)
+        self._prefill_s_per_token: float | None = None  # measured, for kv_tier_saved_s
 
     def prefix_length(self, hashes: list[bytes]) -> int:
         """The scheduler's `tier_prefix`: how many of a chain's hashes, from the first, a tier holds."""
@@ -99,6 +101,19 @@ class KVOffload:
         for (key, _), blob in zip(fresh, blobs):
             self.store.put(key, blob)
             step.offloaded_bytes += len(blob)
+
+    def record(self, tiers: TierStep, stats: StepStats) -> None:
+        """The step's tier counts into its stats, and the time its restores saved at the measured
+        prefill rate (from steps that are mostly prompt tokens)."""
+        if stats.num_prompt_tokens * 2 >= stats.num_tokens > 0:
+            rate = stats.forward_s / stats.num_tokens
+            prev = self._prefill_s_per_token
+            self._prefill_s_per_token = rate if prev is None else 0.9 * prev + 0.1 * rate
+        saved = tiers.restored_tokens * (self._prefill_s_per_token or 0.0) - tiers.seconds
+        stats.kv_tier_memory_hits, stats.kv_tier_disk_hits = tiers.memory_hits, tiers.disk_hits
+        stats.kv_tier_restored_tokens, stats.kv_tier_restored_bytes = tiers.restored_tokens, tiers.restored_bytes
+        stats.kv_tier_offloaded_bytes, stats.kv_tier_corrupt_blocks = tiers.offloaded_bytes, tiers.corrupt_blocks
+        stats.kv_tier_s, stats.kv_tier_saved_s = tiers.seconds, max(0.0, saved)
 
     def used_bytes(self) -> tuple[int, int]:
         """(host-RAM tier bytes, disk tier bytes as this process estimates them)."""

@@ -84,16 +84,22 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.args.vocab_size
-        self.offload = KVOffload(config, self.runner) if config.kv_offload_tiers else None
+        # KV events (kv_events_endpoint): the pool's and the tiers' stores and removals, in one log;
+        # the first batch starts with AllBlocksCleared, so a router drops what it knew of an engine
+        # that was at this endpoint before (its subscriber has reconnected by then).
+        self.kv_event_log = KvEventLog() if config.kv_events_endpoint else None
+        if self.kv_event_log is not None:
+            self.kv_event_log.cleared()
+        self.offload = (KVOffload(config, self.runner, listener=self._tier_event if self.kv_event_log else None)
+                        if config.kv_offload_tiers else None)
         self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, config.kv_watermark,
                                    enable_prefix_caching=config.enable_prefix_caching,
-                                   record_evictions=self.offload is not None)
+                                   record_evictions=self.offload is not None, kv_events=self.kv_event_log)
         self.scheduler = Scheduler(self.blocks, config.token_budget, config.max_num_seqs, config.scheduler_policy,
                                    config.speculative_disable_batch_size, max_loras=config.max_loras,
                                    prompt_order=config.prompt_order,
                                    first_token_deadline_tokens_per_s=config.first_token_deadline_tokens_per_s,
                                    tier_prefix=self.offload.prefix_length if self.offload is not None else None)
-        self._prefill_s_per_token: float | None = None  # measured, for kv_tier_saved_s
         self._lora_requests: dict[str, int] = {name: 0 for name in (self.runner.lora.names if self.runner.lora else [])}
         self.masking = GrammarMasking(self.tokenizer, self.vocab_size, config.grammar_limits())
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len,
@@ -204,9 +210,7 @@ class LLMEngine:
             self.kv_event_publisher.close()
 
     def _start_kv_events(self, config: EngineConfig) -> KvEventPublisher | None:
-        """The KV event publisher (None when kv_events_endpoint is unset). Its first batch, with
-        the first step's events, starts with AllBlocksCleared: a router drops what it knew of an
-        engine that was at this endpoint before (its subscriber has reconnected by then)."""
+        """The KV event publisher (None when kv_events_endpoint is unset)."""
         if not config.kv_events_endpoint:
             return None
         try:
@@ -217,9 +221,15 @@ class LLMEngine:
             self.runner.shutdown()
             self.masking.close()
             raise
-        self.blocks.kv_events = KvEventLog()
-        self.blocks.kv_events.cleared()
         return publisher
+
+    def _tier_event(self, what: str, medium: str, chain_hash: bytes) -> None:
+        """A block entering or leaving a tier below the pool (kv_tiers/), as a KV event of that
+        medium; the tiers keep no tokens or parent, so a stored event carries the hash alone."""
+        if what == "stored":
+            self.kv_event_log.stored([chain_hash], None, [], self.config.block_size, None, None, medium)
+        else:
+            self.kv_event_log.removed(chain_hash, medium)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
@@ -343,7 +353,7 @@ class LLMEngine:
         """Hand the step's KV events (blocks cached and evicted) to the publisher, which never waits."""
         if self.kv_event_publisher is None:
             return
-        events = self.blocks.take_events()
+        events = self.kv_event_log.take()
         tally.kv_events = len(events)
         tally.kv_event_batches_dropped = self.kv_event_publisher.publish(events)
 
@@ -361,20 +371,7 @@ class LLMEngine:
             spec_accepted_tokens=tally.accepted, grammar_mask_s=tally.grammar_mask_s, kv_events=tally.kv_events,
             kv_event_batches_dropped=tally.kv_event_batches_dropped)
         if plan.tiers is not None:
-            self._record_tiers(plan.tiers, self.last_step)
-
-    def _record_tiers(self, tiers: TierStep, stats: StepStats) -> None:
-        """The step's tier counts, and the time its restores saved at the measured prefill rate
-        (from steps that are mostly prompt tokens)."""
-        if stats.num_prompt_tokens * 2 >= stats.num_tokens > 0:
-            rate = stats.forward_s / stats.num_tokens
-            prev = self._prefill_s_per_token
-            self._prefill_s_per_token = rate if prev is None else 0.9 * prev + 0.1 * rate
-        saved = tiers.restored_tokens * (self._prefill_s_per_token or 0.0) - tiers.seconds
-        stats.kv_tier_memory_hits, stats.kv_tier_disk_hits = tiers.memory_hits, tiers.disk_hits
-        stats.kv_tier_restored_tokens, stats.kv_tier_restored_bytes = tiers.restored_tokens, tiers.restored_bytes
-        stats.kv_tier_offloaded_bytes, stats.kv_tier_corrupt_blocks = tiers.offloaded_bytes, tiers.corrupt_blocks
-        stats.kv_tier_s, stats.kv_tier_saved_s = tiers.seconds, max(0.0, saved)
+            self.offload.record(plan.tiers, self.last_step)
 
     def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
         """Append the step's tokens one by one, stopping exactly where decoding them one per

@@ -82,42 +82,34 @@ def _computed(bm: BlockManager, name: str, tokens: list[int], params: SamplingPa
 
 
 def test_block_manager_records_chains_and_evictions():
-    bm = BlockManager(num_blocks=6, block_size=2, watermark=0.0)
-    bm.kv_events = KvEventLog()
+    bm = BlockManager(num_blocks=6, block_size=2, watermark=0.0, kv_events=KvEventLog())
     a = _computed(bm, "a", [1, 2, 3, 4, 5])  # two full blocks, a partial third
     h1 = chain_hash(ROOT_HASH, [1, 2])
     h2 = chain_hash(h1, [3, 4])
-    [stored] = bm.take_events()
+    [stored] = bm.kv_events.take()
     assert stored == BlockStored([external_hash(h1), external_hash(h2)], None, [1, 2, 3, 4], 2)
     # A prompt sharing the first block takes it from the cache: only its own blocks are stored,
     # their chain hung on the shared block.
     b = _computed(bm, "b", [1, 2, 9, 9, 7])
-    [stored] = bm.take_events()
+    [stored] = bm.kv_events.take()
     assert stored.parent_block_hash == external_hash(h1)
     assert stored.block_hashes == [external_hash(chain_hash(h1, [9, 9]))] and stored.token_ids == [9, 9]
     bm.free(a)
     bm.free(b)
     # Room for a new 6-block sequence evicts every cached block.
     _computed(bm, "c", list(range(20, 32)))
-    events = bm.take_events()
+    events = bm.kv_events.take()
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert sorted(removed) == sorted([external_hash(h1), external_hash(h2), stored.block_hashes[0]])
     assert isinstance(events[-1], BlockStored) and len(events[-1].block_hashes) == 6
 
 
 def test_salted_and_adapter_blocks_carry_their_names():
-    bm = BlockManager(num_blocks=4, block_size=2)
-    bm.kv_events = KvEventLog()
+    bm = BlockManager(num_blocks=4, block_size=2, kv_events=KvEventLog())
     _computed(bm, "s", [1, 2, 3], SamplingParams(cache_salt="t1", lora_name="sql"))
-    [stored] = bm.take_events()
+    [stored] = bm.kv_events.take()
     assert (stored.lora_name, stored.cache_salt, stored.parent_block_hash) == ("sql", "t1", None)
     assert stored.block_hashes == [external_hash(chain_hash(root_hash("t1", "sql"), [1, 2]))]
-
-
-def test_no_log_no_events():
-    bm = BlockManager(num_blocks=4, block_size=2)
-    _computed(bm, "a", [1, 2, 3])
-    assert bm.take_events() == []
 
 
 def test_endpoint_checks():

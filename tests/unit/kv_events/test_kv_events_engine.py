@@ -89,3 +89,22 @@ def test_a_taken_endpoint_fails_the_engine_naming_it(tiny_llama):
     finally:
         taken.close(linger=0)
         context.term()
+
+
+def test_blocks_offloaded_to_the_host_tier_are_stored_there_as_cpu(tiny_llama):
+    """With kv_offload_memory_gb, every block the pool evicts is copied down to the host-RAM tier:
+    a BlockStored of medium CPU for each pool BlockRemoved, the hash alone (the tier keeps no tokens)."""
+    llm = LLM(tiny_llama, block_size=BLOCK, num_kv_blocks=16, token_budget=32, max_model_len=48,
+              attention_backend="torch", kv_offload_memory_gb=0.01,
+              kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    publisher = llm.engine.kv_event_publisher
+    with Subscriber(publisher.endpoint) as sub:
+        sub.join(lambda: publisher.publish([AllBlocksCleared()]))
+        for prompt in PROMPTS:
+            llm.generate([prompt], GREEDY)
+        llm.shutdown()
+        events = [e for m in sub.until_quiet() for e in m.events]
+    evicted = [h for e in events if e[0] == "BlockRemoved" and e[2] == "GPU" for h in e[1]]
+    offloaded = [e for e in events if e[0] == "BlockStored" and e[6] == "CPU"]
+    assert evicted and sorted(h for e in offloaded for h in e[1]) == sorted(evicted)
+    assert all(e[2] is None and e[3] == [] and e[4] == BLOCK for e in offloaded)
