@@ -1,5 +1,5 @@
-"""Errors after which the engine cannot serve any more (as opposed to one failed step), and the
-refusal of a server that is too busy to take a request now."""
+"""The errors and error-message prefixes that cross layers (engine, its process, the servers):
+one home, importable without torch (a served replica's Triton stub never loads it)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,21 @@ SERVER_BUSY = "server busy"
 
 class ServerBusyError(RuntimeError):
     """A replica refuses a request for now (its waiting queue is full): retry later or elsewhere."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine is broken and serves no more requests (`EngineLoop.failure` says why)."""
+
+
+class UnknownLoraError(LookupError):
+    """An unload names an adapter the engine does not serve (a 404 to HTTP clients)."""
+
+
+GUIDE_REFUSED = "guided_decoding_guide refused"
+"""How the error of a request whose guide did not compile starts (servers: an invalid argument)."""
+
+ENGINE_FAULT = "the replica's engine process failed"
+"""How the error of a request ended by an engine process fault starts (servers: UNAVAILABLE)."""
 
 
 ERROR_CODE_PARAMETER = "splitfuse_error_code"

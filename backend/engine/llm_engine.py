@@ -40,7 +40,7 @@ from splitfuse.engine.validation import RequestValidator
 from splitfuse.errors import SERVER_BUSY
 from splitfuse.kv_events.events import KvEventLog
 from splitfuse.kv_events.publisher import KvEventPublisher
-from splitfuse.lora.registry import LoraStats
+from splitfuse.lora.stats import LoraStats
 from splitfuse.models.gguf_checkpoint import prepare_checkpoint
 from splitfuse.spec_decode.decoder import make_speculative_decoder, sampling_rows, verified_tokens
 from splitfuse.structured.grammars import GrammarCache

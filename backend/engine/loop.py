@@ -49,19 +49,13 @@ from typing import Any, Callable
 from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.engine.delivery import Delivery, OutputCallback
 from splitfuse.engine.llm_engine import EngineStats, LLMEngine, StepStats
-from splitfuse.errors import SERVER_BUSY, FatalEngineError, ServerBusyError
+from splitfuse.errors import GUIDE_REFUSED, SERVER_BUSY, EngineFailedError, FatalEngineError, ServerBusyError
 from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
-GUIDE_REFUSED = "guided_decoding_guide refused"
-"""How the error of a request whose guide did not compile starts (servers: an invalid argument)."""
 
-__all__ = ["EngineLoop", "EngineFailedError", "EngineStats", "StepStats", "OutputCallback"]
-
-
-class EngineFailedError(RuntimeError):
-    """The engine is broken and serves no more requests (`EngineLoop.failure` says why)."""
+__all__ = ["EngineLoop", "EngineStats", "StepStats", "OutputCallback"]
 
 
 class EngineLoop:

@@ -13,14 +13,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from splitfuse.config import LORA_NAME
+from splitfuse.errors import UnknownLoraError
 from splitfuse.engine.sequence import Sequence
 from splitfuse.engine.validation import RequestValidator
 from splitfuse.lora.adapter import LoraAdapter
 from splitfuse.lora.registry import LoraRegistry
-
-
-class UnknownLoraError(LookupError):
-    """An unload names an adapter the engine does not serve (a 404 to HTTP clients)."""
 
 
 def path_in_dir(load_dir: str, path: str) -> str:

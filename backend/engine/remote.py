@@ -32,18 +32,14 @@ from multiprocessing.connection import Connection
 from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.engine import wire
 from splitfuse.engine.delivery import Delivery, OutputCallback
-from splitfuse.engine.lora_control import UnknownLoraError
-from splitfuse.engine.loop import EngineFailedError
 from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams
-from splitfuse.errors import ServerBusyError
+from splitfuse.errors import ENGINE_FAULT, EngineFailedError, ServerBusyError, UnknownLoraError
 from splitfuse.inputs import InputError
 from splitfuse.utils import children
 from splitfuse.utils.restarts import RestartBudget, exit_description
 
 log = logging.getLogger(__name__)
 
-ENGINE_FAULT = "the replica's engine process failed"
-"""How the error of a request ended by an engine process fault starts (servers: UNAVAILABLE)."""
 START_TIMEOUT_S = 600.0
 """For the engine to load its weights (a large GGUF file converts once, then memory-maps)."""
 _POLL_S = 0.05

@@ -42,6 +42,9 @@ class EngineFacts:
     """The runner's backends, weights and threads, for the stub's start-up log line."""
     threads: int = 1
     """The engine's compute threads (torch's, in the process that runs it)."""
+    prompt_max_chars: int = 0
+    """The most characters a text prompt may have (inputs.PromptLimit: the context times the
+    tokenizer's longest token), which bounds the stub's text_input tensor."""
 
 
 @dataclass
@@ -114,4 +117,5 @@ def engine_facts(engine) -> EngineFacts:
             f"quantization={runner.quantization} weights={runner.weight_memory_summary()} "
             f"threads={torch.get_num_threads()} decoder layers in {runner.decoder_layers}")
     return EngineFacts(pid=os.getpid(), tokenizer=engine.config.tokenizer, lora_names=tuple(engine.lora_names()),
-                       max_model_len=engine.max_model_len, runner_line=line, threads=torch.get_num_threads())
+                       max_model_len=engine.max_model_len, runner_line=line, threads=torch.get_num_threads(),
+                       prompt_max_chars=engine.validator.prompt_limit.max_chars)

@@ -5,28 +5,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
 from splitfuse.lora.adapter import MLP_TARGETS, TARGETS, BaseShape, LoraAdapter, MakeKernel, load_adapter, plain_kernel
 from splitfuse.lora.stacks import LoraStacks
+from splitfuse.lora.stats import LoraStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoraStats:
-    """What the adapters are doing, for metrics."""
-
-    configured: list[str]
-    resident: list[str]
-    """Adapters whose weights are in memory, least recently used first."""
-    loads: int
-    """Times an adapter's weights were read into memory (at start and after evictions)."""
-    evictions: int
-    requests: dict[str, int] = field(default_factory=dict)
-    """Requests accepted per adapter."""
 
 
 class LoraRegistry:

@@ -25,13 +25,12 @@ from splitfuse.config import split_parameters
 from splitfuse.triton_server.control import Control
 from splitfuse.triton_server import triton_log
 from splitfuse.triton_server.live import Live
+from splitfuse.triton_server.prompt_echo import PromptEcho
 from splitfuse.triton_server.numa_placement import apply_numa, instance_index, log_cpu_placement
-from splitfuse.engine.loop import GUIDE_REFUSED, EngineLoop
-from splitfuse.engine.remote import ENGINE_FAULT, RemoteEngine
+from splitfuse.engine.remote import RemoteEngine
 from splitfuse.engine.wire import engine_facts
-from splitfuse.inputs import PromptLimit
-from transformers import AutoTokenizer
-from splitfuse.errors import SERVER_BUSY, ServerBusyError, with_error_code
+from splitfuse.errors import (ENGINE_FAULT, GUIDE_REFUSED, SERVER_BUSY, ServerBusyError, UnknownLoraError,
+                              with_error_code)
 from splitfuse.engine.sequence import RequestOutput
 from splitfuse.triton_server.metrics import MetricsRecorder, TritonMetrics
 from splitfuse.utils.orphan_guard import exit_with_parent
@@ -40,7 +39,6 @@ from splitfuse.inputs import InputError
 from splitfuse.triton_server.request import InputBounds, input_arrays, parse_request, wants_error_code
 from splitfuse.triton_server.response import lora_ack_arrays, response_arrays, stop_ack_arrays
 from splitfuse.triton_server.lora_admin import LoraAdmin
-from splitfuse.engine.lora_control import UnknownLoraError
 
 log = logging.getLogger("splitfuse.triton_server.llm")
 
@@ -91,8 +89,7 @@ class TritonPythonModel:
         self.config = config
         self.recorder = MetricsRecorder()
         self.loop, facts = self._start_engine(config)
-        self.bounds = InputBounds.for_prompt_limit(PromptLimit(self.tokenizer, facts.max_model_len),
-                                                   facts.max_model_len)  # request tensors' sizes
+        self.bounds = InputBounds.for_prompt_chars(facts.prompt_max_chars, facts.max_model_len)  # tensors' sizes
         labels = {"model": self.model_name, "version": args["model_version"], "instance": self.instance}
         self.metrics = TritonMetrics(labels)
         self.failure_reported = False
@@ -118,17 +115,20 @@ class TritonPythonModel:
 
     def _start_engine(self, config) -> tuple:
         """The engine: in a child process (engine_process), else on this process's own thread;
-        (its driver, its facts). The tokenizer is this process's own copy (echo decoding)."""
+        (its driver, its facts). With the engine in its own process, this process loads no torch and
+        no tokenizer until a prompt sent as ids is to be echoed (PromptEcho)."""
         if self.server.engine_process:
             loop = RemoteEngine(config, on_step=self.recorder.step, server=self.server, name=self.instance)
             facts = loop.start()
-            self.tokenizer = AutoTokenizer.from_pretrained(facts.tokenizer)
+            self.echo = PromptEcho(tokenizer_dir=facts.tokenizer)
             self.remote = loop
             self.lora_stats = loop.lora_stats
             return loop, facts
+        from splitfuse.engine.loop import EngineLoop  # torch: only a replica with the engine in its process loads it
+
         loop = EngineLoop(config, on_step=self.recorder.step, server=self.server)
         engine = loop.start()  # built on the engine's own thread
-        self.tokenizer = engine.tokenizer
+        self.echo = PromptEcho(tokenizer=engine.tokenizer)
         self.remote = None
         self.lora_stats = engine.lora_stats
         return loop, engine_facts(engine)
@@ -317,7 +317,7 @@ class TritonPythonModel:
         echo = None
         if live.echo_pending:  # exclude_input_in_output=false: the prompt leads the first response
             live.echo_pending = False
-            echo = self._prompt_text(live, out)
+            echo = self.echo.text(live.parsed, out.prompt_token_ids)
         handle = None
         if live.handle_pending:
             live.handle_pending = False
@@ -336,11 +336,6 @@ class TritonPythonModel:
                 live.cancelled = True
                 self.loop.abort(live.engine_id)
         return None
-
-    def _prompt_text(self, live: Live, out: RequestOutput) -> str:
-        if live.parsed.prompt_text is not None:
-            return live.parsed.prompt_text
-        return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True)
 
     # ---- housekeeping thread -------------------------------------------------------------------
     def _housekeeping(self) -> None:

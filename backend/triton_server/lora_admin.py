@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from splitfuse.engine.lora_control import UnknownLoraError
+from splitfuse.errors import UnknownLoraError
 from splitfuse.engine.wire import LORA_TIMEOUT_S
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from splitfuse.engine.llm_engine import EngineStats, StepStats
-from splitfuse.lora.registry import LoraStats
+from splitfuse.engine.stats import EngineStats, StepStats
 from splitfuse.engine.sequence import FinishReason, RequestOutput
+from splitfuse.lora.stats import LoraStats
 
 TOKENS_PER_STEP_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]

@@ -46,7 +46,12 @@ class InputBounds:
 
     @classmethod
     def for_prompt_limit(cls, limit: PromptLimit, max_model_len: int) -> "InputBounds":
-        return cls(max_model_len, limit.max_chars * _UTF8_MAX)
+        return cls.for_prompt_chars(limit.max_chars, max_model_len)
+
+    @classmethod
+    def for_prompt_chars(cls, max_chars: int, max_model_len: int) -> "InputBounds":
+        """For a text prompt of at most `max_chars` characters (PromptLimit.max_chars)."""
+        return cls(max_model_len, max_chars * _UTF8_MAX)
 
     def elements(self, name: str) -> tuple[int, str]:
         """The most elements `name` may hold, and why."""

@@ -8,7 +8,7 @@ import pytest
 
 from splitfuse import LLM, SamplingParams
 from splitfuse.config import EngineConfig
-from splitfuse.engine.lora_control import UnknownLoraError
+from splitfuse.errors import UnknownLoraError
 from splitfuse.engine.loop import EngineLoop
 from test_lora_parity import ADAPTERS, _prompts, make_adapter
 

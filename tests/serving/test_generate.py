@@ -135,6 +135,12 @@ def test_request_options(served, offline_llm):
     # Prompt as token ids, straight to llm.
     r = grpc_generate(g, "llm", {"input_ids": ref.prompt_token_ids, **base})
     assert r.output_ids == ref.token_ids
+    # Echoed, a prompt of ids is decoded (by the stub's tokenizer, loaded for it on first use).
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(served.model_dir).decode(ref.prompt_token_ids, skip_special_tokens=True)
+    r = grpc_generate(g, "llm", {"input_ids": ref.prompt_token_ids, **base, "exclude_input_in_output": False})
+    assert r.text.decode() == prompt + ref.text and prompt.strip()
     # stop_words: the output ends before the first occurrence of a stop string.
     word = ref.text[5:8]
     r = grpc_generate(g, "ensemble", {"text_input": "hello world", **base, "stop_words": [word, "zzzzqq"]})

@@ -16,7 +16,8 @@ import pytest
 
 from splitfuse import EngineConfig, SamplingParams
 from splitfuse.config import GrammarLimits
-from splitfuse.engine.loop import GUIDE_REFUSED, EngineLoop
+from splitfuse.engine.loop import EngineLoop
+from splitfuse.errors import GUIDE_REFUSED
 from splitfuse.errors import ServerBusyError
 from splitfuse.structured.grammars import GrammarCache
 from splitfuse.structured.guide import Guide

@@ -14,7 +14,8 @@ import pytest
 
 from splitfuse import LLM, EngineConfig, SamplingParams
 from splitfuse.engine.llm_engine import LLMEngine
-from splitfuse.engine.loop import EngineFailedError, EngineLoop
+from splitfuse.engine.loop import EngineLoop
+from splitfuse.errors import EngineFailedError
 from engine_runs import run_to_end
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -14,7 +14,8 @@ import pytest
 from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.engine.core_process import ENGINE_TEST_HOOK
 from splitfuse.engine.loop import EngineLoop
-from splitfuse.engine.remote import ENGINE_FAULT, RemoteEngine
+from splitfuse.engine.remote import RemoteEngine
+from splitfuse.errors import ENGINE_FAULT
 from splitfuse.engine.sequence import SamplingParams
 
 PROMPTS = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12], [7] * 20]
@@ -123,7 +124,7 @@ def test_a_killed_engine_process_ends_its_requests_and_restarts(config, tmp_path
 def test_past_its_restart_budget_the_replica_fails_for_good(config):
     """engine_restarts=0: the first fault spends the budget; the replica then refuses as a broken
     engine does (EngineFailedError, whose reason names the budget)."""
-    from splitfuse.engine.loop import EngineFailedError
+    from splitfuse.errors import EngineFailedError
 
     remote = RemoteEngine(config, server=ServerConfig(engine_restarts=0), name="test")
     first = remote.start()

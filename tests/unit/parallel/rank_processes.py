@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from splitfuse import LLMEngine, SamplingParams
-from splitfuse.engine.loop import EngineFailedError, EngineLoop
+from splitfuse.engine.loop import EngineLoop
+from splitfuse.errors import EngineFailedError
 from splitfuse.engine.sequence import RequestOutput
 from splitfuse.errors import FatalEngineError
 
