@@ -28,6 +28,10 @@ class UnknownLoraError(LookupError):
 GUIDE_REFUSED = "guided_decoding_guide refused"
 """How the error of a request whose guide did not compile starts (servers: an invalid argument)."""
 
+REPLICA_RETIRED = "this replica retired"
+"""How a retired replica's refusals start (its engine failed for good while other replicas of the
+model serve): UNAVAILABLE, and the OpenAI front retries the request once, on another replica."""
+
 ENGINE_FAULT = "the replica's engine process failed"
 """How the error of a request ended by an engine process fault starts (servers: UNAVAILABLE)."""
 

@@ -8,6 +8,7 @@ reaches a decoupled model, which aborts the sequence and frees its KV blocks, wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
 # SERVER_BUSY: how llm's refusals for load start; ERROR_CODE_PARAMETER: llm's errors then carry their status.
-from splitfuse.errors import ERROR_CODE_PARAMETER, SERVER_BUSY, split_error_code
+from splitfuse.errors import ERROR_CODE_PARAMETER, REPLICA_RETIRED, SERVER_BUSY, split_error_code
 
 LLM_MODEL = "llm"
 
@@ -160,6 +161,23 @@ class TritonLLM:
         await self.client.close()
 
     async def generate(self, request_id: str, inputs: dict[str, Any]) -> AsyncIterator[Step]:
+        """Responses of one generation until its final one. A replica that retired (its engine
+        failed for good while the model's other replicas serve) refuses before any output: the
+        request is sent once more, and Triton gives it to another replica."""
+        try:
+            first = True
+            async with contextlib.aclosing(self._generate_once(request_id, inputs)) as steps:
+                async for step in steps:
+                    first = False
+                    yield step
+        except GenerationError as e:
+            if not (first and e.message.startswith(REPLICA_RETIRED)):
+                raise
+            async with contextlib.aclosing(self._generate_once(request_id, inputs)) as steps:
+                async for step in steps:
+                    yield step
+
+    async def _generate_once(self, request_id: str, inputs: dict[str, Any]) -> AsyncIterator[Step]:
         """Responses of one generation until its final one.
 
         Closing the iterator early (the HTTP client went away, the task was cancelled) cancels

@@ -35,6 +35,7 @@ from splitfuse.engine.sequence import RequestOutput
 from splitfuse.triton_server.metrics import MetricsRecorder, TritonMetrics
 from splitfuse.utils.orphan_guard import exit_with_parent
 from splitfuse.triton_server.replica_balance import NOT_TAKING, ReplicaBalance
+from splitfuse.triton_server.replica_failure import ReplicaFailure
 from splitfuse.inputs import InputError
 from splitfuse.triton_server.request import InputBounds, input_arrays, parse_request, wants_error_code
 from splitfuse.triton_server.response import lora_ack_arrays, response_arrays, stop_ack_arrays
@@ -104,6 +105,9 @@ class TritonPythonModel:
                                     facts.lora_names)
         self.balance = ReplicaBalance(self.control.model_dir / "load", self.instance,
                                       self.server.replica_balance_max_wait_ms / 1e3)
+        self.replica_failure = ReplicaFailure(self.model_name, self.instance,
+                                              lambda: self.balance.least_peer_load() is not None,
+                                              pb_utils.unload_model, pb_utils.Logger.log_error)
         self.stopping = threading.Event()
         self.housekeeper = threading.Thread(target=self._housekeeping, name="splitfuse-housekeeping", daemon=True)
         self.housekeeper.start()
@@ -134,6 +138,12 @@ class TritonPythonModel:
         return loop, engine_facts(engine)
 
     def execute(self, requests: list) -> None:
+        if self.replica_failure.refusing:
+            for request in requests:
+                self._send_error(request.get_response_sender(), self.replica_failure.refusal(),
+                                 pb_utils.TritonError.UNAVAILABLE, wants_error_code(request.parameters()))
+            self.replica_failure.hold(self.control.draining)
+            return None
         for request in requests:
             sender = request.get_response_sender()
             coded = wants_error_code(request.parameters())
@@ -404,34 +414,14 @@ class TritonPythonModel:
             self.failure_reported = True
             with self.live_lock:
                 self._post_load()
-            self._report_not_ready(failure)
+            self.replica_failure.failed(failure)
+        self.replica_failure.tick()
         self.metrics.publish(self.recorder.drain(), self.loop.stats(), healthy=failure is None)
         if self.remote is not None:
             self.metrics.publish_engine_faults(self.remote)
         lora_stats = self.lora_stats() if self.config.lora_modules or self.config.lora_load_dir else None
         if lora_stats is not None:
             self.metrics.publish_lora(lora_stats)
-
-    def _report_not_ready(self, failure: str) -> None:
-        """The engine broke (every request it held has failed; new ones get UNAVAILABLE).
-
-        Triton 2.51 keeps a loaded Python model READY whatever its stub does (even after the
-        stub process dies); the one way to stop reporting ready is to unload the model, which
-        needs explicit model control (the launcher's default). That unloads every instance of
-        this model: a broken engine is a bug, and a restart is what cures it. Its own thread,
-        as unloading waits for finalize(), which joins the housekeeping thread."""
-        pb_utils.Logger.log_error(f"{self.instance}: the engine failed and serves no more requests ({failure}); "
-                                  f"unloading '{self.model_name}' so that it reports not ready")
-
-        def unload() -> None:
-            try:
-                pb_utils.unload_model(self.model_name)
-            except Exception as e:  # e.g. not in explicit model-control mode
-                pb_utils.Logger.log_error(
-                    f"{self.instance}: could not unload '{self.model_name}' ({e}); it keeps reporting ready, "
-                    "every request gets an UNAVAILABLE error: watch splitfuse_engine_healthy")
-
-        threading.Thread(target=unload, name="splitfuse-unload", daemon=True).start()
 
 
 def _response(arrays: dict[str, np.ndarray]):

@@ -10,6 +10,8 @@ step_timeout_s finds; an allocation stopped by engine_memory_limit_bytes, RLIMIT
   splitfuse_engine_fault_failed_requests, and its splitfuse_engine_restarts grows by one;
 - the replica serves again within 30 s: a new engine process (its pid in the replica's
   heartbeat, where operators find it), and new requests finish on both replicas.
+Past its restart budget a replica retires: the model stays ready, the other replica serves, the
+OpenAI front retries what the retired one refuses, and gRPC clients get a retryable UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ ERROR_BOUND_S = 5.0  # the issue's bound for the victim's requests to end
 RECOVERY_BOUND_S = 30.0  # the issue's bound for the replica to serve again
 STEP_SLEEP_S = 0.01  # every step: the tiny model would otherwise end a generation before the fault
 MAX_TOKENS = 250
-PARAMS = {**ENGINE_PARAMS, "step_timeout_s": str(STEP_TIMEOUT_S),
+ENGINE_RESTARTS = 3  # the faults below restart the first replica's engine 2 or 3 times; the last test spends the rest
+PARAMS = {**ENGINE_PARAMS, "step_timeout_s": str(STEP_TIMEOUT_S), "engine_restarts": str(ENGINE_RESTARTS),
           # The engine process's address space; it peaks near 1 GiB on the tiny model.
           "engine_memory_limit_bytes": str(4 << 30)}
 GRPC = {"text_input": "hello world", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
@@ -225,3 +228,37 @@ def test_an_engine_process_stopped_by_its_memory_limit(replicas, reference):
     victim, outcomes, at = _fault_under_load(server, api, reference, allocate)
     _check(server, reference, victim, pids[victim], outcomes, at, before, extra_failed=1)
     assert any("SIGABRT" in o.error for o in outcomes if o.error and o.path == "grpc")
+
+
+def test_past_its_restart_budget_a_replica_retires_and_the_model_serves_on(replicas, reference):
+    """Last in the module: it leaves the first replica retired."""
+    import tritonclient.grpc as grpcclient
+
+    server, api = replicas
+    victim = sorted(_engine_pids(server))[0]
+
+    def healthy() -> dict[str, float]:
+        return _metric(server, "splitfuse_engine_healthy")
+
+    for _ in range(ENGINE_RESTARTS + 2):  # kill its engine until the budget is spent
+        pid = _engine_pids(server).get(victim)
+        if healthy().get(victim) == 0:
+            break
+        assert wait_for(lambda: _engine_pids(server).get(victim) is not None, timeout=RECOVERY_BOUND_S)
+        os.kill(_engine_pids(server)[victim], signal.SIGKILL)
+        assert wait_for(lambda: healthy().get(victim) == 0 or _engine_pids(server).get(victim) not in (None, pid),
+                        timeout=RECOVERY_BOUND_S)
+    assert wait_for(lambda: healthy().get(victim) == 0, timeout=10), healthy()
+    assert [v for k, v in healthy().items() if k != victim] == [1]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    for _ in range(6):  # not unloaded: the model stays ready while the other replica serves
+        assert client.is_model_ready("llm")
+        time.sleep(0.5)
+    with ThreadPoolExecutor(2) as pool:
+        openai = list(pool.map(lambda _: _openai_once(api), range(6)))
+        grpc = list(pool.map(lambda _: _grpc_once(server.grpc_url), range(8)))
+    assert [o.text for o in openai] == [reference["openai"]] * 6, openai  # the front retries a refusal
+    refused = [o.error for o in grpc if o.error is not None]
+    assert all("retired" in e for e in refused), refused
+    assert len(refused) <= len(grpc) // 2 and all(o.text == reference["grpc"] for o in grpc if o.error is None)
+    assert "retires" in server.log_file.read_text()
