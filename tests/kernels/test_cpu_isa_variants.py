@@ -76,3 +76,22 @@ def test_an_unknown_isa_request_leaves_the_torch_path_with_the_reason():
         env=env, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.startswith("True SPLITFUSE_CPU_ISA='avx9': expected one of native, avx2"), probe.stdout
+
+
+@pytest.mark.slow  # the AVX2 build of the test above, reused (same file: same worker, one after the other)
+@pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler")
+def test_avx2_build_passes_the_quant4_tests():
+    """The 4-bit block tests (and the chunked packing's) with the library built for x86-64-v3 (AVX2
+    + FMA, 8-lane vectors, 32-column blocks): the code a Zen 3 runs."""
+    if "avx512f" not in build.cpu_flags():
+        pytest.skip("this CPU has no AVX-512: the normal run already covers its widest path")
+    env = dict(os.environ, SPLITFUSE_CPU_ISA="avx2")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
+                          "tests/kernels/test_cpu_quant4.py", "tests/kernels/test_cpu_quant4_chunks.py"],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    probe = subprocess.run([sys.executable, "-c", "from splitfuse.kernels.cpu import build, linear, quant4; "
+                                                  "print(build.library_isa(), linear.block_width(), "
+                                                  "quant4.dot_products())"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert probe.stdout.split()[-3:] == ["avx2", "32", "avx2_maddubs"], probe.stdout + probe.stderr[-2000:]

@@ -14,9 +14,6 @@ FMA: what a Zen 3 runs; the integer form through vpmaddubsw).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -275,22 +272,3 @@ def test_bad_inputs_raise():
         quant4.linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed)
     with pytest.raises(ValueError, match="form"):
         quant4.pack_quantized("Q4_0", blocks, form="int4")
-
-
-@pytest.mark.slow  # a second kernel build
-@pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler")
-def test_avx2_build_passes_these_tests():
-    """The same tests (and the chunked packing's) with the library built for x86-64-v3 (AVX2 +
-    FMA, 8-lane vectors, 32-column blocks): the code a Zen 3 runs."""
-    if "avx512f" not in build.cpu_flags():
-        pytest.skip("this CPU has no AVX-512: the normal run already covers its widest path")
-    env = dict(os.environ, SPLITFUSE_CPU_ISA="avx2")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
-                          __file__, str(Path(__file__).with_name("test_cpu_quant4_chunks.py"))],
-                         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    probe = subprocess.run([sys.executable, "-c", "from splitfuse.kernels.cpu import build, linear, quant4; "
-                                                  "print(build.library_isa(), linear.block_width(), "
-                                                  "quant4.dot_products())"],
-                           env=env, capture_output=True, text=True, timeout=600)
-    assert probe.stdout.split()[-3:] == ["avx2", "32", "avx2_maddubs"], probe.stdout + probe.stderr[-2000:]
