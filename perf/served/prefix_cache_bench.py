@@ -305,18 +305,22 @@ class Ours:
 
 
 class VLLM:
-    def __init__(self, args, threads_bind: str | None = None) -> None:
+    def __init__(self, args, threads_bind: str | None = None, env: dict[str, str] | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.args = args
         self.threads_bind = threads_bind
+        self.env, self.extra_args = dict(env or {}), tuple(extra_args)  # e.g. kv_tiers_bench's small KV pool
 
     def __enter__(self):
         a = self.args
         port = free_port()
         cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(a.model_dir).resolve()),
                "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", str(a.max_model_len), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+               "--max-model-len", str(a.max_model_len), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               *self.extra_args]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.update(self.env)
         if self.threads_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.threads_bind
         env.pop("VIRTUAL_ENV", None)
@@ -333,6 +337,7 @@ class VLLM:
         self.driver = OpenAIChat(port)
         self.metrics_url = f"http://127.0.0.1:{port}/metrics"
         self.pid = self.proc.pid
+        self.log_path = log_path
         self.describe = {"kind": "openai", "cmd": cmd[1:], "VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"],
                          "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "(vLLM default)")}
         return self

@@ -463,3 +463,38 @@ def test_burst_ttft_counts_the_opening_burst(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "burst 3, first token in time 2, SLA met 2; later SLA met 1/1" in out
     assert "mean 0.97 s, median 0.90 s, max 1.50 s" in out
+
+
+def test_kv_tiers_bench_takes_turns_round_robin_after_their_conversations_previous_turn():
+    from perf.served import kv_tiers_bench as ktb
+    from perf.served.prefix_cache_bench import Conversation, Turn
+
+    convs = [Conversation(i, f"Doc {i}.", [f" u{i}.{k}" for k in range(3)], [2, 2, 2]) for i in range(4)]
+    lock, started = threading.Lock(), []
+
+    class Driver:
+        def run(self, prompt, gen, idx, client, timeout):
+            with lock:
+                started.append(idx)
+            start = time.perf_counter()
+            time.sleep(0.01 * (idx % 3))  # turns finish out of order
+            end = time.perf_counter()
+            rec = fm.RequestRecord(idx, client, len(prompt), gen, start=start, end=end,
+                                   chunks=[(start, 1), (end, 1)])
+            return Turn(rec.to_json(), cached_tokens=0, text=f"<a{idx}>")
+
+    answers: dict[int, list[str]] = {}
+    turns = ktb.run_round_robin(Driver(), convs, 3, 10.0, answers)
+    assert len(turns) == 12 and all(t.record["error"] is None for t in turns)
+    # round-robin: the turns are taken turn 1 of each, then turn 2 of each, ...; a conversation's
+    # turn starts only once its previous turn has ended
+    by_idx = {t.record["idx"]: t.record for t in turns}
+    assert sorted(by_idx) == sorted(c * 100 + k for c in range(4) for k in range(3))
+    for c in range(4):
+        for k in (1, 2):
+            assert by_idx[c * 100 + k]["start"] >= by_idx[c * 100 + k - 1]["end"]
+            assert started.index(c * 100 + k) > started.index(c * 100 + k - 1)
+    assert answers[2] == ["<a200>", "<a201>", "<a202>"]
+    summary = ktb.summarize_turns([{"record": t.record, "turn": t.turn, "cached_tokens": t.cached_tokens}
+                                   for t in turns])
+    assert summary["ttft_later_n"] == 8 and summary["computed_prompt_tokens"] == summary["prompt_tokens"]
