@@ -336,7 +336,8 @@ def write_summary(out: Path, doc: dict, filename: str) -> Path:
         f"({_f(w.get('distinct_prefix_bytes', float('nan')) / 1e6, 0)} MB): **{_f(w.get('ratio'), 1)}x the pool**. "
         f"Between two turns of a conversation the other {w['conversations'] - 1} conversations' turns pass "
         f"through the pool, so LRU eviction has dropped its history each time.", "",
-        "| system | KV pool (tokens) | TTFT turns >= 2: p50 / p90 (s) [n] | TTFT turn 1 p50 (s) | TTFT turn 2 p50 (s) | "
+        "| system | KV pool (tokens) | TTFT turns >= 2: p50 / p90 (s) [n] | TTFT turn 1 p50 (s) | "
+        "TTFT turn 2 p50 (s) | "
         "throughput (req/s) | output tok/s | prompt tokens computed / all (turns >= 2: cached share) | "
         "pool prefix hits (tokens) | tier hits memory / disk (blocks) | restored tokens | offloaded / restored (MB) "
         "| tier copy s / est. saved s | preemptions | load avg before -> after | other processes (cores) |",
@@ -353,7 +354,8 @@ def write_summary(out: Path, doc: dict, filename: str) -> Path:
             restored = _f(c.get("splitfuse_kv_tier_restored_tokens_total"), 0)
             moved = (f"{_mb(c.get('splitfuse_kv_tier_offloaded_bytes_total'))} / "
                      f"{_mb(c.get('splitfuse_kv_tier_restored_bytes_total'))}")
-            secs = f"{_f(c.get('splitfuse_kv_tier_seconds_total'), 2)} / {_f(c.get('splitfuse_kv_tier_saved_seconds_total'), 1)}"
+            secs = (f"{_f(c.get('splitfuse_kv_tier_seconds_total'), 2)} / "
+                    f"{_f(c.get('splitfuse_kv_tier_saved_seconds_total'), 1)}")
             pre = _f(c.get("splitfuse_preemptions_total"), 0)
         else:
             pool_hits = c.get("vllm:prefix_cache_hits_total")
@@ -412,11 +414,20 @@ def write_summary(out: Path, doc: dict, filename: str) -> Path:
                 same.append(f"{name}: {sum(a == b for a, b in pairs)} of {len(pairs)}")
         if same:
             lines += ["", "Answers identical to ours_no_tiers' (greedy; the histories are the answers streamed back): "
-                      + "; ".join(same) + "."]
+                      + "; ".join(same) + ". A second run of the same configuration (`ours_no_tiers#2`, when run) "
+                      "is the yardstick: where it too differs, the answers move with the run (concurrent clients "
+                      "batch differently each time, and a float sum rounds differently with the rows of a step), "
+                      "and a history's KV restored from a tier is the KV of its first computation (prefill chunks "
+                      "and decode steps) where the run without tiers recomputes it in other chunks, so greedy "
+                      "answers can part at near-ties; the tiers' exactness is tested where the arithmetic is "
+                      "deterministic (tests/unit/engine/test_kv_tiers_engine.py: outputs identical with the tiers "
+                      "on and off)."]
     lines += ["", "## Servers", ""] + [f"- {k}: `{json.dumps(v)}`" for k, v in meta["servers"].items()]
     for name, r in res.items():
         if r.get("vllm_cache_config"):
-            lines.append(f"- {name} KV cache (vllm:cache_config_info): `{json.dumps(r['vllm_cache_config'])}`")
+            cfg = {k: r["vllm_cache_config"].get(k) for k in ("block_size", "num_gpu_blocks", "num_gpu_blocks_override",
+                                                              "kv_cache_size_tokens", "kv_cache_memory_bytes")}
+            lines.append(f"- {name} KV cache (from vllm:cache_config_info): `{json.dumps(cfg)}`")
     lines += ["", "## Notes", ""] + [f"- {n}" for n in meta.get("notes", [])]
     path = out / filename
     path.write_text("\n".join(lines) + "\n")
