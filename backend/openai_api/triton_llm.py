@@ -164,18 +164,17 @@ class TritonLLM:
         """Responses of one generation until its final one. A replica that retired (its engine
         failed for good while the model's other replicas serve) refuses before any output: the
         request is sent once more, and Triton gives it to another replica."""
-        try:
-            first = True
-            async with contextlib.aclosing(self._generate_once(request_id, inputs)) as steps:
-                async for step in steps:
-                    first = False
-                    yield step
-        except GenerationError as e:
-            if not (first and e.message.startswith(REPLICA_RETIRED)):
-                raise
-            async with contextlib.aclosing(self._generate_once(request_id, inputs)) as steps:
-                async for step in steps:
-                    yield step
+        for attempt in (1, 2):
+            answered = False
+            try:
+                async with contextlib.aclosing(self._generate_once(request_id, inputs)) as steps:
+                    async for step in steps:
+                        answered = True
+                        yield step
+                return
+            except GenerationError as e:
+                if answered or attempt == 2 or not e.message.startswith(REPLICA_RETIRED):
+                    raise
 
     async def _generate_once(self, request_id: str, inputs: dict[str, Any]) -> AsyncIterator[Step]:
         """Responses of one generation until its final one.
