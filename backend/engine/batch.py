@@ -11,6 +11,7 @@ import torch
 from splitfuse.layers.attention import AttentionMetadata
 from splitfuse.lora.batching import LoraRows
 from splitfuse.engine.scheduler import ScheduledChunk
+from splitfuse.engine.stage_sampling import StageSampling
 
 
 @dataclass
@@ -43,13 +44,16 @@ class RaggedBatch:
     # logits); both None when the step has no embedding chunk (every row read gives logits).
     pool_rows: torch.Tensor | None = None
     logit_rows: torch.Tensor | None = None
+    # With pipeline parallelism: what the last stage needs to sample this batch's sampling rows.
+    sampling: StageSampling | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
     @classmethod
-    def build(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> "RaggedBatch":
+    def build(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device,
+              sampling: StageSampling | None = None) -> "RaggedBatch":
         num_seqs = len(chunks)
         query_lens = np.fromiter((c.num_tokens + c.num_draft_tokens for c in chunks), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), dtype=np.int64, count=num_seqs)
@@ -128,6 +132,7 @@ class RaggedBatch:
             last_layer=last_layer,
             lora=lora,
             pool_rows=pool_rows, logit_rows=logit_rows,
+            sampling=sampling,
         )
 
 

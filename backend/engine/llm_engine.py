@@ -12,7 +12,6 @@ servers, handing out a step's outputs between the next step's `schedule` and `ex
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -34,6 +33,7 @@ from splitfuse.engine.pooling import Pooler
 from splitfuse.engine.sampler import SampledToken, Sampler, sample_isolated
 from splitfuse.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
+from splitfuse.engine.stage_sampling import StageSampling
 from splitfuse.engine.stats import EngineStats, StepStats, StepTally
 from splitfuse.engine.stop import StopChecker, eos_token_ids
 from splitfuse.engine.validation import RequestValidator
@@ -41,7 +41,7 @@ from splitfuse.errors import SERVER_BUSY
 from splitfuse.kv_events.events import KvEventLog
 from splitfuse.kv_events.publisher import KvEventPublisher
 from splitfuse.lora.stats import LoraStats
-from splitfuse.models.gguf_checkpoint import prepare_checkpoint
+from splitfuse.models.gguf_checkpoint import with_checkpoint_dirs
 from splitfuse.spec_decode.decoder import make_speculative_decoder, sampling_rows, verified_tokens
 from splitfuse.structured.grammars import GrammarCache
 from splitfuse.structured.masking import GrammarMasking
@@ -63,17 +63,6 @@ class StepPlan:
     """time.perf_counter() when scheduling began (the step's duration counts from there)."""
     tiers: TierStep | None = None
     """What moved between the KV pool and the tiers below it (kv_offload_*), before the forward."""
-
-
-def with_checkpoint_dirs(config: EngineConfig) -> EngineConfig:
-    """`config` with each GGUF file it names (model, tokenizer, draft model) replaced by its
-    converted checkpoint directory (converted once, models/gguf_checkpoint.py)."""
-    model = prepare_checkpoint(config.model)
-    tokenizer = model if config.tokenizer == config.model else prepare_checkpoint(config.tokenizer)
-    draft = config.speculative_model and prepare_checkpoint(config.speculative_model)
-    if (model, tokenizer, draft) == (config.model, config.tokenizer, config.speculative_model):
-        return config
-    return dataclasses.replace(config, model=model, tokenizer=tokenizer, speculative_model=draft)
 
 
 class LLMEngine:
@@ -259,7 +248,7 @@ class LLMEngine:
         batch = None
         if not decision.is_empty and self.config.pipeline_parallel_size > 1:
             batch = MicroBatches.build(decision.chunks, self.config.block_size, self.runner.device,
-                                       self.config.pipeline_parallel_size)
+                                       self.config.pipeline_parallel_size, self._stage_sampling)
         elif not decision.is_empty:
             batch = RaggedBatch.build(decision.chunks, self.config.block_size, self.runner.device)
         return StepPlan(decision, batch, failed, start, tiers)
@@ -269,10 +258,11 @@ class LLMEngine:
         if plan.batch is None:
             return plan.failed
         tally = StepTally()
-        logits = self._forward(plan.batch, tally)
+        result = self._forward(plan.batch, tally)
         sampling = [c for c in plan.decision.chunks if c.samples and c.seq.pooling is None]
         embedded = self.pooler.take(plan.decision.chunks, self.runner.pooled_hidden)
-        sampled = self._sample(logits, sampling, tally)
+        # Logits; or, with pipeline parallelism, the tokens the last stage sampled.
+        sampled = result if isinstance(result, list) else self._sample(result, sampling, tally)
         outputs = plan.failed + self._update(plan.decision, sampling, sampled, tally)
         outputs += [self._embedded(seq, vector) for seq, vector in embedded]
         self._publish_kv_events(tally)
@@ -296,11 +286,18 @@ class LLMEngine:
         decision.chunks = [c for c in decision.chunks if c.seq.params.lora_name not in errors]
         return [self._fail(seq, errors[seq.params.lora_name]) for seq in doomed]
 
-    def _forward(self, batch: RaggedBatch | MicroBatches, tally: StepTally) -> torch.Tensor:
+    def _forward(self, batch: RaggedBatch | MicroBatches,
+                 tally: StepTally) -> torch.Tensor | list[SampledToken | Exception]:
         forward_start = time.perf_counter()
-        logits = self.runner.execute(batch)
+        result = self.runner.execute(batch)
         tally.forward_s = time.perf_counter() - forward_start
-        return logits
+        return result
+
+    def _stage_sampling(self, chunks: list[ScheduledChunk]) -> StageSampling:
+        """What the last pipeline stage needs to sample `chunks`' rows; every constrained row's
+        grammar mask is filled here, where the matchers are."""
+        sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
+        return StageSampling.build(sampling, sampling_rows(sampling), self.masking, self.sampler.eos_token_ids)
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk],
                 tally: StepTally) -> list[SampledToken | Exception]:

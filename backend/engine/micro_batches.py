@@ -9,12 +9,14 @@ repeat across micro-batches (one chunk per sequence per step), so none waits on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from splitfuse.engine.batch import RaggedBatch
 from splitfuse.engine.scheduler import ScheduledChunk
+from splitfuse.engine.stage_sampling import StageSampling
 
 
 @dataclass
@@ -26,9 +28,11 @@ class MicroBatches:
         return sum(part.num_tokens for part in self.parts)
 
     @classmethod
-    def build(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device,
-              count: int) -> "MicroBatches":
-        return cls([RaggedBatch.build(group, block_size, device) for group in split_chunks(chunks, count)])
+    def build(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device, count: int,
+              sampling: Callable[[list[ScheduledChunk]], StageSampling]) -> "MicroBatches":
+        """`sampling(group)`: what the last stage needs to sample a group of chunks' rows."""
+        return cls([RaggedBatch.build(group, block_size, device, sampling=sampling(group))
+                    for group in split_chunks(chunks, count)])
 
 
 def split_chunks(chunks: list[ScheduledChunk], count: int) -> list[list[ScheduledChunk]]:

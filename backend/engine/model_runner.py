@@ -33,6 +33,8 @@ from splitfuse.parallel.sharding import Sharder, local_args
 from splitfuse.engine.batch import RaggedBatch
 from splitfuse.engine.micro_batches import MicroBatches
 from splitfuse.engine.quantization import resolve_quantization
+from splitfuse.engine.sampler import SampledToken, Sampler
+from splitfuse.engine.stage_sampling import StageSampling
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,7 @@ class ModelRunner:
             group.open_compute(self.device, config.tensor_parallel_timeout_s, tp)
         self.group = group
         self.pipe = StageLink(group, config.tensor_parallel_timeout_s) if pp > 1 else None
+        self.sampler: Sampler | None = None  # the last pipeline stage's (_stage_sampler)
         try:
             self._load(full_args)
         except BaseException as e:
@@ -289,26 +292,28 @@ class ModelRunner:
         return wanted
 
     @torch.inference_mode()
-    def execute(self, batch: RaggedBatch | MicroBatches) -> torch.Tensor:
+    def execute(self, batch: RaggedBatch | MicroBatches) -> torch.Tensor | list[SampledToken | Exception]:
         """Run the model over the batch; return float32 logits of the sampling rows [S, V].
         With tensor or pipeline parallelism the other ranks get the batch first and run their
-        parts; with pipeline parallelism the batch may come cut into micro-batches."""
+        parts; with pipeline parallelism the batch may come cut into micro-batches and the last
+        stage samples: the rows' sampled tokens are returned instead (stage_sampling.py)."""
         if self.leader is not None:
             return self.leader.run_step(self._execute, batch)
         return self._execute(batch)
 
-    def _execute(self, batch: RaggedBatch | MicroBatches) -> torch.Tensor:
+    def _execute(self, batch: RaggedBatch | MicroBatches) -> torch.Tensor | list[SampledToken | Exception]:
         if self.layers.has_head:
             return self._head(self.forward_hidden(batch), batch)
         # The first of several stages: every micro-batch's part, each sent on as it is done,
-        # then the last stage's logits, micro-batch by micro-batch (sampling rows in step order).
+        # then the last stage's tokens, micro-batch by micro-batch (sampling rows in step order).
         parts = batch.parts if isinstance(batch, MicroBatches) else [batch]
         for part in parts:
             self.forward_hidden(part)
-        logits = [self.pipe.recv_logits(part.sample_rows.numel(), self.args.vocab_size, self.device)
-                  for part in parts]
+        last_stage = self.pipe.num_stages - 1
+        sampled = [row for part in parts for row in part.sampling.decode(
+            self.pipe.recv_sampled(part.sampling.num_rows, part.sampling.reply_width, self.device), last_stage)]
         self.pipe.flush()
-        return logits[0] if len(logits) == 1 else torch.cat(logits)
+        return sampled
 
     def _head(self, hidden: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
         """The logits of the sampling rows; embedding rows are pooled instead, not sampled: kept
@@ -324,14 +329,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run_stage(self, batch: RaggedBatch | MicroBatches) -> None:
         """What ranks 1..N-1 run each step: their part of the forward pass, micro-batch by
-        micro-batch; the last pipeline stage's first tensor-parallel rank sends the logits back
-        to rank 0."""
+        micro-batch; the last pipeline stage's first tensor-parallel rank samples each
+        micro-batch's rows and sends the tokens back to rank 0."""
         for part in batch.parts if isinstance(batch, MicroBatches) else [batch]:
             hidden = self.forward_hidden(part)
-            if self.pipe is not None and self.layers.has_head and self.group.tp_rank == 0:
-                self.pipe.send_logits(self.model.compute_logits(hidden).float())
+            if self.pipe is not None and self.layers.has_head and self.group.tp_rank == 0 and part.sampling.num_rows:
+                logits = self.model.compute_logits(hidden).float()
+                self.pipe.send_sampled(part.sampling.sample(self._stage_sampler(part.sampling), logits))
         if self.pipe is not None:
             self.pipe.flush()
+
+    def _stage_sampler(self, sampling: StageSampling) -> Sampler:
+        """The last stage's sampler, one for the engine's life (its unseeded rows' generator goes on
+        from step to step, as rank 0's does without stages)."""
+        if self.sampler is None:
+            self.sampler = Sampler(sampling.eos_token_ids, self.config.seed)
+        return self.sampler
 
     @torch.inference_mode()
     def forward_hidden(self, batch: RaggedBatch) -> torch.Tensor:

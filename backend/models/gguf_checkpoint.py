@@ -27,6 +27,7 @@ is wrong. Conversion time is logged.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from splitfuse.config import EngineConfig
 from splitfuse.kernels.cpu import quant_parts
 from splitfuse.kernels.cpu.gguf_blocks import KINDS as GGUF_BLOCK_KINDS
 from splitfuse.models.gguf_gemma3 import configure_gemma3
@@ -95,6 +97,17 @@ def is_converted(out_dir: Path, gguf_file: Path) -> bool:
         return json.loads(marker.read_text()) == _marker(gguf_file)
     except (OSError, ValueError):
         return False
+
+
+def with_checkpoint_dirs(config: EngineConfig) -> EngineConfig:
+    """`config` with each GGUF file it names (model, tokenizer, draft model) replaced by its
+    converted checkpoint directory (converted once, `prepare_checkpoint`)."""
+    model = prepare_checkpoint(config.model)
+    tokenizer = model if config.tokenizer == config.model else prepare_checkpoint(config.tokenizer)
+    draft = config.speculative_model and prepare_checkpoint(config.speculative_model)
+    if (model, tokenizer, draft) == (config.model, config.tokenizer, config.speculative_model):
+        return config
+    return dataclasses.replace(config, model=model, tokenizer=tokenizer, speculative_model=draft)
 
 
 def prepare_checkpoint(model: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> str:

@@ -1,11 +1,11 @@
 """Pipeline parallelism's transfers: a step's hidden states from stage to stage, point to point,
-and the sampling rows' logits from the last stage back to rank 0 (which samples: the sampler's
-per-request state, grammar masks and speculation's verification live there with the scheduler).
+and the sampled tokens from the last stage back to rank 0 (engine/stage_sampling.py: the last
+stage samples what rank 0, which keeps the requests' state, describes with each micro-batch).
 
 Each tensor-parallel rank of stage s sends to the same tensor-parallel rank of stage s + 1 (every
 rank holds the full hidden state after its stage's all-reduces); the last stage's rank of
-tensor-parallel rank 0 sends the logits. Shapes need no message of their own: every rank has the
-step's batch, so it knows the token and sampling-row counts. Sends do not wait: a stage goes on
+tensor-parallel rank 0 sends the sampled tokens. Shapes need no message of their own: every rank
+has the step's batch, so it knows the token and sampling-row counts. Sends do not wait: a stage goes on
 with its next micro-batch while its output travels, and `flush` waits for them at the end of the
 step. Every wait is bounded by the group's `tensor_parallel_timeout_s`; a failure names the
 stage and rank it waited on.
@@ -33,7 +33,7 @@ class StageLink:
     group: RankGroup
     timeout_s: float
     transfer_s: float = 0.0
-    """Time spent sending and waiting for hidden states and logits, for benchmarks."""
+    """Time spent sending and waiting for hidden states and sampled tokens, for benchmarks."""
     _pending: list[tuple[Any, torch.Tensor, int, str]] = field(default_factory=list)
     """Sends not yet waited for: (work, the tensor it reads, peer, what)."""
 
@@ -58,17 +58,17 @@ class StageLink:
         self._recv(hidden, self._rank(self.group.stage - 1), "hidden states")
         return hidden
 
-    def send_logits(self, logits: torch.Tensor) -> None:
-        """The last stage's float32 logits of the sampling rows, to rank 0."""
-        if logits.numel():
-            self._send(logits.contiguous(), 0, "logits")
+    def send_sampled(self, reply: torch.Tensor) -> None:
+        """The last stage's sampled rows (StageSampling.sample's reply), to rank 0."""
+        if reply.numel():
+            self._send(reply.contiguous(), 0, "sampled tokens")
 
-    def recv_logits(self, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """On rank 0: the last stage's logits [rows, vocab_size] (float32)."""
-        logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=device)
+    def recv_sampled(self, rows: int, width: int, device: torch.device) -> torch.Tensor:
+        """On rank 0: the last stage's reply [rows, width] (float64)."""
+        reply = torch.empty(rows, width, dtype=torch.float64, device=device)
         if rows:
-            self._recv(logits, self._rank(self.num_stages - 1, 0), "logits")
-        return logits
+            self._recv(reply, self._rank(self.num_stages - 1, 0), "sampled tokens")
+        return reply
 
     def flush(self) -> None:
         """Wait for every send of this step to be taken."""

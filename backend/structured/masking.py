@@ -105,11 +105,20 @@ class GrammarMasking:
     def mask(self, logits: torch.Tensor, sampling: list[ScheduledChunk],
              failed: dict[int, Exception]) -> list[tuple[int, Matcher]]:
         """Mask the constrained rows that must be masked before sampling to the tokens their
-        grammar allows next (after each of its proposed tokens, for a speculative chunk), one
-        bitmask applied in one call. Returns the other constrained rows (row, matcher): sampled
-        first, checked after (`masks_before_sampling`). A chunk whose matcher raises or overruns
-        the step budget gets its error in `failed` for each of its rows."""
-        grammars = self.grammars()
+        grammar allows next (`fill`), one bitmask applied in one call. Returns the other
+        constrained rows (row, matcher): sampled first, checked after (`masks_before_sampling`)."""
+        bitmask, rows, unmasked = self.fill(sampling, logits.shape[0], failed)
+        if rows:
+            with torch.inference_mode():  # the logits are the forward pass's inference tensors
+                self.grammars().apply_bitmask_(logits, bitmask, rows)
+        return unmasked
+
+    def fill(self, sampling: list[ScheduledChunk], num_rows: int, failed: dict[int, Exception],
+             every: bool = False) -> tuple[torch.Tensor | None, list[int], list[tuple[int, Matcher]]]:
+        """The bitmask of the sampling rows (after each proposed token, for a speculative chunk) of
+        the constrained rows that must be masked before sampling, or of every constrained row with
+        `every`; the rows filled; the constrained rows left (row, matcher). A chunk whose matcher
+        raises or overruns the step budget gets its error in `failed` for each of its rows."""
         bitmask = None
         rows: list[int] = []
         unmasked: list[tuple[int, Matcher]] = []
@@ -119,9 +128,9 @@ class GrammarMasking:
             width = 1 + chunk.num_draft_tokens
             if matcher is None:
                 pass
-            elif masks_before_sampling(chunk.seq.params, chunk.num_draft_tokens):
+            elif every or masks_before_sampling(chunk.seq.params, chunk.num_draft_tokens):
                 if bitmask is None:
-                    bitmask = grammars.new_bitmask(logits.shape[0])
+                    bitmask = self.grammars().new_bitmask(num_rows)
                 start = time.perf_counter()
                 try:
                     filled = matcher.fill_drafts_(bitmask, row, chunk.seq.draft_token_ids[: chunk.num_draft_tokens])
@@ -132,10 +141,12 @@ class GrammarMasking:
             else:
                 unmasked.append((row, matcher))
             row += width
-        if rows:
-            with torch.inference_mode():  # the logits are the forward pass's inference tensors
-                grammars.apply_bitmask_(logits, bitmask, rows)
-        return unmasked
+        return bitmask, rows, unmasked
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the bitmasks cover (the model's)."""
+        return self._vocab_size
 
     def _check_budget(self, start: float) -> None:
         took = time.perf_counter() - start

@@ -39,7 +39,7 @@ def test_micro_batches_run_one_after_another_give_the_whole_batchs_logits(mixed_
     engine, chunks = mixed_step
     runner = engine.runner
     whole = RaggedBatch.build(chunks, 4, runner.device)
-    parts = MicroBatches.build(chunks, 4, runner.device, 2)
+    parts = MicroBatches.build(chunks, 4, runner.device, 2, lambda group: None)
     assert len(parts.parts) == 2 and parts.num_tokens == whole.num_tokens
     # The same step twice writes the same K/V into the same slots: the second pass reads what the first wrote.
     expected = runner.execute(whole)
