@@ -246,11 +246,10 @@ class EngineConfig(_FromStrings):
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
         if self.quantization in BLOCK_QUANTIZATIONS:
-            # The packed blocks are whole rows of the file's tensors (not sharded) multiplying
-            # float32 activations.
-            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-                raise ValueError(f"quantization={self.quantization!r} cannot run with tensor_parallel_size > 1 or "
-                                 "pipeline_parallel_size > 1")
+            # The packed blocks are whole rows of the file's tensors (not sharded: a pipeline
+            # stage keeps its layers' rows whole) multiplying float32 activations.
+            if self.tensor_parallel_size > 1:
+                raise ValueError(f"quantization={self.quantization!r} cannot run with tensor_parallel_size > 1")
             if self.dtype not in ("auto", "float32"):
                 raise ValueError(f"quantization={self.quantization!r} runs float32 activations: dtype must be auto or "
                                  f"float32, got {self.dtype!r}")

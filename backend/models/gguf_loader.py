@@ -9,6 +9,11 @@ never allocated in float, and `prepare_linears` packs its blocks straight from t
 parameter is given storage in the engine's dtype and filled from its tensor, dequantized alone
 (gguf_tensors.py); each tensor's bytes are copied out of the file and let go before the next.
 The start time and peak memory are logged by the model runner once the kernels are packed.
+
+A pipeline stage (`layers`) reads only its own layers' tensors (and the embedding, final norm
+and head where it holds them), renamed to its local layer indices; the packed blocks of its
+projections are looked up in the file under their global names. Blocks are whole rows, so a
+stage keeps them as they are (a tensor-parallel shard could not).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from splitfuse.layers.q4_linear import q4_supported
 from splitfuse.models.gguf_checkpoint import GGUFSource
 from splitfuse.models.gguf_tensors import GGUFError
 from splitfuse.models.gguf_moe import GGUFMoeError, merge_experts
+from splitfuse.models.layer_range import LayerRange
 from splitfuse.models.weight_load import FUSED, check_loaded, load_one
 
 log = logging.getLogger(__name__)
@@ -38,11 +44,12 @@ _STACKED = (".mlp.experts.gate_proj", ".mlp.experts.up_proj")  # joined into exp
 
 
 def load_gguf(model: nn.Module, source: GGUFSource, dtype: torch.dtype, device: torch.device,
-              shard: Shard | None, quantization: str) -> None:
-    """Fill `model` (built on the meta device) from `source`; see the module's docstring."""
+              shard: Shard | None, quantization: str, layers: LayerRange | None = None) -> None:
+    """Fill `model` (built on the meta device, cut to `layers` for a pipeline stage) from
+    `source`; see the module's docstring."""
     args = model.args
     blocks_here = (shard is None and quantization in GGUF_QUANTIZATIONS and q4_supported(device, dtype)[0])
-    unread = attach_gguf_blocks(model, source, blocks_here) if shard is None else {}
+    unread = attach_gguf_blocks(model, source, blocks_here, layers) if shard is None else {}
     materialise(model, dtype, device, {id(p) for p in unread.values()})
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = set(unread)
@@ -52,6 +59,8 @@ def load_gguf(model: nn.Module, source: GGUFSource, dtype: torch.dtype, device: 
     tensors = source.tensors()
     for name, t in tensors:
         name = name if rename is None or name is None else rename(name)
+        if name is not None and layers is not None:
+            name = layers.checkpoint_name(name)  # local index; None for another stage's tensor
         if name is None or name in skipped:
             continue
         tensor = tensors.read(t, dtype)
@@ -87,18 +96,21 @@ def _join_experts(stacked: dict[str, torch.Tensor], name: str) -> tuple[str, tor
     return next(iter(part.items()))
 
 
-def attach_gguf_blocks(model: nn.Module, source: GGUFSource, leave_unread: bool) -> dict[str, nn.Parameter]:
+def attach_gguf_blocks(model: nn.Module, source: GGUFSource, leave_unread: bool,
+                       layers: LayerRange | None = None) -> dict[str, nn.Parameter]:
     """Give each projection, the LM head and the embedding the means to read its weight's blocks
     from the file (read when quantization="gguf" or "gguf-exact" prepares it). A tied head reads
     the embedding's blocks, and so does the embedding. With `leave_unread`: the parameters, by
-    name, whose blocks the kernels take, left on the meta device for them."""
+    (local) name, whose blocks the kernels take, left on the meta device for them. A pipeline
+    stage's `layers` give its modules' names in the file."""
     unread: dict[str, nn.Parameter] = {}
     tied = model.args.tie_word_embeddings
     embedding = model.model.embed_tokens
-    embedding.gguf_blocks = lambda: source.blocks([_EMBED])
-    # The embedding looks rows up in blocks of quant4's kinds: its own, or a tied head's packing.
-    if leave_unread and source.packed_kind([_EMBED]) in quant4.KINDS:
-        unread[_EMBED] = embedding.weight
+    if embedding is not None:  # None on a pipeline stage after the first, without a tied head
+        embedding.gguf_blocks = lambda: source.blocks([_EMBED])
+        # The embedding looks rows up in blocks of quant4's kinds: its own, or a tied head's packing.
+        if leave_unread and source.packed_kind([_EMBED]) in quant4.KINDS:
+            unread[_EMBED] = embedding.weight
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
@@ -106,7 +118,8 @@ def attach_gguf_blocks(model: nn.Module, source: GGUFSource, leave_unread: bool)
             candidates = [[_EMBED if tied else "lm_head.weight"]]
         else:
             # Its parts in the file, or (Phi-3's attn_qkv, ffn_up: stored fused) itself by our name.
-            candidates = [_read_as(f"{name}.weight"), [f"{name}.weight"]]
+            in_file = f"{name}.weight" if layers is None else layers.global_name(f"{name}.weight")
+            candidates = [_read_as(in_file), [in_file]]
         module.gguf_blocks = lambda c=candidates: next((b for names in c if (b := source.blocks(names))), None)
         if leave_unread and not (module is model.lm_head and tied):
             if any(source.packed_kind(names) for names in candidates):

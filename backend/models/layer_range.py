@@ -52,6 +52,13 @@ class LayerRange:
             return name if self.has_head else None
         return name
 
+    def global_name(self, name: str) -> str:
+        """The checkpoint's name of this stage's parameter `name` (its layer index made global)."""
+        match = _LAYER.match(name)
+        if match is None:
+            return name
+        return f"model.layers.{int(match[1]) + self.first}." + name[match.end():]
+
     def cut(self, model: nn.Module) -> None:
         """Drop from `model` (a LlamaForCausalLM still on the meta device) what this stage does not hold."""
         model.model.layers = nn.ModuleList(list(model.model.layers)[self.first:self.end])

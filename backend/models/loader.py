@@ -56,9 +56,7 @@ def load_model(path: str | Path, args: ModelArgs, ops, dtype: torch.dtype, devic
         layers.cut(model)
     source = gguf_source(path)
     if source is not None:
-        if layers is not None:
-            raise ValueError("pipeline_parallel_size > 1 does not read GGUF files (not built): convert to safetensors")
-        load_gguf(model, source, dtype, device, shard, quantization)
+        load_gguf(model, source, dtype, device, shard, quantization, layers)
         return model.eval()
     model = model.to_empty(device=device).to(dtype)
     if args.tie_word_embeddings and model.lm_head is not None:
