@@ -212,7 +212,8 @@ class EngineConfig(_FromStrings):
     folder (adapter_config.json + adapter_model.safetensors), all read and checked at start. A
     request picks one by name (SamplingParams.lora_name); one step batches several adapters and
     the base. Names: 1-64 of A-Z a-z 0-9 . _ -, unique. Not with tensor_parallel_size > 1 or
-    speculative_method=draft."""
+    speculative_method=draft; with pipeline_parallel_size > 1 each stage keeps its own layers'
+    weights."""
     max_loras: int = 4
     """Adapters resident (weights in memory) at once; with more configured, the least recently
     used one is dropped and read again from its folder when a request needs it. Running
@@ -224,7 +225,7 @@ class EngineConfig(_FromStrings):
     unload_lora; the OpenAI front's /v1/load_lora_adapter); empty: no run-time loading (safe by
     default: a client cannot make the server read a file). Set, the adapter stacks are sized once
     at start for max_loras adapters of max_lora_rank on every projection, and configured plus
-    loaded adapters together are at most max_loras."""
+    loaded adapters together are at most max_loras. Not with pipeline_parallel_size > 1."""
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
@@ -276,8 +277,8 @@ class EngineConfig(_FromStrings):
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got "
                              f"{self.tensor_parallel_timeout_s!r}")
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        if self.pipeline_parallel_size > 1 and (self.lora_modules or self.speculative_method == "draft"):
-            raise ValueError("pipeline_parallel_size > 1 is not built with lora_modules or speculative_method=draft")
+        if self.pipeline_parallel_size > 1 and self.speculative_method == "draft":
+            raise ValueError("pipeline_parallel_size > 1 is not built with speculative_method=draft")
         _check_positive("max_pending_guides", self.max_pending_guides)
         for name in ("guide_compile_timeout_s", "grammar_cache_mb", "grammar_step_budget_ms"):
             value = getattr(self, name)
@@ -325,6 +326,9 @@ class EngineConfig(_FromStrings):
         if (adapters or self.lora_load_dir) and self.tensor_parallel_size > 1:
             raise ValueError(f"{what} cannot be combined with tensor_parallel_size > 1 (adapters are not "
                              "sharded across ranks)")
+        if self.lora_load_dir and self.pipeline_parallel_size > 1:
+            raise ValueError("lora_load_dir cannot be combined with pipeline_parallel_size > 1 (an adapter loaded at "
+                             "run time would reach rank 0's stage only); name the adapters in lora_modules")
         if (adapters or self.lora_load_dir) and self.speculative_method == "draft":
             raise ValueError(f"{what} cannot be combined with speculative_method=draft (the draft model has "
                              "no adapters); use speculative_method=ngram or none")

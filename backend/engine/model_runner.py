@@ -210,7 +210,7 @@ class ModelRunner:
         backend = self.linear_backend
         self.lora = LoraRegistry(adapters, base, self.config.max_loras, self.config.max_lora_rank, self.dtype,
                                  self.device, make_kernel=lambda weight: make_linear_kernel(weight, None, backend),
-                                 runtime=runtime)
+                                 runtime=runtime, layers=range(self.layers.first, self.layers.end))
         # Where the Triton-lang kernels run, LoRA takes its Triton-lang kernel too (one per part).
         state = self.lora_state = LoraState(self.lora.stacks, device_kernel=self.kernels.triton_lang)
         self.model.attach_lora(state, lambda layer, name: LoraProjection(layer, name, state),

@@ -134,6 +134,12 @@ class LoraAdapter:
     """SHA-256 of adapter_config.json and adapter_model.safetensors as read: the registry
     refuses a re-read whose content differs (the prefix cache holds KV of the weights first read)."""
 
+    def keep_layers(self, layers: range) -> "LoraAdapter":
+        """Only the projections of `layers` (a pipeline stage's), keyed by their index in it."""
+        self.projections = {(layer - layers.start, name): p for (layer, name), p in self.projections.items()
+                            if layer in layers}
+        return self
+
     def to(self, device: torch.device, dtype: torch.dtype) -> "LoraAdapter":
         for p in self.projections.values():
             p.a = p.a.to(device=device, dtype=dtype).contiguous()

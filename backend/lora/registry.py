@@ -3,6 +3,7 @@ the least recently used dropped when another one is needed (and read again from 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 
@@ -18,23 +19,26 @@ log = logging.getLogger(__name__)
 class LoraRegistry:
     def __init__(self, adapters: dict[str, str], base: BaseShape, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, make_kernel: MakeKernel = plain_kernel,
-                 runtime: bool = False) -> None:
+                 runtime: bool = False, layers: range | None = None) -> None:
         """Read and check every configured adapter now (a bad folder fails the start, not a
         request; the stacks are shaped for all of them); the first `max_loras` stay resident.
         `runtime`: adapters may be added and removed later (the stacks shaped for any of rank
-        max_rank, on every projection)."""
+        max_rank, on every projection). `layers`: a pipeline stage's range of the base's layers,
+        the only ones whose weights are kept, keyed by their index in the stage."""
         self.paths = dict(adapters)
+        self.layers = range(base.num_layers) if layers is None else layers
         self.base, self.max_loras, self.max_rank = base, max_loras, max_rank
         self.dtype, self.device, self.make_kernel = dtype, device, make_kernel
         self.loads = self.evictions = 0
         self._resident: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._slots: dict[str, int] = {}  # resident adapter -> its slot in the stacks
         self._resident_names: tuple[str, ...] = ()  # for stats() from other threads
-        read = [load_adapter(name, path, base, max_rank) for name, path in self.paths.items()]
+        read = [self._load(name, path) for name, path in self.paths.items()]
         # Each adapter's content as first read: the prefix cache keys its KV by name, so a re-read
         # (after an eviction) must give the same weights.
         self._digests = {adapter.name: adapter.digest for adapter in read}
-        self.stacks = LoraStacks(read, base, max_loras, dtype, device, make_kernel,
+        stage = dataclasses.replace(base, num_layers=len(self.layers))
+        self.stacks = LoraStacks(read, stage, max_loras, dtype, device, make_kernel,
                                  reserve_rank=max_rank if runtime else 0)
         self.runtime = runtime
         targets: set[str] = set(TARGETS) - (set(MLP_TARGETS) if base.moe else set()) if runtime else set()
@@ -48,6 +52,10 @@ class LoraRegistry:
         self._resident_names = tuple(self._resident)
         self.targets = frozenset(targets)
         """HF projection names some configured adapter adapts."""
+
+    def _load(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter (against the whole base), keeping this stage's layers."""
+        return load_adapter(name, path, self.base, self.max_rank).keep_layers(self.layers)
 
     @property
     def names(self) -> list[str]:
@@ -80,7 +88,7 @@ class LoraRegistry:
                     del self._resident[victim], self._slots[victim]
                     self.evictions += 1
                     log.info("splitfuse: LoRA adapter %r evicted (max_loras=%d)", victim, self.max_loras)
-                adapter = load_adapter(name, self.paths[name], self.base, self.max_rank)
+                adapter = self._load(name, self.paths[name])
                 if adapter.digest != self._digests[name]:
                     raise ValueError(f"{adapter.path}: the adapter's files changed since the engine started (KV "
                                      "cached for its old weights would be reused); restart the engine to serve the "
@@ -97,7 +105,7 @@ class LoraRegistry:
         """Read and check an adapter for `add` (any thread: only files are touched)."""
         if not self.runtime:
             raise ValueError("adapters cannot be loaded at run time here (no lora_load_dir)")
-        return load_adapter(name, path, self.base, self.max_rank)
+        return self._load(name, path)
 
     def add(self, adapter: LoraAdapter) -> None:
         """Serve an adapter `read` returned from now on (engine thread). ValueError, nothing

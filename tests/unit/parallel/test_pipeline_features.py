@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from splitfuse import LLMEngine
+from splitfuse import LLMEngine, SamplingParams
 from splitfuse.config import EngineConfig
 from splitfuse.kernels.cpu import quant4
 from rank_processes import greedy, worker_pids
@@ -57,3 +57,51 @@ def test_two_stages_of_a_gguf_file_match_one_stage(gguf_model, tiny_model_factor
     assert not worker_pids()
     one = greedy(LLMEngine(dataclasses.replace(config, num_threads=1)), prompts)
     assert two == one
+
+
+def _adapter(base: str, folder) -> str:
+    """A random PEFT adapter on every projection of every layer of `base`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = LoraConfig(init_lora_weights=False, r=4, lora_alpha=8, lora_dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    get_peft_model(model, lora).save_pretrained(str(folder))
+    return str(folder)
+
+
+def _greedy_lora(engine: LLMEngine, requests: list[tuple[list[int], str | None]]) -> list[list[int]]:
+    """Each (prompt, adapter)'s greedy tokens, all added before the first step (one batch)."""
+    for i, (prompt, lora) in enumerate(requests):
+        engine.add_request(f"l{i}", prompt, SamplingParams(max_tokens=8, temperature=0.0, lora_name=lora))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    return [tokens[f"l{i}"] for i in range(len(requests))]
+
+
+@pytest.mark.slow  # starts a rank process
+def test_two_stages_with_a_lora_adapter_match_one_stage(tiny_model_factory, tmp_path):
+    """lora_modules over two stages: each stage keeps its own layers' adapter weights (keyed by
+    their index in the stage); requests with the adapter and without, in the same steps, get one
+    stage's greedy tokens."""
+    path = tiny_model_factory("llama", num_hidden_layers=3)
+    prompts = _prompts(path)
+    requests = [(p, lora) for p in prompts for lora in ("a", None)]
+    config = EngineConfig(model=path, lora_modules=f"a={_adapter(path, tmp_path / 'a')}", **ENGINE)
+    engine = LLMEngine(dataclasses.replace(config, pipeline_parallel_size=2))
+    try:
+        # stage 0 holds layer 0 of 3: the adapter's weights of that layer only
+        assert {layer for layer, _ in engine.runner.lora.stacks.projections} == {0}
+        two = _greedy_lora(engine, requests)
+    finally:
+        engine.shutdown()
+    assert not worker_pids()
+    one = _greedy_lora(LLMEngine(dataclasses.replace(config, num_threads=1)), requests)
+    assert two == one
+    assert any(two[i] != two[i + 1] for i in range(0, len(requests), 2)), "the adapter was meant to change tokens"
