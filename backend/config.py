@@ -277,8 +277,6 @@ class EngineConfig(_FromStrings):
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got "
                              f"{self.tensor_parallel_timeout_s!r}")
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        if self.pipeline_parallel_size > 1 and self.speculative_method == "draft":
-            raise ValueError("pipeline_parallel_size > 1 is not built with speculative_method=draft")
         _check_positive("max_pending_guides", self.max_pending_guides)
         for name in ("guide_compile_timeout_s", "grammar_cache_mb", "grammar_step_budget_ms"):
             value = getattr(self, name)

@@ -15,7 +15,7 @@ import logging
 
 from splitfuse.engine.block_manager import BlockManager
 from splitfuse.config import EngineConfig
-from splitfuse.engine.model_runner import ModelRunner
+from splitfuse.engine.model_runner import ModelRunner, threads_per_rank
 from splitfuse.engine.batch import RaggedBatch
 from splitfuse.engine.scheduler import ScheduledChunk
 from splitfuse.engine.sequence import SamplingParams, Sequence
@@ -25,10 +25,12 @@ log = logging.getLogger(__name__)
 
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, target_vocab_size: int) -> None:
+        # Small: it runs whole beside rank 0's shard or pipeline stage, in no rank group, on rank
+        # 0's share of the threads (its runner sets the engine thread's count).
         draft_config = dataclasses.replace(
             config, model=config.speculative_model, tokenizer=config.speculative_model,
             speculative_method="none", speculative_model=None, num_kv_blocks=None,
-            tensor_parallel_size=1)  # small: it runs whole beside rank 0's shard
+            tensor_parallel_size=1, pipeline_parallel_size=1, num_threads=threads_per_rank(config))
         self.runner = ModelRunner(draft_config)
         if self.runner.args.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_model's vocabulary ({self.runner.args.vocab_size} tokens) differs from "

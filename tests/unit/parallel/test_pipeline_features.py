@@ -1,6 +1,8 @@
 """What pipeline parallelism serves beyond plain float checkpoints, with greedy tokens over two
 stages equal to one stage's: a GGUF file (its weights dequantized, or its packed blocks kept as
-they are) and a load quantization into blocks; each stage reads only its own layers' tensors."""
+they are) and a load quantization into blocks, each stage reading only its own layers' tensors;
+static LoRA adapters, each stage keeping its own layers' weights; a draft model run whole on
+rank 0. One two-rank engine per test, against a one-stage engine of the same config."""
 
 import dataclasses
 import json
@@ -105,3 +107,30 @@ def test_two_stages_with_a_lora_adapter_match_one_stage(tiny_model_factory, tmp_
     one = _greedy_lora(LLMEngine(dataclasses.replace(config, num_threads=1)), requests)
     assert two == one
     assert any(two[i] != two[i + 1] for i in range(0, len(requests), 2)), "the adapter was meant to change tokens"
+
+
+@pytest.mark.slow  # starts a rank process
+def test_two_stages_with_a_draft_model_match_one_stage(tiny_model_factory):
+    """speculative_method=draft over two stages: the draft model runs whole on rank 0 (no rank
+    group of its own, rank 0's share of the threads) and the pipeline verifies its proposals as
+    it verifies n-gram ones; greedy tokens equal one stage's. The model drafts for itself, so
+    every proposal is accepted and steps verify several tokens a sequence."""
+    import torch
+
+    path = tiny_model_factory("llama", num_hidden_layers=3)
+    prompts = _prompts(path)
+    config = EngineConfig(model=path, speculative_method="draft", speculative_model=path, num_speculative_tokens=3,
+                          **ENGINE)
+    engine = LLMEngine(dataclasses.replace(config, pipeline_parallel_size=2))
+    try:
+        draft = engine.speculation.proposer.runner
+        assert draft.group is None and draft.leader is None and len(draft.model.model.layers) == 3
+        assert len(worker_pids()) == 1 and torch.get_num_threads() == 1
+        two = greedy(engine, prompts)
+        proposed, accepted = engine.speculation.num_proposed, engine.speculation.num_accepted
+    finally:
+        engine.shutdown()
+    assert not worker_pids()
+    assert accepted == proposed > 0, (accepted, proposed)
+    one = greedy(LLMEngine(dataclasses.replace(config, num_threads=1)), prompts)
+    assert two == one

@@ -107,7 +107,6 @@ def test_more_stages_than_layers_are_refused_before_any_rank_starts(tiny_llama):
 @pytest.mark.parametrize("bad, match", [
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be"),
     (dict(lora_load_dir="/tmp"), "lora_load_dir cannot be combined with pipeline_parallel_size > 1"),
-    (dict(speculative_method="draft", speculative_model="/nowhere"), "not built with .*speculative_method=draft"),
     (dict(kv_cache_memory_gb="auto"), "kv_cache_memory_gb=auto cannot be combined with .*pipeline_parallel_size"),
     (dict(quantization="q4_0", tensor_parallel_size=2), "quantization='q4_0' cannot run with tensor_parallel_size > 1"),
 ])
