@@ -93,7 +93,6 @@ class RaggedBatch:
 
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
-
         attn = AttentionMetadata(
             slot_mapping=tensor(slot_mapping),
             query_start_loc=tensor(query_start_loc.astype(np.int32)),
@@ -131,8 +130,7 @@ class RaggedBatch:
             seq_lens=seq_lens.tolist(),
             last_layer=last_layer,
             lora=lora,
-            pool_rows=pool_rows, logit_rows=logit_rows,
-            sampling=sampling,
+            pool_rows=pool_rows, logit_rows=logit_rows, sampling=sampling,
         )
 
 
