@@ -194,6 +194,10 @@ class EngineConfig(_FromStrings):
     engine within about this long instead of wedging it."""
     pipeline_parallel_size: int = 1
     """Stages, each holding a contiguous range of the layers (on tensor_parallel_size ranks); 1 = off."""
+    pipeline_steps_in_flight: int = 0
+    """With pipeline_parallel_size > 1: steps in the pipeline at once. Rank 0 schedules and starts
+    the next step while the later stages run earlier ones (a sequence waits for its last token
+    before its next step). 0 = pipeline_parallel_size; 1 = one step at a time."""
     seed: int = 0
     """Seed for requests that give none."""
     guide_compile_timeout_s: float = GrammarLimits.compile_timeout_s
@@ -277,6 +281,9 @@ class EngineConfig(_FromStrings):
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got "
                              f"{self.tensor_parallel_timeout_s!r}")
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        if not (isinstance(self.pipeline_steps_in_flight, int) and 0 <= self.pipeline_steps_in_flight <= 64):
+            raise ValueError(f"pipeline_steps_in_flight must be an integer in [0, 64], got "
+                             f"{self.pipeline_steps_in_flight!r}")
         _check_positive("max_pending_guides", self.max_pending_guides)
         for name in ("guide_compile_timeout_s", "grammar_cache_mb", "grammar_step_budget_ms"):
             value = getattr(self, name)

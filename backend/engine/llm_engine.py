@@ -13,9 +13,9 @@ servers, handing out a step's outputs between the next step's `schedule` and `ex
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer
@@ -25,7 +25,7 @@ from splitfuse.engine.batch import RaggedBatch
 from splitfuse.engine.micro_batches import MicroBatches
 from splitfuse.engine.block_manager import BlockManager
 from splitfuse.engine.detokenizer import IncrementalDetokenizer
-from splitfuse.engine.kv_offload import KVOffload, TierStep
+from splitfuse.engine.kv_offload import KVOffload
 from splitfuse.engine.lora_control import LoraControl
 from splitfuse.engine.model_runner import ModelRunner
 from splitfuse.engine.outputs import error_output, request_output
@@ -35,6 +35,7 @@ from splitfuse.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutpu
 from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
 from splitfuse.engine.stage_sampling import StageSampling
 from splitfuse.engine.stats import EngineStats, StepStats, StepTally
+from splitfuse.engine.step_plan import StepPlan
 from splitfuse.engine.stop import StopChecker, eos_token_ids
 from splitfuse.engine.validation import RequestValidator
 from splitfuse.errors import SERVER_BUSY
@@ -47,22 +48,6 @@ from splitfuse.structured.grammars import GrammarCache
 from splitfuse.structured.masking import GrammarMasking
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepPlan:
-    """One step as `schedule` decided it, for `execute` to run."""
-
-    decision: SchedulerOutput
-    batch: RaggedBatch | MicroBatches | None
-    """The step's batch (cut into one micro-batch per pipeline stage with pipeline parallelism);
-    None when it runs no forward pass."""
-    failed: list[RequestOutput]
-    """Final outputs of requests that left the step (their LoRA adapter failed to load)."""
-    start: float
-    """time.perf_counter() when scheduling began (the step's duration counts from there)."""
-    tiers: TierStep | None = None
-    """What moved between the KV pool and the tiers below it (kv_offload_*), before the forward."""
 
 
 class LLMEngine:
@@ -104,6 +89,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.last_step: StepStats | None = None
         self.kv_event_publisher = self._start_kv_events(config)
+        self.steps_in_flight = (config.pipeline_steps_in_flight or config.pipeline_parallel_size
+                                if config.pipeline_parallel_size > 1 else 1)
+        self._in_flight: deque[StepPlan] = deque()
 
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -193,6 +181,12 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the processes that outlive the object (tensor-parallel ranks, grammar compiler)
         and the KV event publisher's socket."""
+        try:
+            while self._in_flight:  # the later stages' replies are taken before they are told to stop
+                self._in_flight.popleft()
+                self.runner.collect()
+        except Exception:
+            log.exception("collecting the steps in flight at shutdown failed")
         self.runner.shutdown()
         self.masking.close()
         if self.kv_event_publisher is not None:
@@ -221,7 +215,8 @@ class LLMEngine:
             self.kv_event_log.removed(chain_hash, medium)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._seqs)
+        """Requests live, or steps in flight (to collect, even if their requests ended)."""
+        return bool(self._seqs or self._in_flight)
 
     def stats(self) -> EngineStats:
         memory, disk = self.offload.used_bytes() if self.offload is not None else (0, 0)
@@ -254,17 +249,32 @@ class LLMEngine:
         return StepPlan(decision, batch, failed, start, tiers)
 
     def execute(self, plan: StepPlan) -> list[RequestOutput]:
-        """Run `plan`: forward, sample, update (append, stop, detokenize); the step's outputs."""
-        if plan.batch is None:
-            return plan.failed
-        tally = StepTally()
-        result = self._forward(plan.batch, tally)
-        sampling = [c for c in plan.decision.chunks if c.samples and c.seq.pooling is None]
-        embedded = self.pooler.take(plan.decision.chunks, self.runner.pooled_hidden)
-        # Logits; or, with pipeline parallelism, the tokens the last stage sampled.
-        sampled = result if isinstance(result, list) else self._sample(result, sampling, tally)
-        outputs = plan.failed + self._update(plan.decision, sampling, sampled, tally)
-        outputs += [self._embedded(seq, vector) for seq, vector in embedded]
+        """Run `plan`: forward, sample, update (append, stop, detokenize); the outputs. With
+        pipeline stages up to `steps_in_flight` plans are in the pipe at once (step_plan.py):
+        `plan` is launched, and the oldest collected once the pipe is full or `plan` has no batch."""
+        outputs = list(plan.failed)
+        if plan.batch is not None:
+            plan.tally.prompt_tokens = sum(_prompt_tokens(c) for c in plan.decision.chunks)
+            plan.launched()
+            forward_start = time.perf_counter()
+            self.runner.launch(plan.batch)
+            plan.tally.forward_s = time.perf_counter() - forward_start
+            plan.embedded = self.pooler.take(plan.decision.chunks, self.runner.pooled_hidden)
+            self.scheduler.advance(plan.decision)  # the next plan may take the prompts' next chunks
+            self._in_flight.append(plan)
+        if self._in_flight and (plan.batch is None or len(self._in_flight) >= self.steps_in_flight):
+            outputs += self._collect(self._in_flight.popleft())
+        return outputs
+
+    def _collect(self, plan: StepPlan) -> list[RequestOutput]:
+        """Sample (or take the last stage's tokens for) the oldest plan in flight and update."""
+        tally = plan.tally
+        forward_start = time.perf_counter()
+        result = self.runner.collect()  # logits; or, with pipeline stages, the tokens the last stage sampled
+        tally.forward_s += time.perf_counter() - forward_start
+        sampled = result if isinstance(result, list) else self._sample(result, plan.sampling, tally)
+        outputs = self._update(plan, sampled, tally)
+        outputs += [self._embedded(seq, vector) for seq, vector in plan.embedded]
         self._publish_kv_events(tally)
         self._record(plan, tally)
         return outputs
@@ -285,13 +295,6 @@ class LLMEngine:
         doomed = [c.seq for c in decision.chunks if c.seq.params.lora_name in errors]
         decision.chunks = [c for c in decision.chunks if c.seq.params.lora_name not in errors]
         return [self._fail(seq, errors[seq.params.lora_name]) for seq in doomed]
-
-    def _forward(self, batch: RaggedBatch | MicroBatches,
-                 tally: StepTally) -> torch.Tensor | list[SampledToken | Exception]:
-        forward_start = time.perf_counter()
-        result = self.runner.execute(batch)
-        tally.forward_s = time.perf_counter() - forward_start
-        return result
 
     def _stage_sampling(self, chunks: list[ScheduledChunk]) -> StageSampling:
         """What the last pipeline stage needs to sample `chunks`' rows; every constrained row's
@@ -319,17 +322,17 @@ class LLMEngine:
             tally.grammar_mask_s += time.perf_counter() - mask_start
         return sampled
 
-    def _update(self, decision: SchedulerOutput, sampling: list[ScheduledChunk],
-                sampled: list[SampledToken | Exception], tally: StepTally) -> list[RequestOutput]:
+    def _update(self, plan: StepPlan, sampled: list[SampledToken | Exception],
+                tally: StepTally) -> list[RequestOutput]:
         """Each sampling chunk's verified tokens appended (a failure in its sampling, stop check
         or text ends that request alone), then the next step's proposals; their outputs."""
-        tally.prompt_tokens = sum(_prompt_tokens(c) for c in decision.chunks)
-        self.scheduler.advance(decision)
         outputs = []
         row = 0
-        for chunk in sampling:
+        for index, chunk in enumerate(plan.sampling):
             rows = sampled[row : row + 1 + chunk.num_draft_tokens]
             row += len(rows)
+            if not plan.current(index, self._seqs):
+                continue  # ended or preempted while its step was in flight
             try:
                 tokens = verified_tokens(chunk, rows)
                 tally.drafts += chunk.num_draft_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 import math
 import time
 
@@ -139,6 +140,8 @@ class ModelRunner:
         self.group = group
         self.pipe = StageLink(group, config.tensor_parallel_timeout_s) if pp > 1 else None
         self.sampler: Sampler | None = None  # the last pipeline stage's (_stage_sampler)
+        self._launched: deque[tuple[RaggedBatch | MicroBatches, torch.Tensor | None, int]] = deque()
+        """Batches launched, not yet collected: (batch, its logits on one stage, its pipeline step)."""
         try:
             self._load(full_args)
         except BaseException as e:
@@ -291,28 +294,48 @@ class ModelRunner:
                  self.num_kv_blocks * gib_per_block, self.num_kv_blocks // -(-wanted // bs), wanted)
         return wanted
 
-    @torch.inference_mode()
     def execute(self, batch: RaggedBatch | MicroBatches) -> torch.Tensor | list[SampledToken | Exception]:
-        """Run the model over the batch; return float32 logits of the sampling rows [S, V].
-        With tensor or pipeline parallelism the other ranks get the batch first and run their
-        parts; with pipeline parallelism the batch may come cut into micro-batches and the last
-        stage samples: the rows' sampled tokens are returned instead (stage_sampling.py)."""
-        if self.leader is not None:
-            return self.leader.run_step(self._execute, batch)
-        return self._execute(batch)
+        """Run the model over the batch: `launch`, then `collect`."""
+        self.launch(batch)
+        return self.collect()
 
-    def _execute(self, batch: RaggedBatch | MicroBatches) -> torch.Tensor | list[SampledToken | Exception]:
+    @torch.inference_mode()
+    def launch(self, batch: RaggedBatch | MicroBatches) -> None:
+        """Start the forward pass over the batch. With tensor or pipeline parallelism the other
+        ranks get the batch first and run their parts. With pipeline stages (the batch may come
+        cut into micro-batches) rank 0 runs the first stage's part and goes on while the later
+        stages run theirs: several batches may be in flight, collected in launch order."""
+        if self.leader is not None:
+            self.leader.run_step(self._launch, batch, wait=self.pipe is None)
+        else:
+            self._launch(batch)
+
+    def _launch(self, batch: RaggedBatch | MicroBatches) -> None:
         if self.layers.has_head:
-            return self._head(self.forward_hidden(batch), batch)
-        # The first of several stages: every micro-batch's part, each sent on as it is done,
-        # then the last stage's tokens, micro-batch by micro-batch (sampling rows in step order).
-        parts = batch.parts if isinstance(batch, MicroBatches) else [batch]
-        for part in parts:
-            self.forward_hidden(part)
+            self._launched.append((batch, self._head(self.forward_hidden(batch), batch), 0))
+            return
+        self.pipe.step += 1
+        for part in batch.parts if isinstance(batch, MicroBatches) else [batch]:
+            self.forward_hidden(part)  # each sent on as it is done
+        self._launched.append((batch, None, self.pipe.step))
+
+    @torch.inference_mode()
+    def collect(self) -> torch.Tensor | list[SampledToken | Exception]:
+        """The oldest launched batch's result: float32 logits of its sampling rows [S, V]; with
+        pipeline stages, the tokens the last stage sampled for them (stage_sampling.py), micro-batch
+        by micro-batch (sampling rows in step order)."""
+        batch, logits, step = self._launched.popleft()
+        if logits is not None:
+            return logits
+        return self.leader.guard(lambda: self._collect_sampled(batch, step))
+
+    def _collect_sampled(self, batch: RaggedBatch | MicroBatches, step: int) -> list[SampledToken | Exception]:
         last_stage = self.pipe.num_stages - 1
-        sampled = [row for part in parts for row in part.sampling.decode(
-            self.pipe.recv_sampled(part.sampling.num_rows, part.sampling.reply_width, self.device), last_stage)]
-        self.pipe.flush()
+        sampled = [row for part in (batch.parts if isinstance(batch, MicroBatches) else [batch])
+                   for row in part.sampling.decode(
+                       self.pipe.recv_sampled(part.sampling.num_rows, part.sampling.reply_width, self.device),
+                       last_stage)]
+        self.pipe.flush(through=step)
         return sampled
 
     def _head(self, hidden: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
@@ -330,14 +353,16 @@ class ModelRunner:
     def run_stage(self, batch: RaggedBatch | MicroBatches) -> None:
         """What ranks 1..N-1 run each step: their part of the forward pass, micro-batch by
         micro-batch; the last pipeline stage's first tensor-parallel rank samples each
-        micro-batch's rows and sends the tokens back to rank 0."""
+        micro-batch's rows and sends the tokens back to rank 0. A step's sends are waited for two
+        steps later: the next stage (or rank 0) may still be busy with the step before."""
+        if self.pipe is not None:
+            self.pipe.step += 1
+            self.pipe.flush(through=self.pipe.step - 2)
         for part in batch.parts if isinstance(batch, MicroBatches) else [batch]:
             hidden = self.forward_hidden(part)
             if self.pipe is not None and self.layers.has_head and self.group.tp_rank == 0 and part.sampling.num_rows:
                 logits = self.model.compute_logits(hidden).float()
                 self.pipe.send_sampled(part.sampling.sample(self._stage_sampler(part.sampling), logits))
-        if self.pipe is not None:
-            self.pipe.flush()
 
     def _stage_sampler(self, sampling: StageSampling) -> Sampler:
         """The last stage's sampler, one for the engine's life (its unseeded rows' generator goes on

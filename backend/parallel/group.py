@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -48,6 +48,8 @@ class RankGroup:
     all_reduce_s: float = 0.0
     """Time spent in all-reduces (moving data, and waiting for the slowest rank), for benchmarks."""
     all_reduce_calls: int = 0
+    _sends: list = field(default_factory=list)
+    """Rank 0's sends of its last broadcast not yet waited for: (rank, work, tensor)."""
 
     @property
     def stage(self) -> int:
@@ -83,23 +85,34 @@ class RankGroup:
         self.all_reduce_calls += 1
         return t
 
-    def broadcast(self, obj: Any = None, timeout_s: float | None = None) -> Any:
+    def broadcast(self, obj: Any = None, timeout_s: float | None = None, wait: bool = True) -> Any:
         """Rank 0's `obj`, on every rank (pickled, sent to each rank point to point over the
         default group). On rank 0 the sends wait at most `timeout_s` (a gloo send waits for the
         receiver, so a hung rank would otherwise hold it for the group's long idle timeout), and
-        one that runs out names its rank; the others wait for it unbounded."""
+        one that runs out names its rank; the others wait for it unbounded. With `wait=False`
+        rank 0 goes on at once: the sends are waited for at its next broadcast (or `settle`),
+        so a pipeline stage still busy with an earlier step takes the message when it is done."""
         if self.rank != 0:
             size = torch.zeros(1, dtype=torch.int64)
             dist.recv(size, src=0)
             data = torch.empty(int(size.item()), dtype=torch.uint8)
             dist.recv(data, src=0)
             return pickle.loads(data.numpy().tobytes())
+        self.settle(timeout_s)
         payload = pickle.dumps(obj)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
-        sends = [(r, dist.isend(t, r)) for r in range(1, self.world_size) for t in (size, data)]
+        # The tensors must live until their sends are done.
+        self._sends = [(r, dist.isend(t, r), t) for r in range(1, self.world_size) for t in (size, data)]
+        if wait:
+            self.settle(timeout_s)
+        return obj
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """On rank 0: wait for the last broadcast's sends, at most `timeout_s` in all."""
+        sends, self._sends = self._sends, []
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for r, work in sends:
+        for r, work, _ in sends:
             try:
                 if deadline is None:
                     work.wait()
@@ -109,7 +122,6 @@ class RankGroup:
                 several = self.tp_size and self.tp_size < self.world_size
                 stage = f" (pipeline stage {self.stage_of(r)})" if several else ""
                 raise StepSendError(f"rank {r}{stage} took no step message within {timeout_s:g} s") from e
-        return obj
 
     def stage_of(self, rank: int) -> int:
         return rank // (self.tp_size or self.world_size)

@@ -67,16 +67,26 @@ class Leader:
             raise
 
     # ---- steps ----------------------------------------------------------------------------
-    def run_step(self, forward: Callable, batch):
-        """Send `batch` to the other ranks and run rank 0's part, `forward(batch)`."""
+    def run_step(self, forward: Callable, batch, wait: bool = True):
+        """Send `batch` to the other ranks and run rank 0's part, `forward(batch)`. With
+        `wait=False` the step message's sends are waited for at the next one (a pipeline stage
+        still running an earlier step takes it when done)."""
+
+        def step():
+            self.check_alive()
+            start = time.perf_counter()
+            self.group.broadcast(StepMessage("step", to_device(batch, torch.device("cpu"))), self.timeout_s, wait)
+            self.send_s += time.perf_counter() - start
+            return forward(batch)
+
+        return self.guard(step)
+
+    def guard(self, fn: Callable):
+        """`fn()`, rank 0's part of a step; its failure (or any earlier one) fails the group."""
         if self.failure is not None:
             raise RankFailedError(self.failure)
         try:
-            self.check_alive()
-            start = time.perf_counter()
-            self.group.broadcast(StepMessage("step", to_device(batch, torch.device("cpu"))), self.timeout_s)
-            self.send_s += time.perf_counter() - start
-            return forward(batch)
+            return fn()
         except Exception as e:
             self._fail(e)
             raise RankFailedError(self.failure) from e

@@ -6,8 +6,8 @@ Each tensor-parallel rank of stage s sends to the same tensor-parallel rank of s
 rank holds the full hidden state after its stage's all-reduces); the last stage's rank of
 tensor-parallel rank 0 sends the sampled tokens. Shapes need no message of their own: every rank
 has the step's batch, so it knows the token and sampling-row counts. Sends do not wait: a stage goes on
-with its next micro-batch while its output travels, and `flush` waits for them at the end of the
-step. Every wait is bounded by the group's `tensor_parallel_timeout_s`; a failure names the
+with its next micro-batch, or its next step, while its output travels, and `flush` waits for them
+later (rank 0 when it collects that step's tokens, the other ranks at their next step). Every wait is bounded by the group's `tensor_parallel_timeout_s`; a failure names the
 stage and rank it waited on.
 """
 
@@ -34,8 +34,10 @@ class StageLink:
     timeout_s: float
     transfer_s: float = 0.0
     """Time spent sending and waiting for hidden states and sampled tokens, for benchmarks."""
-    _pending: list[tuple[Any, torch.Tensor, int, str]] = field(default_factory=list)
-    """Sends not yet waited for: (work, the tensor it reads, peer, what)."""
+    step: int = 0
+    """The step the sends are made for (rank 0 numbers its launches: several may be in flight)."""
+    _pending: list[tuple[int, Any, torch.Tensor, int, str]] = field(default_factory=list)
+    """Sends not yet waited for: (step, work, the tensor it reads, peer, what)."""
 
     @property
     def _bound(self) -> timedelta:
@@ -70,15 +72,16 @@ class StageLink:
             self._recv(reply, self._rank(self.num_stages - 1, 0), "sampled tokens")
         return reply
 
-    def flush(self) -> None:
-        """Wait for every send of this step to be taken."""
-        pending, self._pending = self._pending, []
-        for work, _, peer, what in pending:
+    def flush(self, through: int | None = None) -> None:
+        """Wait for the sends of the steps up to `through` (every step's by default) to be taken."""
+        done = [p for p in self._pending if through is None or p[0] <= through]
+        self._pending = [p for p in self._pending if not (through is None or p[0] <= through)]
+        for _, work, _, peer, what in done:
             self._wait(lambda: work.wait(self._bound), "took no", peer, what)
 
     def _send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         work = self._wait(lambda: dist.isend(tensor, peer, group=self.group.p2p), "took no", peer, what)
-        self._pending.append((work, tensor, peer, what))  # the tensor must live until the send is done
+        self._pending.append((self.step, work, tensor, peer, what))  # the tensor must live until the send is done
 
     def _recv(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         self._wait(lambda: dist.irecv(tensor, peer, group=self.group.p2p).wait(self._bound), "sent no", peer, what)

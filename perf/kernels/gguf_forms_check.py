@@ -32,8 +32,8 @@ def serve(checkpoint: str, mode: str, prompts: list[list[int]], tokens: int) -> 
     with LLM(checkpoint, dtype="float32", quantization=mode, enable_prefix_caching=False, max_model_len=64,
              num_kv_blocks=16) as llm:
         runner, logits = llm.engine.runner, []
-        execute = runner.execute
-        runner.execute = lambda batch: logits.append(execute(batch).clone()) or logits[-1]
+        collect = runner.collect
+        runner.collect = lambda: logits.append(collect().clone()) or logits[-1]
         outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
         kinds = sorted({getattr(getattr(layer.self_attn.qkv_proj.kernel, "packed", None), "kind", "float")
                         for layer in runner.model.model.layers})

@@ -35,14 +35,14 @@ def _run(path: str, fused: bool, **kw) -> tuple[LLM, list[torch.Tensor], list[li
     llm = LLM(path, fused_decoder=fused, token_budget=48, num_kv_blocks=128, **CPU_LINEAR, **kw)
     runner = llm.engine.runner
     logits: list[torch.Tensor] = []
-    execute = runner.execute
+    collect = runner.collect
 
-    def recording(batch):
-        out = execute(batch)
+    def recording():
+        out = collect()
         logits.append(out.clone())
         return out
 
-    runner.execute = recording
+    runner.collect = recording
     outs = llm.generate(_prompts(6, 0), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     return llm, logits, [o.token_ids for o in outs]
 

@@ -71,17 +71,20 @@ def _run(base: str, modules: str, fused: bool, dtype: str,
               quantization=quantization)
     runner = llm.engine.runner
     logits: list[torch.Tensor] = []
-    execute = runner.execute
+    launch, collect = runner.launch, runner.collect
     rows = {"few": 0, "many": 0}
 
-    def recording(batch):
+    def launching(batch):
         if batch.lora is not None:
             rows["many" if batch.num_tokens > 64 else "few"] += 1
-        out = execute(batch)
+        return launch(batch)
+
+    def recording():
+        out = collect()
         logits.append(out.clone())
         return out
 
-    runner.execute = recording
+    runner.launch, runner.collect = launching, recording
     rng = random.Random(3)
     names = [None, *(name.split("=")[0] for name in modules.split(","))]
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 90))] for _ in range(15)]

@@ -103,8 +103,8 @@ def test_k_quant_mix_gives_the_dequantized_models_logits(tiny_model_factory, tmp
                  linear_backend="cpu") as llm:
             runner = llm.engine.runner
             logits = []
-            execute = runner.execute
-            runner.execute = lambda batch: logits.append(execute(batch).clone()) or logits[-1]
+            collect = runner.collect
+            runner.collect = lambda: logits.append(collect().clone()) or logits[-1]
             out = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
             layers = runner.model.model.layers
             packed = [type(layer.self_attn.qkv_proj.kernel.packed).__name__ for layer in layers]

@@ -289,21 +289,21 @@ def test_engine_loop_hands_a_steps_outputs_out_as_the_next_forward_pass_starts(t
                       server=ServerConfig(stream_interval=1))  # the delivery path itself, one output per step
     engine = loop.start()
     events: list[str] = []
-    schedule, execute, post = engine.scheduler.schedule, engine.runner.execute, loop._post
+    schedule, launch, post = engine.scheduler.schedule, engine.runner.launch, loop._post
 
     def on_schedule():
         events.append("S")
         return schedule()
 
-    def on_execute(batch):
+    def on_launch(batch):
         events.append("F")
-        return execute(batch)
+        return launch(batch)
 
     def on_post(callback, out):
         events.append("P")
         return post(callback, out)
 
-    engine.scheduler.schedule, engine.runner.execute, loop._post = on_schedule, on_execute, on_post
+    engine.scheduler.schedule, engine.runner.launch, loop._post = on_schedule, on_launch, on_post
     try:
         results = _stream(loop, {"a": SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
                                  "b": SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)})

@@ -192,16 +192,16 @@ def test_loop_survives_failing_add_abort_and_sampling(loop, expected):
 
 def test_failing_step_fails_requests_in_flight_then_loop_goes_on(loop, expected):
     runner = loop.engine.runner
-    real_execute = runner.execute
+    real_launch = runner.launch
     calls = {"n": 0}
 
-    def execute(batch):
+    def launch(batch):
         calls["n"] += 1
         if calls["n"] == 3:
             raise Injected("injected forward failure")
-        return real_execute(batch)
+        return real_launch(batch)
 
-    runner.execute = execute
+    runner.launch = launch
     out = Outputs()
     for rid, prompt in PROMPTS.items():
         loop.submit(rid, prompt, GREEDY, out)

@@ -30,8 +30,8 @@ def _run(model: str, quantization: str) -> tuple[list[torch.Tensor], list[list[i
     with LLM(model, quantization=quantization, enable_prefix_caching=False) as llm:
         runner = llm.engine.runner
         logits: list[torch.Tensor] = []
-        execute = runner.execute
-        runner.execute = lambda batch: logits.append(execute(batch).clone()) or logits[-1]
+        collect = runner.collect
+        runner.collect = lambda: logits.append(collect().clone()) or logits[-1]
         out = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         return logits, [o.token_ids for o in out], runner.model.weight_memory(), runner
 

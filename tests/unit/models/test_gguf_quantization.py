@@ -90,8 +90,8 @@ def test_embedding_on_the_files_blocks(tiny_model_factory, tmp_path, monkeypatch
         with LLM(model, dtype="float32", quantization=mode, enable_prefix_caching=False) as llm:
             runner = llm.engine.runner
             logits = []
-            execute = runner.execute
-            runner.execute = lambda batch: logits.append(execute(batch).clone()) or logits[-1]
+            collect = runner.collect
+            runner.collect = lambda: logits.append(collect().clone()) or logits[-1]
             out = llm.generate([[1, 5, 9, 200, 17], [3] * 40], SamplingParams(max_tokens=6, temperature=0.0,
                                                                            ignore_eos=True))
             embedding = runner.model.model.embed_tokens
