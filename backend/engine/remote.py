@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from splitfuse.config import EngineConfig, ServerConfig
 from splitfuse.engine import wire
 from splitfuse.engine.delivery import Delivery, OutputCallback
-from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams
+from splitfuse.engine.sequence import FinishReason, SamplingParams
 from splitfuse.errors import ENGINE_FAULT, EngineFailedError, ServerBusyError, UnknownLoraError
 from splitfuse.inputs import InputError
 from splitfuse.utils import children
@@ -290,7 +290,7 @@ class RemoteEngine:
         records it sends while it builds the engine go to this process's log meanwhile."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while conn.poll(max(0.0, deadline - time.monotonic())):
-            message = _recv(conn)
+            message = wire.receive(conn)
             if message is None or message[0] != wire.LOG:
                 return message
             _log_record(message)
@@ -309,7 +309,7 @@ class RemoteEngine:
         conn = self._conn
         while True:
             if conn.poll(_POLL_S):
-                message = _recv(conn)
+                message = wire.receive(conn)
                 if message is None:
                     code = self._process.wait()
                     return None if self._stopping else f"it exited ({exit_description(code)})"
@@ -401,7 +401,7 @@ class RemoteEngine:
         for future in grammars.values():
             future.set_result(None)
         for request_id, (stream, callback) in streams.items():
-            self._delivery.post(callback, _final(request_id, stream, finish, error))
+            self._delivery.post(callback, stream.end(request_id, finish, error))
 
     def _may_restart(self) -> bool:
         """Within the restart budget: take one; else the replica fails for good."""
@@ -411,20 +411,10 @@ class RemoteEngine:
                                  f"{budget.window_s:g} s (engine_restarts={budget.max_restarts})")
         return True
 
+
 def _log_record(message: tuple) -> None:
     """A record of the engine process's loggers, logged here under the same logger (so the stub's
     handlers, Triton's log among them, take it as one of their own)."""
     _, name, level, text = message
     logging.getLogger(name).log(level, "%s", text)
 
-
-def _recv(conn: Connection) -> tuple | None:
-    try:
-        return conn.recv()
-    except (EOFError, OSError):
-        return None
-
-
-def _final(request_id: str, stream: wire.Stream, finish: str, error: str | None) -> RequestOutput:
-    """The last output of a request whose engine is gone."""
-    return stream.apply((request_id, [], "", True, finish, error, None, None, 0, None, stream.text, None))

@@ -104,6 +104,18 @@ class Stream:
             seq_logprobs=self.logprobs, seq_top_logprobs=self.top_logprobs, text_source=self,
             text_len=len(self.text), error=error, num_cached_tokens=cached, embedding=embedding)
 
+    def end(self, request_id: str, finish: str, error: str | None) -> RequestOutput:
+        """The last output of a request whose engine is gone."""
+        return self.apply((request_id, [], "", True, finish, error, None, None, 0, None, self.text, None))
+
+
+def receive(conn) -> tuple | None:
+    """The next message from `conn` (a multiprocessing Connection); None once its peer is gone."""
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
 
 def engine_facts(engine) -> EngineFacts:
     """The facts of an engine built in this process (an LLMEngine)."""
