@@ -21,7 +21,7 @@ import torch
 
 from splitfuse.config import EngineConfig
 from splitfuse.errors import FatalEngineError
-from splitfuse.parallel.group import RankGroup, join
+from splitfuse.parallel.group import RankGroup, StepSendError, join
 from splitfuse.utils.ports import free_port
 from splitfuse.parallel.step_message import StepMessage, to_device
 from splitfuse.utils.children import python_executable
@@ -107,14 +107,18 @@ class Leader:
         # moment to be recorded so the message names it.
         for process in self.processes:
             _wait(process, 0.5)
-        exited = [f"{self._name(r)} (pid {p.pid}) exited with code {p.returncode}"
-                  for r, p in enumerate(self.processes, start=1) if p.poll() is not None]
+        named = [f"{self._name(r)} (pid {p.pid}) exited with code {p.returncode}"
+                 for r, p in enumerate(self.processes, start=1) if p.poll() is not None]
+        if not named and self.processes and not isinstance(error, StepSendError):
+            # A collective's timeout names no rank: the hung one is among those still running.
+            named = ["still running: " + ", ".join(f"{self._name(r)} (pid {p.pid})"
+                                                   for r, p in enumerate(self.processes, start=1))]
         # gloo's messages go on with generic advice after their first sentence.
         first_line = str(error).splitlines()[0].split(" This is typically")[0] if str(error) else ""
         cause = f"{type(error).__name__}: {first_line}"
         self.failure = (f"{self.kind} group failed (a rank died, or gave no answer within "
                         f"tensor_parallel_timeout_s={self.timeout_s:g} s): "
-                        + ("; ".join(exited) + "; " if exited else "") + cause)[:500]
+                        + ("; ".join(named) + "; " if named else "") + cause)[:500]
         log.error("splitfuse: %s; stopping the other ranks", self.failure)
         self._kill_workers()
 
