@@ -106,7 +106,7 @@ class _Outbox:
             failure = self.loop.failure  # set before the loop fails its requests: it goes first
             if failure is not None and not self.failure_sent:
                 self.failure_sent = True
-                self.sender.send((wire.FAILED, failure))
+                self.sender.send((wire.FAILED, failure, self.loop.resources_lost))
             self.sender.send((wire.BATCH, self._progress(records, steps, lora)))
             if closing:
                 return

@@ -78,6 +78,9 @@ class EngineLoop:
         self._compiling: dict[str, tuple] = {}  # request id -> its "add" command, until its grammar is ready
         self._engine_waiting = 0  # the engine's num_waiting after its last step (engine thread)
         self._failure: str | None = None
+        self.resources_lost = False
+        """The failure was a FatalEngineError (e.g. a tensor-parallel rank died or hangs): its
+        bookkeeping is sound, so a new engine (a new engine process) would serve."""
         # stream_interval: undelivered outputs and when their oldest token was made (engine thread)
         self._held: dict[str, tuple[RequestOutput, float]] = {}
         # The last step's outputs, handed to the delivery threads when the next step's forward pass
@@ -213,7 +216,7 @@ class EngineLoop:
             self._serve()
         except FatalEngineError as e:  # its resources are gone (a tensor-parallel rank died or hangs)
             log.exception("the engine is broken; failing every request")
-            self._break(str(e))
+            self._break(str(e), resources_lost=True)
         except BaseException as e:  # cleaning up after a failure failed: nothing is trusted now
             log.exception("the engine is broken; failing every request")
             self._break(_root_cause(e))
@@ -333,8 +336,9 @@ class EngineLoop:
         if check:
             self.engine.check_invariants()
 
-    def _break(self, reason: str) -> None:
+    def _break(self, reason: str, resources_lost: bool = False) -> None:
         with self._lock:
+            self.resources_lost = resources_lost  # before the failure: a reader of both sees them agree
             self._failure = reason
             callbacks, self._callbacks = self._callbacks, {}
             self._inbox.clear()

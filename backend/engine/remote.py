@@ -9,6 +9,10 @@ thread that started a child ends), reads everything the child sends, and watches
   engine step for `step_timeout_s` while it holds work: it is killed): every request of this
   replica ends at once with an error starting ENGINE_FAULT, new ones are refused meanwhile
   (`restarting`), and a new child starts;
+- the child's engine lost its resources (a tensor-parallel rank, a child of the child, died or
+  hangs: EngineLoop's FatalEngineError): its requests end at once as above, naming that error,
+  the child is told to shut down (killed if it has not within `_BROKEN_GRACE_S`), and a new
+  child, with new ranks, starts;
 - more than `engine_restarts` restarts within `engine_restart_window_s`: this replica fails for
   good (`failure`), as a broken in-process engine does.
 
@@ -44,6 +48,7 @@ START_TIMEOUT_S = 600.0
 """For the engine to load its weights (a large GGUF file converts once, then memory-maps)."""
 _POLL_S = 0.05
 _STALE_S = 1.0  # a child's "idle" is believed this long (it sends a batch every 0.25 s)
+_BROKEN_GRACE_S = 10.0  # for a child whose engine broke to send its last outputs and exit
 # The exceptions the child's answers name, rebuilt here (any other: RuntimeError).
 _ERRORS = {"ValueError": ValueError, "InputError": InputError, "ServerBusyError": ServerBusyError,
            "EngineFailedError": EngineFailedError, "UnknownLoraError": UnknownLoraError}
@@ -95,6 +100,8 @@ class RemoteEngine:
         self.fault_failed_requests = 0
         self.last_recovery_s = 0.0
         self._fault_at = 0.0
+        self._broken: tuple[str, float] | None = None
+        """The child's engine lost its resources: (why, when)."""
         self._thread = threading.Thread(target=self._supervise, name="splitfuse-engine-supervisor", daemon=True)
 
     # ---- EngineLoop's surface ------------------------------------------------------------------
@@ -245,7 +252,7 @@ class RemoteEngine:
             if stopping:
                 self._end_child(reason)
                 return
-            self._fault_at = time.monotonic()
+            self._fault_at = self._broken[1] if self._broken else time.monotonic()
             self._end_child(reason)
             if not self._may_restart():
                 return
@@ -293,7 +300,7 @@ class RemoteEngine:
             message = wire.receive(conn)
             if message is None or message[0] != wire.LOG:
                 return message
-            _log_record(message)
+            wire.log_record(message)
         return None
 
     def _give_up(self, reason: str) -> bool:
@@ -312,7 +319,10 @@ class RemoteEngine:
                 message = wire.receive(conn)
                 if message is None:
                     code = self._process.wait()
-                    return None if self._stopping else f"it exited ({exit_description(code)})"
+                    if self._stopping:
+                        return None
+                    return f"its engine failed: {self._broken[0]}" if self._broken else \
+                        f"it exited ({exit_description(code)})"
                 self._dispatch(message)
             hung = self._hang()
             if hung is not None:
@@ -332,11 +342,26 @@ class RemoteEngine:
             if future is not None and not future.done():
                 future.set_result(None)
         elif kind == wire.LOG:
-            _log_record(message)
+            wire.log_record(message)
         elif kind == wire.FAILED:
-            log.error("%s: the engine is broken: %s", self.name, message[1])
+            self._engine_failed(message[1], message[2])
+
+    def _engine_failed(self, reason: str, resources_lost: bool) -> None:
+        """The child's engine is broken. Its bookkeeping: the replica fails for good, as in
+        process. Its resources (FatalEngineError): a new child rebuilds them, so it is a fault."""
+        if not resources_lost:
+            log.error("%s: the engine is broken: %s", self.name, reason)
             with self._lock:
-                self._failure = message[1]
+                self._failure = reason
+            return
+        log.error("%s: the engine lost its resources: %s; starting a new engine process", self.name, reason)
+        with self._lock:
+            self.restarting = True  # refused from now on; the child's own refusals would say "for good"
+            self._broken = (reason, time.monotonic())
+            self._serving.clear()
+        # Ended here, as a fault (retryable), rather than by the child's "serves no more requests".
+        self._end_requests(f"its engine failed: {reason}")
+        self._send((wire.SHUTDOWN, _BROKEN_GRACE_S))
 
     def _take_batch(self, progress: wire.Progress) -> None:
         now = time.monotonic()
@@ -361,8 +386,11 @@ class RemoteEngine:
 
     def _hang(self) -> str | None:
         """Why the child counts as hung: it holds work (or its last word is old) and made no
-        step for step_timeout_s; None otherwise."""
+        step for step_timeout_s, or its engine broke and it has not exited; None otherwise."""
         now = time.monotonic()
+        if self._broken is not None:
+            reason, at = self._broken
+            return f"its engine failed: {reason}; it did not exit, killed" if now - at > _BROKEN_GRACE_S else None
         with self._lock:
             held = bool(self._streams)
         fresh = now - self._progress_at < _STALE_S
@@ -384,6 +412,12 @@ class RemoteEngine:
         with self._lock:
             self.restarting = True
             self._serving.clear()
+        self._end_requests(reason)
+        self._broken = None
+
+    def _end_requests(self, reason: str | None) -> None:
+        """Every request the child holds ends (with an error naming `reason` after a fault)."""
+        with self._lock:
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
             grammars, self._grammars = self._grammars, {}
@@ -410,11 +444,3 @@ class RemoteEngine:
             return self._give_up(f"the engine process failed {budget.recent + 1} times within "
                                  f"{budget.window_s:g} s (engine_restarts={budget.max_restarts})")
         return True
-
-
-def _log_record(message: tuple) -> None:
-    """A record of the engine process's loggers, logged here under the same logger (so the stub's
-    handlers, Triton's log among them, take it as one of their own)."""
-    _, name, level, text = message
-    logging.getLogger(name).log(level, "%s", text)
-

@@ -7,6 +7,7 @@ request's tokens and text so far (`Stream`) and rebuilds the `RequestOutput` its
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from splitfuse.engine.sequence import RequestOutput
@@ -22,7 +23,7 @@ START_FAILED = "start_failed"  # (START_FAILED, "Class: message"): building it r
 REPLY = "reply"  # (REPLY, call id, error class name or None, message, whether a guide compiles)
 GRAMMAR = "grammar"  # (GRAMMAR, request id): its guide's compile ended (either way)
 BATCH = "batch"  # (BATCH, Progress): outputs and step statistics since the last batch
-FAILED = "failed"  # (FAILED, reason): the engine is broken for good (EngineLoop.failure)
+FAILED = "failed"  # (FAILED, reason, resources lost): the engine is broken (EngineLoop.failure, .resources_lost)
 LOG = "log"  # (LOG, logger name, level, text): a record of the engine's loggers, for the stub's log
 
 LORA_TIMEOUT_S = 300.0
@@ -107,6 +108,13 @@ class Stream:
     def end(self, request_id: str, finish: str, error: str | None) -> RequestOutput:
         """The last output of a request whose engine is gone."""
         return self.apply((request_id, [], "", True, finish, error, None, None, 0, None, self.text, None))
+
+
+def log_record(message: tuple) -> None:
+    """A LOG message of the engine process's loggers, logged in this process under the same logger
+    (so the stub's handlers, Triton's log among them, take it as one of their own)."""
+    _, name, level, text = message
+    logging.getLogger(name).log(level, "%s", text)
 
 
 def receive(conn) -> tuple | None:
