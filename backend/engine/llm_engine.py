@@ -252,6 +252,7 @@ class LLMEngine:
         """Run `plan`: forward, sample, update (append, stop, detokenize); the outputs. With
         pipeline stages up to `steps_in_flight` plans are in the pipe at once (step_plan.py):
         `plan` is launched, and the oldest collected once the pipe is full or `plan` has no batch."""
+        self.runner.check()  # a failed rank group fails every step, this one too
         outputs = list(plan.failed)
         if plan.batch is not None:
             plan.tally.prompt_tokens = sum(_prompt_tokens(c) for c in plan.decision.chunks)

@@ -294,6 +294,11 @@ class ModelRunner:
                  self.num_kv_blocks * gib_per_block, self.num_kv_blocks // -(-wanted // bs), wanted)
         return wanted
 
+    def check(self) -> None:
+        """Raise the group's failure, if the ranks have failed (a step can no longer run)."""
+        if self.leader is not None:
+            self.leader.check()
+
     def execute(self, batch: RaggedBatch | MicroBatches) -> torch.Tensor | list[SampledToken | Exception]:
         """Run the model over the batch: `launch`, then `collect`."""
         self.launch(batch)

@@ -81,10 +81,14 @@ class Leader:
 
         return self.guard(step)
 
-    def guard(self, fn: Callable):
-        """`fn()`, rank 0's part of a step; its failure (or any earlier one) fails the group."""
+    def check(self) -> None:
+        """Raise RankFailedError when the group has failed (every step after the failure does)."""
         if self.failure is not None:
             raise RankFailedError(self.failure)
+
+    def guard(self, fn: Callable):
+        """`fn()`, rank 0's part of a step; its failure (or any earlier one) fails the group."""
+        self.check()
         try:
             return fn()
         except Exception as e:
