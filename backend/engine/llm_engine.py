@@ -214,6 +214,11 @@ class LLMEngine:
         else:
             self.kv_event_log.removed(chain_hash, medium)
 
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps launched and not yet collected (more than none between steps only with pipeline stages)."""
+        return len(self._in_flight)
+
     def has_unfinished_requests(self) -> bool:
         """Requests live, or steps in flight (to collect, even if their requests ended)."""
         return bool(self._seqs or self._in_flight)
