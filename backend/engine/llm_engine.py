@@ -247,8 +247,10 @@ class LLMEngine:
         failed = self._load_adapters(decision)
         batch = None
         if not decision.is_empty and self.config.pipeline_parallel_size > 1:
-            batch = MicroBatches.build(decision.chunks, self.config.block_size, self.runner.device,
-                                       self.config.pipeline_parallel_size, self._stage_sampling)
+            # The stages must each have work: P micro-batches per step, or steps in flight.
+            count = max(1, self.config.pipeline_parallel_size // self.steps_in_flight)
+            batch = MicroBatches.build(decision.chunks, self.config.block_size, self.runner.device, count,
+                                       self._stage_sampling)
         elif not decision.is_empty:
             batch = RaggedBatch.build(decision.chunks, self.config.block_size, self.runner.device)
         return StepPlan(decision, batch, failed, start, tiers)

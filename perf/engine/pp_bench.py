@@ -9,8 +9,9 @@ submitted at once, run to the end) and single-stream latency (one request alone:
 decode step), and where rank 0's step time goes: the stage-to-stage transfers (sending its hidden
 states, waiting for the last stage's logits, which includes the second stage's compute) and
 sending the step's batch. Each step goes down the pipeline in one micro-batch per stage (whole
-sequences), so the two stages overlap within a step (but not across steps): on the same cores
-PP=2 can at best match PP=1; this measures by how much it loses. The median of `--repeats` runs is reported. Writes --out
+sequences), so the two stages overlap within a step, and with pipeline_steps_in_flight=2 (the
+default) across steps too: on the same cores PP=2 can at best match PP=1; this measures by how
+much it loses, one step at a time (in flight 1) and two steps in flight. The median of `--repeats` runs is reported. Writes --out
 (perf/results/2026-11-29-pipeline/): results.json (every run, machine, commit, command, load) and
 summary.md.
 """
@@ -40,7 +41,7 @@ def _run_with_transfers(engine, prompts: list[list[int]], max_tokens: int) -> di
     return run
 
 
-def run_setting(pp: int, threads: int, repeats: int) -> dict:
+def run_setting(pp: int, in_flight: int, threads: int, repeats: int) -> dict:
     """One setting, in this process."""
     import random
 
@@ -48,7 +49,8 @@ def run_setting(pp: int, threads: int, repeats: int) -> dict:
     from splitfuse.config import EngineConfig
 
     engine = LLMEngine(EngineConfig(model=str(MODEL), dtype="float32", pipeline_parallel_size=pp,
-                                    num_threads=threads, enable_prefix_caching=False))
+                                    pipeline_steps_in_flight=in_flight, num_threads=threads,
+                                    enable_prefix_caching=False))
     try:
         prompts = _requests(engine.vocab_size)
         rng = random.Random(1)
@@ -56,7 +58,7 @@ def run_setting(pp: int, threads: int, repeats: int) -> dict:
         _run_engine(engine, prompts[:4], 8)  # warm-up: first-touch of weights and caches
         tokens = [o.token_ids for o in _generate(engine, prompts[:4], SamplingParams(max_tokens=16, temperature=0.0))]
         return {
-            "pp": pp, "threads_total": threads, "threads_per_rank": max(1, threads // pp),
+            "pp": pp, "steps_in_flight": engine.steps_in_flight, "threads_total": threads, "threads_per_rank": max(1, threads // pp),
             "throughput": [_run_with_transfers(engine, prompts, OUTPUT_TOKENS) for _ in range(repeats)],
             "single_stream": [_run_with_transfers(engine, single, SINGLE_OUTPUT) for _ in range(repeats)],
             "greedy_tokens": tokens,
@@ -79,7 +81,7 @@ def summarize(results: dict) -> str:
         f"Load (uptime) before: {results['load_before']}; after: {results['load_after']}  ",
         "Model: perf/.cache/bench-llama (demo_model --size bench: hidden 512, 8 layers, 8 heads / 4 KV heads, "
         f"vocab 8192), fp32; PP=2 puts layers 0-3 on rank 0, 4-7 and the LM head on rank 1, each step in two "
-        f"micro-batches. Median of {results['repeats']} runs.",
+        f"micro-batches. Shares are of the run's wall time on rank 0. Median of {results['repeats']} runs.",
         "",
         f"Offline: {NUM_REQUESTS} requests, prompts 64-255 tokens (seeded), {OUTPUT_TOKENS} output tokens each.  ",
         f"Single stream: one {SINGLE_PROMPT}-token prompt, {SINGLE_OUTPUT} output tokens.",
@@ -92,10 +94,10 @@ def summarize(results: dict) -> str:
         th, ss = s["throughput"], s["single_stream"]
 
         def share(runs, key):
-            return 100 * statistics.median(r[key] / r["step_s"] for r in runs)
+            return 100 * statistics.median(r[key] / r["wall_s"] for r in runs)
 
         lines.append(
-            f"| PP={s['pp']}, {s['threads_per_rank']} thread(s)/rank | {_median(th, 'generated_tok_s'):.0f} "
+            f"| PP={s['pp']}, {s['threads_per_rank']} thread(s)/rank, {s.get('steps_in_flight', 1)} step(s) in flight | {_median(th, 'generated_tok_s'):.0f} "
             f"| {_median(th, 'processed_tok_s'):.0f} | {1e3 * _median(ss, 'ttft_s'):.1f} "
             f"| {_median(ss, 'decode_ms_per_step'):.2f} | {share(th, 'transfer_s'):.1f}% / {share(ss, 'transfer_s'):.1f}% "
             f"| {share(th, 'send_step_s'):.1f}% / {share(ss, 'send_step_s'):.1f}% |")
@@ -109,16 +111,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "2026-11-29-pipeline"))
-    ap.add_argument("--setting", type=int, help=argparse.SUPPRESS)  # internal: run one PP size, print JSON
+    ap.add_argument("--setting", help=argparse.SUPPRESS)  # internal: run one "pp:in_flight", print JSON
     args = ap.parse_args()
     if args.setting:
-        print("RESULT " + json.dumps(run_setting(args.setting, args.threads, args.repeats)), flush=True)
+        pp, in_flight = map(int, args.setting.split(":"))
+        print("RESULT " + json.dumps(run_setting(pp, in_flight, args.threads, args.repeats)), flush=True)
         return
     _ensure_model()
     results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine_info(),
                "load_before": os.getloadavg(), "repeats": args.repeats, "settings": []}
-    for pp in (1, 2):
-        out = subprocess.run([sys.executable, __file__, "--setting", str(pp), "--threads", str(args.threads),
+    for setting in ("1:1", "2:1", "2:2"):
+        out = subprocess.run([sys.executable, __file__, "--setting", setting, "--threads", str(args.threads),
                               "--repeats", str(args.repeats)], capture_output=True, text=True, check=True).stdout
         results["settings"].append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:]))
     results["load_after"] = os.getloadavg()

@@ -63,9 +63,10 @@ def _run_engine(engine, prompts: list[list[int]], max_tokens: int) -> dict:
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        stats = engine.last_step
-        steps.append(stats.duration_s)
-        forward_s += stats.forward_s
+        stats = engine.last_step  # None for a pipeline step that collected nothing yet
+        if stats is not None:
+            steps.append(stats.duration_s)
+            forward_s += stats.forward_s
         if first_token_s is None and any(o.delta_token_ids for o in outputs):
             first_token_s = time.perf_counter() - start
     wall = time.perf_counter() - start

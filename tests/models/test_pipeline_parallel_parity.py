@@ -1,5 +1,5 @@
-"""Pipeline parallelism on CPU with gloo: greedy tokens with pipeline_parallel_size=2 (each step
-cut into two micro-batches in flight) equal those with one stage (itself held to HF transformers by test_parity.py), fp32, through mixed batches, a
+"""Pipeline parallelism on CPU with gloo: greedy tokens with pipeline_parallel_size=2 (two steps
+in flight) equal those with one stage (itself held to HF transformers by test_parity.py), fp32, through mixed batches, a
 small token budget, preemption, aborts and prefix-cache hits; Llama with three layers (an uneven
 split: 1 + 2, the second stage running two layers in one fused C++ call), Qwen2 with a tied LM
 head (the last stage keeps the embedding's table for it) and Mixtral. One two-rank engine per
@@ -111,30 +111,30 @@ def test_rank_0_holds_the_first_stage_only(case):
     assert runner.num_kv_blocks == ENGINE["num_kv_blocks"] == pp2.blocks.num_blocks
 
 
-def test_a_step_of_several_sequences_goes_in_one_micro_batch_per_stage(case):
-    """The step's batch is cut into two micro-batches (the first stage runs the second while the
-    second stage runs the first); one sequence alone cannot be cut. Two steps are in flight at once
-    (pipeline_steps_in_flight = the stages): the first is collected once the second is launched or
-    nothing else can run."""
+def test_two_steps_in_flight_each_go_in_one_micro_batch(case):
+    """Two steps are in flight at once (pipeline_steps_in_flight = the stages), each one micro-batch
+    (with one step at a time, each step is cut in two: tests/unit/parallel/test_pipeline_stages.py).
+    A step alone is collected once the next is launched or nothing else can run: its sequence
+    waits for the token in flight."""
     from splitfuse.engine.micro_batches import MicroBatches
 
     _, _, prompts, pp2 = case
     pp2.add_request("alone", prompts[3], SamplingParams(max_tokens=2, temperature=0.0))
     plan = pp2.schedule()
     assert isinstance(plan.batch, MicroBatches) and len(plan.batch.parts) == 1
-    assert pp2.execute(plan) == [], "a step in flight alone is not collected yet"
+    assert pp2.execute(plan) == [] and pp2.num_steps_in_flight == 1
     assert pp2.schedule().batch is None, "its sequence waits for the token in flight"
     while not pp2.step():  # collects it
         pass
     for i in (4, 5):
         pp2.add_request(f"m{i}", prompts[i], SamplingParams(max_tokens=2, temperature=0.0))
     plan = pp2.schedule()
-    assert len(plan.batch.parts) == 2 and plan.batch.num_tokens == ENGINE["token_budget"]
+    assert len(plan.decision.chunks) >= 2 and len(plan.batch.parts) == 1
+    assert plan.batch.num_tokens == ENGINE["token_budget"]
     pp2.execute(plan)
     while pp2.has_unfinished_requests():
         pp2.step()
     assert pp2.blocks.num_used_blocks == 0
-
 
 
 def test_an_embedding_request_is_refused_naming_the_pipeline(case):

@@ -154,21 +154,27 @@ def test_two_steps_are_in_flight_and_a_split_prompt_goes_on_while_its_chunk_is(t
     """With two stages two steps are in the pipe at once (pipeline_steps_in_flight defaults to the
     stage count): a step is scheduled while the one before it is in flight, takes the sequences not
     waiting on its token, and goes on with a prompt being split (its previous chunk still in the
-    pipe); greedy tokens equal one step at a time and one stage's."""
+    pipe); greedy tokens equal one step at a time (each step cut into two micro-batches) and one
+    stage's."""
     path = tiny_model_factory("llama", num_hidden_layers=3)
     spec = dict(dtype="float32", token_budget=12, block_size=4, num_kv_blocks=64)
     prompts = {"long": [1] + [3 + i % 400 for i in range(57)], "a": [1, 5, 6, 7], "b": [1, 9, 10], "c": [1, 11]}
 
-    def run(engine: LLMEngine) -> tuple[dict, list[tuple[set, int]]]:
+    def run(engine: LLMEngine) -> tuple[dict, list[tuple[set, int]], int]:
         schedules: list[tuple[set, int]] = []
-        schedule = engine.scheduler.schedule
+        schedule, launch = engine.scheduler.schedule, engine.runner.launch
 
         def recording(*args, **kwargs):
             out = schedule(*args, **kwargs)
             schedules.append(({c.seq.request_id for c in out.chunks}, engine.num_steps_in_flight))
             return out
 
-        engine.scheduler.schedule = recording
+        def launching(batch):
+            parts.append(len(batch.parts) if hasattr(batch, "parts") else 1)
+            return launch(batch)
+
+        parts: list[int] = []
+        engine.scheduler.schedule, engine.runner.launch = recording, launching
         try:
             for rid, prompt in prompts.items():
                 engine.add_request(rid, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -178,13 +184,15 @@ def test_two_steps_are_in_flight_and_a_split_prompt_goes_on_while_its_chunk_is(t
             assert engine.blocks.num_used_blocks == 0 and engine.num_steps_in_flight == 0
         finally:
             engine.shutdown()
-        return tokens, schedules
+        return tokens, schedules, max(parts)
 
-    overlapped, schedules = run(LLMEngine(EngineConfig(model=path, pipeline_parallel_size=2, num_threads=2, **spec)))
-    serial, serial_schedules = run(LLMEngine(EngineConfig(model=path, pipeline_parallel_size=2, num_threads=2,
+    overlapped, schedules, overlapped_parts = run(LLMEngine(EngineConfig(model=path, pipeline_parallel_size=2, num_threads=2, **spec)))
+    serial, serial_schedules, serial_parts = run(LLMEngine(EngineConfig(model=path, pipeline_parallel_size=2, num_threads=2,
                                                           pipeline_steps_in_flight=1, **spec)))
-    one, _ = run(LLMEngine(EngineConfig(model=path, num_threads=1, **spec)))
+    one, _, _ = run(LLMEngine(EngineConfig(model=path, num_threads=1, **spec)))
     assert overlapped == serial == one
+    # One step at a time, a step is cut into a micro-batch per stage; two in flight, not.
+    assert (serial_parts, overlapped_parts) == (2, 1)
     assert max(in_flight for _, in_flight in schedules) == 1  # one step in the pipe as the next is scheduled
     assert max(in_flight for _, in_flight in serial_schedules) == 0
     assert any("long" in ids and "long" in schedules[k - 1][0] and in_flight == 1
