@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from process_waits import wait_until
 from triton_helpers import GrpcStream, child_pids, grpc_generate, metric_by_instance, metric_sum
 
 from splitfuse.launcher import find_tritonserver, free_port, port_is_free
@@ -65,17 +66,8 @@ def _left(pids) -> dict[int, str]:
 
 def _assert_all_gone(lau: "Launcher") -> None:
     """No process the launcher started runs any more, and its ports are free, within seconds."""
-    assert _wait(lambda: not any(alive(p) for p in lau.seen), 30), _left(lau.seen)
-    assert _wait(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10), lau.ports
-
-
-def _wait(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
+    assert wait_until(lambda: not any(alive(p) for p in lau.seen), 30), _left(lau.seen)
+    assert wait_until(lambda: all(port_is_free(port, "127.0.0.1") for port in lau.ports), 10), lau.ports
 
 
 class Launcher:
@@ -217,7 +209,7 @@ class Load:
                          for i in range(openai_clients)]
         # Every client generating before the fault (a slow shared CI machine may take a while).
         running = lambda: metric_sum(lau.metrics_url, "splitfuse_requests", state="running")  # noqa: E731
-        assert _wait(lambda: running() >= grpc_clients + openai_clients, 120), self.why_not(lau)
+        assert wait_until(lambda: running() >= grpc_clients + openai_clients, 120), self.why_not(lau)
 
     def why_not(self, lau: Launcher) -> str:
         """What the clients and the replicas were doing when they were not all generating."""
@@ -257,7 +249,7 @@ class Probes:
 
 
 def _recovered(lau: Launcher, fault_at: float) -> float:
-    assert _wait(lau.serves, RECOVERY_BOUND_S), lau.log()
+    assert wait_until(lau.serves, RECOVERY_BOUND_S), lau.log()
     took = time.monotonic() - fault_at
     print(f"\n[process faults] serving again {took:.1f}s after the fault")
     return took
@@ -272,8 +264,8 @@ def _metric(lau: Launcher, name: str, **labels) -> float:
 
 def _check_healed(lau: Launcher, restarts: int) -> None:
     assert lau.proc.poll() is None, lau.log()
-    assert _wait(lambda: _metric(lau, "splitfuse_server_restarts") == restarts, 10), lau.log()
-    assert _wait(lambda: _metric(lau, "splitfuse_last_recovery_seconds") > 0, 10), lau.log()
+    assert wait_until(lambda: _metric(lau, "splitfuse_server_restarts") == restarts, 10), lau.log()
+    assert wait_until(lambda: _metric(lau, "splitfuse_last_recovery_seconds") > 0, 10), lau.log()
     assert _metric(lau, "splitfuse_kv_cache_blocks", state="used") == 0
     assert f"restarting tritonserver (restart {restarts}" in lau.log()
 
@@ -293,7 +285,7 @@ def test_a_killed_stub_of_two_ends_every_request_and_the_server_heals(launch):
     # /ready asks Triton's own readiness (2 s timeout): on a busy machine it may turn 200 a
     # little after the first request is served again.
     served_at = time.monotonic()
-    assert _wait(lambda: lau.probe("/ready") == 200, 15), lau.log()
+    assert wait_until(lambda: lau.probe("/ready") == 200, 15), lau.log()
     print(f"[process faults] /ready 200 {time.monotonic() - served_at:.1f}s after serving again")
     seen = probes.stop()
     # The launcher's probes: alive throughout; not ready while restarting, ready again after.
@@ -331,12 +323,12 @@ def test_a_killed_tritonserver_is_restarted_and_a_second_ctrl_c_then_stops_at_on
     os.kill(lau.proc.pid, signal.SIGSTOP)
     try:
         os.kill(lau.tree()["tritonserver"][0], signal.SIGKILL)
-        held = _wait(lambda: _bind(holder, lau.ports[0]), 30)
+        held = wait_until(lambda: _bind(holder, lau.ports[0]), 30)
     finally:
         os.kill(lau.proc.pid, signal.SIGCONT)
     try:
         assert held, "the killed server's HTTP port stayed taken"
-        assert _wait(lambda: "restarting tritonserver (restart 2" in lau.log(), 30), lau.log()
+        assert wait_until(lambda: "restarting tritonserver (restart 2" in lau.log(), 30), lau.log()
         lau.proc.send_signal(signal.SIGINT)
         time.sleep(0.3)
         lau.proc.send_signal(signal.SIGINT)
@@ -406,13 +398,13 @@ def test_a_killed_front_is_back_and_killing_the_launcher_leaves_no_process_and_n
     # again within FRONT_BOUND_S, /ready 200 with it.
     killed_at = time.monotonic()
     os.kill(tree["front"][0], signal.SIGKILL)
-    assert _wait(lambda: lau.probe("/ready") == 503, 3), lau.log()
+    assert wait_until(lambda: lau.probe("/ready") == 503, 3), lau.log()
     assert not _front_answers(lau)
-    assert _wait(lambda: _front_answers(lau), FRONT_BOUND_S + 20), lau.log()
+    assert wait_until(lambda: _front_answers(lau), FRONT_BOUND_S + 20), lau.log()
     back = time.monotonic() - killed_at
     print(f"\n[process faults] OpenAI front answering again {back:.1f}s after SIGKILL")
     assert back < FRONT_BOUND_S, lau.log()
-    assert _wait(lambda: lau.probe("/ready") == 200, 5), lau.log()
+    assert wait_until(lambda: lau.probe("/ready") == 200, 5), lau.log()
     killed = tree["front"][0]
     tree = lau.tree()
     assert len(tree["front"]) == 1 and tree["front"][0] != killed, tree

@@ -25,6 +25,7 @@ from splitfuse.engine.remote import RemoteEngine
 from splitfuse.engine.sequence import RequestOutput, SamplingParams
 from splitfuse.errors import ENGINE_FAULT
 
+from process_waits import alive, wait_until
 from test_remote_engine import SLOW_HOOK  # 20 ms a step: generations still stream when the fault comes
 
 PROMPTS = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12], [7] * 20]
@@ -82,20 +83,6 @@ def _rank_pids(engine_pid: int) -> list[int]:
     return ranks
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def _serving_pair(engine: RemoteEngine) -> tuple[int, int]:
@@ -103,7 +90,7 @@ def _serving_pair(engine: RemoteEngine) -> tuple[int, int]:
     assert engine.wait_serving(RESTART_S) and engine.failure is None
     pid = engine.engine_pid
     assert pid is not None
-    assert _wait_until(lambda: len(_rank_pids(pid)) == 1, 10), _children(pid)
+    assert wait_until(lambda: len(_rank_pids(pid)) == 1, 10), _children(pid)
     return pid, _rank_pids(pid)[0]
 
 
@@ -157,7 +144,7 @@ def test_a_killed_engine_process_takes_its_rank_and_a_new_pair_serves(remote, re
     finals = _fault_mid_stream(remote, "kill", lambda: os.kill(pid, signal.SIGKILL), 5)
     for out in finals:
         assert out.finish_reason == "error" and out.error.startswith(ENGINE_FAULT) and "SIGKILL" in out.error, out
-    assert _wait_until(lambda: not _alive(rank), 5), "rank 1 outlived its engine process"
+    assert wait_until(lambda: not alive(rank), 5), "rank 1 outlived its engine process"
     new_pid, new_rank = _serving_pair(remote)
     assert new_pid != pid and new_rank != rank
     assert (remote.restarts, remote.fault_failed_requests) == (restarts + 1, failed + 3)
@@ -176,9 +163,9 @@ def test_a_hung_rank_ends_the_requests_naming_it_and_a_new_pair_serves(remote, r
         new_pid, new_rank = _serving_pair(remote)
         assert new_pid != pid and new_rank != rank
         assert (remote.restarts, remote.fault_failed_requests) == (restarts + 1, failed + 3)
-        assert _wait_until(lambda: not _alive(rank), 10), "the hung rank outlived its engine process"
+        assert wait_until(lambda: not alive(rank), 10), "the hung rank outlived its engine process"
     finally:
-        if _alive(rank):
+        if alive(rank):
             os.kill(rank, signal.SIGCONT)
             os.kill(rank, signal.SIGKILL)
     assert _greedy(remote, "after-hang") == reference

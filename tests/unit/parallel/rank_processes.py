@@ -4,10 +4,10 @@ killing or stopping one mid-generation, and the greedy tokens of an engine over 
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from process_waits import alive
 
 from splitfuse import LLMEngine, SamplingParams
 from splitfuse.engine.loop import EngineLoop
@@ -45,21 +45,6 @@ def worker_pids(parent: int | None = None) -> list[int]:
     return pids
 
 
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def kill_a_rank_mid_generation(loop: EngineLoop, bound_s: float) -> list[RequestOutput]:

@@ -18,7 +18,8 @@ from splitfuse import LLMEngine
 from splitfuse.config import EngineConfig
 from splitfuse.engine.loop import EngineLoop
 
-from rank_processes import alive, greedy, kill_a_rank_mid_generation, stop_a_rank_mid_step, wait_until, worker_pids
+from process_waits import alive, wait_until
+from rank_processes import greedy, kill_a_rank_mid_generation, stop_a_rank_mid_step, worker_pids
 
 TIMEOUT_S = 5.0
 # Liveness bound of each wait below: the configured timeout plus room for a loaded machine.
