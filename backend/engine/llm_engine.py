@@ -13,9 +13,9 @@ servers, handing out a step's outputs between the next step's `schedule` and `ex
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import logging
 import time
+from collections import deque
 
 import torch
 from transformers import AutoTokenizer
