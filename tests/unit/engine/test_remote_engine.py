@@ -67,7 +67,13 @@ def test_outputs_match_the_in_process_loop(config):
     try:
         assert facts.pid != os.getpid() and facts.max_model_len > 0
         got = _run_all(remote, params)
-        assert got == expected
+        # Tokens, text and finish exactly; the floats (log-probs, the embedding) within float32
+        # rounding: which requests share a step differs with timing, and so do the matmuls' sums.
+        assert [(r[0], r[1], r[2], r[3], r[6]) for r in got] == [(r[0], r[1], r[2], r[3], r[6]) for r in expected]
+        for g, e in zip(got, expected):
+            assert g[4] == pytest.approx(e[4], abs=1e-4)
+            assert [[t for t, _ in top] for top in g[5] or []] == [[t for t, _ in top] for top in e[5] or []]
+            assert g[7] == pytest.approx(e[7], abs=1e-5) if e[7] is not None else g[7] is None
         assert all(len(r[0]) == 12 and len(r[4]) == 12 and len(r[5]) == 12 for r in got[:-1])
         assert got[-1][0] == [] and len(got[-1][7]) == facts_hidden(config)
         with pytest.raises(ValueError):  # the child's validation reaches the caller as itself
