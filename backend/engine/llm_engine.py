@@ -31,7 +31,7 @@ from splitfuse.engine.model_runner import ModelRunner
 from splitfuse.engine.outputs import error_output, request_output
 from splitfuse.engine.pooling import Pooler
 from splitfuse.engine.sampler import SampledToken, Sampler, sample_isolated
-from splitfuse.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from splitfuse.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, sampling_chunks
 from splitfuse.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence
 from splitfuse.engine.stage_sampling import StageSampling
 from splitfuse.engine.stats import EngineStats, StepStats, StepTally
@@ -89,7 +89,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.last_step: StepStats | None = None
         self.kv_event_publisher = self._start_kv_events(config)
-        self.steps_in_flight = (config.pipeline_steps_in_flight or config.pipeline_parallel_size
+        self.steps_in_flight = ((config.pipeline_steps_in_flight or config.pipeline_parallel_size)
                                 if config.pipeline_parallel_size > 1 else 1)
         self._in_flight: deque[StepPlan] = deque()
 
@@ -307,7 +307,7 @@ class LLMEngine:
     def _stage_sampling(self, chunks: list[ScheduledChunk]) -> StageSampling:
         """What the last pipeline stage needs to sample `chunks`' rows; every constrained row's
         grammar mask is filled here, where the matchers are."""
-        sampling = [c for c in chunks if c.samples and c.seq.pooling is None]
+        sampling = sampling_chunks(chunks)
         return StageSampling.build(sampling, sampling_rows(sampling), self.masking, self.sampler.eos_token_ids)
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk],

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import deque
 import math
 import time
+from collections import deque
 
 import torch
 

@@ -75,6 +75,12 @@ class ScheduledChunk:
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
+def sampling_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """The chunks that sample a token (an embedding's last chunk is pooled instead), in order:
+    their rows are the step's sampling rows. Read before the scheduler advances past them."""
+    return [c for c in chunks if c.samples and c.seq.pooling is None]
+
+
 @dataclass
 class TierRestore:
     """Blocks of `seq` a tier below the pool holds: its block table's entries from `first_block`

@@ -123,8 +123,8 @@ class StageSampling:
             elif values[0] == _FAILED:
                 out.append(RuntimeError(f"sampling this request failed on pipeline stage {stage} (see its log)"))
             else:
-                pairs = range(min(spec.params.top_logprobs, self.top_k))  # fewer when the vocabulary is
-                top = [(int(values[2 + 2 * j]), values[3 + 2 * j]) for j in pairs  # smaller than asked
+                # Fewer pairs than asked (NaN) where the vocabulary is smaller.
+                top = [(int(values[2 + 2 * j]), values[3 + 2 * j]) for j in range(spec.params.top_logprobs)
                        if not math.isnan(values[2 + 2 * j])] if spec.params.top_logprobs else None
                 out.append((int(values[0]), values[1] if spec.params.logprobs else None, top))
         return out

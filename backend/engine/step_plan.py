@@ -16,7 +16,7 @@ import numpy as np
 from splitfuse.engine.batch import RaggedBatch
 from splitfuse.engine.kv_offload import TierStep
 from splitfuse.engine.micro_batches import MicroBatches
-from splitfuse.engine.scheduler import ScheduledChunk, SchedulerOutput
+from splitfuse.engine.scheduler import ScheduledChunk, SchedulerOutput, sampling_chunks
 from splitfuse.engine.sequence import RequestOutput, Sequence
 from splitfuse.engine.stats import StepTally
 
@@ -42,7 +42,7 @@ class StepPlan:
 
     def launched(self) -> None:
         """Record, at launch, which chunks sample and what their sequences are now."""
-        self.sampling = [c for c in self.decision.chunks if c.samples and c.seq.pooling is None]
+        self.sampling = sampling_chunks(self.decision.chunks)
         self._preemptions = [c.seq.num_preemptions for c in self.sampling]
 
     def current(self, index: int, live: dict[str, Sequence]) -> bool:

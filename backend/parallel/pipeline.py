@@ -5,10 +5,11 @@ stage samples what rank 0, which keeps the requests' state, describes with each 
 Each tensor-parallel rank of stage s sends to the same tensor-parallel rank of stage s + 1 (every
 rank holds the full hidden state after its stage's all-reduces); the last stage's rank of
 tensor-parallel rank 0 sends the sampled tokens. Shapes need no message of their own: every rank
-has the step's batch, so it knows the token and sampling-row counts. Sends do not wait: a stage goes on
-with its next micro-batch, or its next step, while its output travels, and `flush` waits for them
-later (rank 0 when it collects that step's tokens, the other ranks at their next step). Every wait is bounded by the group's `tensor_parallel_timeout_s`; a failure names the
-stage and rank it waited on.
+has the step's batch, so it knows the token and sampling-row counts. Sends do not wait: a stage
+goes on with its next micro-batch, or its next step, while its output travels, and `flush` waits
+for them later (rank 0 when it collects that step's tokens, the other ranks at their next step).
+Every wait is bounded by the group's `tensor_parallel_timeout_s`; a failure names the stage and
+rank it waited on.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class StageLink:
 
     def flush(self, through: int | None = None) -> None:
         """Wait for the sends of the steps up to `through` (every step's by default) to be taken."""
-        done = [p for p in self._pending if through is None or p[0] <= through]
-        self._pending = [p for p in self._pending if not (through is None or p[0] <= through)]
+        due = [through is None or p[0] <= through for p in self._pending]
+        done = [p for p, d in zip(self._pending, due) if d]
+        self._pending = [p for p, d in zip(self._pending, due) if not d]
         for _, work, _, peer, what in done:
             self._wait(lambda: work.wait(self._bound), "took no", peer, what)
 
