@@ -1,7 +1,9 @@
-"""Small helpers every group uses: NAME=VALUE options into a dict, and rows of dicts into a CSV file."""
+"""Small helpers every group uses: NAME=VALUE options into a dict, rows of dicts into a CSV file,
+and the output options of the served benchmarks."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 from pathlib import Path
 from typing import Iterable
@@ -27,3 +29,12 @@ def write_csv(rows: list[dict], path: Path) -> None:
         w = csv.DictWriter(fh, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+
+
+def add_output_options(ap: argparse.ArgumentParser, out: Path, workdir: Path) -> None:
+    """What a served benchmark writes where: --out (results), --workdir (model repositories, logs),
+    --note (lines for the summary) and --report-only (render a finished run's results again)."""
+    ap.add_argument("--out", default=str(out))
+    ap.add_argument("--workdir", default=str(workdir))
+    ap.add_argument("--note", action="append", default=[], help="line added to the summary's run notes")
+    ap.add_argument("--report-only", action="store_true")

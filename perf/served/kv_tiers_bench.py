@@ -61,6 +61,7 @@ from typing import Any, Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: perf/ is a package
 from perf.common.paths import ROOT, RESULTS, CACHE, VENV_VLLM  # noqa: E402
 from perf.common.machine import cpu_flags, cpu_model, git_commit, mem_gib  # noqa: E402
+from perf.common.helpers import add_output_options  # noqa: E402
 from perf.common.result_file import write_result  # noqa: E402
 from perf.served import fastgen_metrics as fm  # noqa: E402
 from perf.served import prefix_cache_bench as pcb  # noqa: E402
@@ -468,10 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--vllm-python", default=str(VENV_VLLM / "bin" / "python"))
-    ap.add_argument("--out", default=str(RESULTS / "2026-11-29-kv-tiers"))
-    ap.add_argument("--workdir", default=str(CACHE / "kv-tiers-run"))
-    ap.add_argument("--note", action="append", default=[])
-    ap.add_argument("--report-only", action="store_true")
+    add_output_options(ap, RESULTS / "2026-11-29-kv-tiers", CACHE / "kv-tiers-run")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():

@@ -57,6 +57,7 @@ from perf.common import workload as wl  # noqa: E402
 from splitfuse.utils.ports import free_port  # noqa: E402
 from perf.served.drivers import grpc_inputs, stream_sse  # noqa: E402
 from perf.served.fastgen_servers import stop_server, wait_vllm_ready  # noqa: E402
+from perf.common.helpers import add_output_options  # noqa: E402
 from perf.common.machine import cpu_flags, cpu_model, git_commit, mem_gib  # noqa: E402
 
 HIT_SHARE = 0.5
@@ -542,10 +543,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--vllm-python", default=str(VENV_VLLM / "bin" / "python"))
-    ap.add_argument("--out", default=str(RESULTS / "2026-11-23-prefix-caching"))
-    ap.add_argument("--workdir", default=str(CACHE / "prefix-cache-run"))
-    ap.add_argument("--note", action="append", default=[])
-    ap.add_argument("--report-only", action="store_true")
+    add_output_options(ap, RESULTS / "2026-11-23-prefix-caching", CACHE / "prefix-cache-run")
     ap.add_argument("--bookkeeping", action="store_true",
                     help="with --report-only: add the bookkeeping-cost measurement to a run that lacks it")
     args = ap.parse_args(argv)

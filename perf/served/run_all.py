@@ -46,6 +46,7 @@ from perf.common.paths import RESULTS, CACHE, VENV_VLLM  # noqa: E402
 from perf.served.closed_loop import parse_ints  # noqa: E402
 from perf.served.fastgen_report import RELAXED_PROMPT_TPS, report, save_raw  # noqa: E402
 from perf.served.fastgen_servers import log, run_engine, run_llamacpp, run_triton, run_vllm  # noqa: E402
+from perf.common.helpers import add_output_options  # noqa: E402
 from perf.common.machine import machine_info  # noqa: E402
 from perf.common.roofline import Roofline, workload_floor  # noqa: E402
 from perf.common.systems import (BUDGETED, ENGINE_SYSTEM, LLAMACPP_SYSTEMS, SYSTEM_ORDER, VLLM_DTYPES,  # noqa: E402
@@ -98,15 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--llamacpp-threads", type=int, default=0, help="llama-server -t (0: every core)")
     ap.add_argument("--llamacpp-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
     ap.add_argument("--token-clients", type=int, default=16, help="client count of the token-latency bars")
-    ap.add_argument("--out", default=str(RESULTS / "2026-11-22-served-8-systems"))
-    ap.add_argument("--workdir", default=str(CACHE / "run"))
-    ap.add_argument("--report-only", action="store_true")
+    add_output_options(ap, RESULTS / "2026-11-22-served-8-systems", CACHE / "run")
     ap.add_argument("--headline-system", default=None,
                     help="our system(s) the targets table compares, comma-separated "
                          "(default: the first splitfuse system)")
     ap.add_argument("--relaxed-prompt-tps", type=float, default=RELAXED_PROMPT_TPS,
                     help="supplementary first-token SLA (tokens/s); 0 to leave it out")
-    ap.add_argument("--note", action="append", default=[], help="line added to the summary's run notes")
     ap.add_argument("--both-orders", action="store_true",
                     help="run the systems in the given order into --out, then reversed into OUT-reversed")
     args = ap.parse_args(argv)
