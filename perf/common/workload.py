@@ -189,6 +189,19 @@ def random_id_requests(model_dir: str, n: int, prompt_mean: float, gen_mean: flo
     return [{"prompt": [rng.randrange(4, vocab) for _ in range(p)], "max_tokens": g} for p, g in zip(prompts, gens)]
 
 
+def served_id_requests(model_dir: str, n: int, prompt_mean: float, gen_mean: float, seed: int, part: int,
+                       parts: int, max_model_len: int = 2048) -> list[dict]:
+    """A served run's requests (make_workload: the same `n`, means, seed and length cap) as
+    {"prompt": token ids, "max_tokens": n}, tokenized as the server does, every `parts`-th from
+    `part`: the engine alone is measured on exactly the work the served run did (the random-id
+    requests of another seed differ from it by a few per cent in prompt tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    specs = make_workload(model_dir, n, prompt_mean, gen_mean, VARIANCE, seed, max_model_len)[part::parts]
+    return [{"prompt": tokenizer(s.prompt).input_ids, "max_tokens": s.gen_tokens} for s in specs]
+
+
 BENCH_MODEL_DIR = CACHE / "bench-llama"
 
 

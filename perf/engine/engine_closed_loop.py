@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from perf.common import paths  # noqa: E402
 from perf.common.helpers import name_values  # noqa: E402
 from perf.common.result_file import write_result  # noqa: E402
-from perf.common.workload import add_workload_args, ensure_model, random_id_requests  # noqa: E402
+from perf.common.workload import add_workload_args, ensure_model, random_id_requests, served_id_requests  # noqa: E402
 
 from splitfuse.config import split_parameters  # noqa: E402
 from splitfuse.engine.loop import EngineLoop  # noqa: E402
@@ -34,13 +34,12 @@ from splitfuse.engine.sequence import SamplingParams  # noqa: E402
 RESULTS = paths.RESULTS / "2026-11-26-engine-closed-loop"
 
 
-def run(model_dir: str, params: dict[str, str], clients: int, num_requests: int, prompt_mean: float,
-        gen_mean: float, seed: int, timeout_s: float = 1800.0) -> dict:
+def run(model_dir: str, params: dict[str, str], clients: int, requests: list[dict], timeout_s: float = 1800.0) -> dict:
     config, server = split_parameters({"model": model_dir, **params})
     steps: list = []
     loop = EngineLoop(config, on_step=steps.append, server=server)
     loop.start()
-    requests = random_id_requests(model_dir, num_requests, prompt_mean, gen_mean, seed)
+    num_requests = len(requests)
 
     lock = threading.Lock()
     state = {"next": 0, "finished": 0, "last_end": 0.0}
@@ -106,12 +105,24 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                     help="an engine parameter (defaults here: token_budget=256, enable_prefix_caching=false)")
+    ap.add_argument("--served-share", metavar="K/N",
+                    help="the requests of a served run (perf/served/served_cpu_split.py with the same "
+                         "--num-requests, means and --seed: text prompts tokenized as the server does), every "
+                         "N-th from the K-th (0-based): N engines at once, one share each, do that run's work; "
+                         "without it, random token ids")
     ap.add_argument("--name", default="closed-loop")
     args = ap.parse_args()
     ensure_model(args.model_dir, "bench")
     params = {"token_budget": "256", "enable_prefix_caching": "false", **name_values(args.param)}
-    result = run(args.model_dir, params, args.clients, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)
-    result.update({"params": params, "clients": args.clients, "num_requests": args.num_requests})
+    if args.served_share:
+        part, parts = (int(v) for v in args.served_share.split("/"))
+        requests = served_id_requests(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.seed,
+                                      part, parts)
+    else:
+        requests = random_id_requests(args.model_dir, args.num_requests, args.prompt_mean, args.gen_mean, args.seed)
+    result = run(args.model_dir, params, args.clients, requests)
+    result.update({"params": params, "clients": args.clients, "num_requests": len(requests),
+                   "served_share": args.served_share, "seed": args.seed})
     print(json.dumps({k: result[k] for k in ("requests_per_s", "decode_only_steps", "steps_with_prompt_tokens",
                                              "forward_share_of_step_time")}, indent=1))
     write_result(RESULTS, args.name, result)

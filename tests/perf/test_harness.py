@@ -390,13 +390,22 @@ def test_tiny_sweep_against_in_process_engine(tiny_llama):
 def test_engine_closed_loop_runs_every_request_to_its_length(tiny_llama):
     from perf.engine.engine_closed_loop import run
 
-    result = run(tiny_llama, {"token_budget": "64", "enable_prefix_caching": "false"}, clients=3, num_requests=7,
-                 prompt_mean=40, gen_mean=6, seed=1, timeout_s=120)
     requests = workload.random_id_requests(tiny_llama, 7, 40, 6, seed=1)
+    result = run(tiny_llama, {"token_budget": "64", "enable_prefix_caching": "false"}, clients=3, requests=requests,
+                 timeout_s=120)
     assert result["prompt_tokens_computed"] == sum(len(r["prompt"]) for r in requests)
     assert result["tokens_generated"] == sum(r["max_tokens"] for r in requests)
     steps = result["decode_only_steps"]["steps"] + result["steps_with_prompt_tokens"]["steps"]
     assert steps > 0 and result["requests_per_s"] > 0
+
+
+def test_served_shares_are_the_served_runs_requests_split_between_engines(tiny_llama):
+    specs = workload.make_workload(tiny_llama, 9, 40, 6, workload.VARIANCE, seed=3, max_model_len=2048)
+    shares = [workload.served_id_requests(tiny_llama, 9, 40, 6, seed=3, part=k, parts=2) for k in (0, 1)]
+    assert [len(s) for s in shares] == [5, 4]
+    merged = [shares[i % 2][i // 2] for i in range(9)]
+    assert [len(r["prompt"]) for r in merged] == [s.prompt_tokens for s in specs]
+    assert [r["max_tokens"] for r in merged] == [s.gen_tokens for s in specs]
 
 
 def test_priority_bench_splits_a_run_into_its_classes_over_the_window(tiny_llama):
