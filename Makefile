@@ -18,7 +18,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev kernels perf-tools test-models serve test test-fast demo-model bench clean
+.PHONY: install install-dev kernels perf-tools test-models serve test test-fast demo-model bench gpu-wheels gpu-check clean
 
 # install: what serving needs (make serve); install-dev: that and the test tools (make test).
 install: $(VENV)/.installed
@@ -97,6 +97,20 @@ test-fast: install-dev kernels
 
 bench: install
 	$(PY) perf/engine/bench_engine.py
+
+# The GPU check (docs/testing.md#the-gpu-check): gpu-wheels fetches, for a GPU machine's Python
+# (GPU_PYTHON_VERSION), the wheels of our dependencies it lacks into perf/.gpu_carry/; gpu-check
+# runs the check with the machine's own python3 (no venv there), results into OUT.
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS := msgpack pyzmq gguf pytest-timeout
+OUT ?= perf/results/gpu
+gpu-wheels: install
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		-d perf/.gpu_carry $(GPU_WHEELS)
+
+gpu-check:
+	$(PYTHON) perf/gpu_check.py --carry perf/.gpu_carry --out $(OUT)
 
 # Only what the build generates: models/ holds your checkpoints (and the converted default model,
 # kept as it takes a while to make again; rm -r models/<its name> to redo it).
