@@ -100,9 +100,10 @@ bench: install
 
 # The GPU check (docs/testing.md#the-gpu-check): gpu-wheels fetches, for a GPU machine's Python
 # (GPU_PYTHON_VERSION), the wheels of our dependencies it lacks into perf/.gpu_carry/; gpu-check
-# runs the check with the machine's own python3 (no venv there), results into OUT.
+# runs the check with the machine's own python3 (no venv there), results into OUT. The H200 image
+# has every other package the check imports (the device tool's KINDS.md lists them).
 GPU_PYTHON_VERSION ?= 3.12
-GPU_WHEELS := msgpack pyzmq gguf pytest-timeout
+GPU_WHEELS := pyzmq gguf
 OUT ?= perf/results/gpu
 gpu-wheels: install
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \

@@ -18,9 +18,13 @@ group when past it), so the check never hangs and ends within the sum of the tim
   cuda-tests     `pytest -m cuda` over the kernel tests (Triton-lang kernels and flash attention
                  against the torch reference) and the engine's greedy parity with transformers on
                  cuda (tests/models/test_parity_kernels.py)
-  bench-smollm2  offline throughput and single-stream latency, bf16, a random SmolLM2-135M-shaped model
+  bench-smollm2  offline throughput and single-stream latency, bf16, a random SmolLM2-135M-shaped model,
+                 and the share of our greedy tokens transformers' bf16 generate gives too
   bench-8b       the same on a random model with Llama-3-8B's layers (7B parameters, small vocabulary)
-It prints one summary line per part and writes results.json (and each part's log) to --out.
+It prints one summary line per part and writes to --out only what the device tool brings back (at
+most 8 files, flat): results.json, gpu_check.log (every part's output) and cuda-tests.xml; the
+carried packages, the models it builds (15 GB for the 8B shape) and the parts' own files stay in
+--work.
 SmolLM2's trained weights (270 MB) do not fit the 64 MiB a device run carries: the shapes are
 built on the device, random, and the token parity runs on the test models.
 """
@@ -33,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -102,7 +107,7 @@ def part_env(args) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    carried = json.loads((Path(args.out) / "carried.json").read_text())
+    carried = json.loads((Path(args.work) / "carried.json").read_text())
     imported = {}
     for wheel in carried:
         for top in wheel["top_level"]:
@@ -146,7 +151,7 @@ def part_bench(args, name: str) -> dict:
         dict(prompts=4, prompt_len=16, gen=8)
     start = time.perf_counter()
     shape = SHAPES[name] if cuda else {}
-    path = build_model(Path(args.out) / "models" / name, arch="llama", size="tiny", dtype=dtype,
+    path = build_model(Path(args.work) / "models" / name, arch="llama", size="tiny", dtype=dtype,
                        init_device=device, **shape)
     built = time.perf_counter()
     llm = LLM(str(path), dtype=dtype, device=device, token_budget=2048 if cuda else 64, enable_prefix_caching=False,
@@ -170,6 +175,12 @@ def part_bench(args, name: str) -> dict:
     stream_s = time.perf_counter() - t0
     ms_per_token = 1e3 * (stream_s - first_s) / max(1, sizes["gen"] - 1)
     params_b = model_info(str(path))["params_m"] / 1e3
+    if name == "bench-smollm2":  # greedy tokens against transformers on the same weights and dtype
+        probe = [p[:64] for p in prompts[:8]]
+        ours = [o.token_ids for o in llm.generate(probe, SamplingParams(max_tokens=32, temperature=0.0,
+                                                                         ignore_eos=True))]
+        del llm
+        agreement = greedy_agreement(path, dtype, device, probe, ours)
     result = {"device": device, "dtype": dtype, "shape": shape, "vocab": vocab, "parameters_b": round(params_b, 3),
               "build_s": round(built - start, 1), "load_s": round(loaded - built, 1), **sizes,
               "offline_gen_tokens_per_s": round(generated / offline_s, 1),
@@ -178,7 +189,29 @@ def part_bench(args, name: str) -> dict:
     result["summary"] = (f"{params_b:.2f}B params {dtype} on {device}: offline {result['offline_gen_tokens_per_s']} "
                          f"gen tok/s ({sizes['prompts']} x {sizes['prompt_len']}+{sizes['gen']}), one stream "
                          f"{ms_per_token:.2f} ms/token; built {result['build_s']} s, loaded {result['load_s']} s")
+    if name == "bench-smollm2":
+        result["greedy_agreement_with_transformers"] = round(agreement, 4)
+        result["summary"] += f"; greedy tokens as transformers' {100 * agreement:.1f}%"
     return result
+
+
+def greedy_agreement(path: Path, dtype: str, device: str, prompts: list[list[int]], ours: list[list[int]]) -> float:
+    """Of our greedy tokens, the share that transformers' generate(do_sample=False) gives too,
+    counted up to each prompt's first difference (1.0: identical; bf16 may part late)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model.generation_config.eos_token_id = None  # ours ran with ignore_eos
+    same = total = 0
+    for prompt, tokens in zip(prompts, ours):
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(tokens),
+                                 do_sample=False)[0, len(prompt):].tolist()
+        same += next((i for i, (a, b) in enumerate(zip(ref, tokens)) if a != b), len(tokens))
+        total += len(tokens)
+    return same / total
 
 
 def part_timeout_probe(args) -> dict:
@@ -196,19 +229,19 @@ def run_part(args) -> None:
         result = part_bench(args, name)
     else:
         result = part_timeout_probe(args)
-    (Path(args.out) / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (Path(args.work) / f"{name}.json").write_text(json.dumps(result, indent=1))
 
 
 # ---- the driver ------------------------------------------------------------------------------
 
 def run_child(name: str, timeout_s: float, args, env: dict) -> dict:
     """One part in its own process group: its result, or why it has none (failed, timed out)."""
-    out = Path(args.out)
-    (out / f"{name}.json").unlink(missing_ok=True)
-    command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--out", str(out)]
+    work = Path(args.work)
+    (work / f"{name}.json").unlink(missing_ok=True)
+    command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--out", args.out, "--work", args.work]
     command += ["--dry-run"] if args.dry_run else []
     start = time.perf_counter()
-    with open(out / f"{name}.log", "w") as log:
+    with open(work / f"{name}.log", "w") as log:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -220,9 +253,9 @@ def run_child(name: str, timeout_s: float, args, env: dict) -> dict:
     seconds = round(time.perf_counter() - start, 1)
     if code is None:
         return {"status": "timed out", "seconds": seconds, "summary": f"timed out after {timeout_s} s (killed)"}
-    path = out / f"{name}.json"
+    path = work / f"{name}.json"
     if code != 0 or not path.is_file():
-        tail = (out / f"{name}.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        tail = (work / f"{name}.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
         return {"status": "failed", "seconds": seconds, "summary": f"exit {code}: {tail[0][:300]}"}
     result = json.loads(path.read_text())
     ok = result.get("ok", True)
@@ -233,6 +266,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="where results.json and the parts' logs go ($OUT on the device)")
     ap.add_argument("--carry", default=str(CARRY), help="the folder of wheels to unpack (make gpu-wheels)")
+    ap.add_argument("--work", help="where the carried packages, the built models and the parts' files go "
+                    "(default: a new temporary folder)")
     ap.add_argument("--dry-run", action="store_true", help="the same steps on this CPU machine: tiny models, "
                     "the CUDA tests skip, plus a part that must time out")
     ap.add_argument("--part", help=argparse.SUPPRESS)
@@ -243,18 +278,26 @@ def main() -> None:
     if args.part:
         run_part(args)
         return
-    site = out / "site"
+    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    args.work = str(work)
+    site = work / "site"
     carried = unpack_wheels(Path(args.carry), site) if Path(args.carry).is_dir() else []
-    (out / "carried.json").write_text(json.dumps(carried, indent=1))
+    (work / "carried.json").write_text(json.dumps(carried, indent=1))
     package_view(site)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), PYTHONDONTWRITEBYTECODE="1")
     results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "dry_run": args.dry_run,
                "carried": carried, "parts": {}}
-    for name, timeout_s in DRY_PARTS if args.dry_run else PARTS:
+    parts = DRY_PARTS if args.dry_run else PARTS
+    for name, timeout_s in parts:
         result = run_child(name, timeout_s, args, env)
         results["parts"][name] = result
         print(f"[gpu-check] {name}: {result['status']} in {result['seconds']} s: {result['summary']}", flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
+    with open(out / "gpu_check.log", "w") as log:  # the parts' outputs, the last 200 kB of each
+        for name, _ in parts:
+            text = (work / f"{name}.log").read_text(errors="replace")[-200_000:]
+            log.write(f"===== {name}: {results['parts'][name]['status']} =====\n{text}\n")
 
 
 if __name__ == "__main__":
