@@ -16,7 +16,7 @@ Each part runs in a child process of its own under its own timeout (killed with 
 group when past it), so the check never hangs and ends within the sum of the timeouts (~7.5 min):
   env            the GPU, torch, CUDA and triton versions; what was carried
   cuda-tests     `pytest -m cuda` over the kernel tests (Triton-lang kernels and flash attention
-                 against the torch reference) and the engine's greedy parity with transformers on
+                 against the torch reference, attention also at Llama-3-8B's sizes) and the engine's greedy parity with transformers on
                  cuda (tests/models/test_parity_kernels.py)
   bench-smollm2  offline throughput and single-stream latency, bf16, a random SmolLM2-135M-shaped model,
                  and the share of our greedy tokens transformers' bf16 generate gives too
