@@ -189,8 +189,12 @@ def random_id_requests(model_dir: str, n: int, prompt_mean: float, gen_mean: flo
     return [{"prompt": [rng.randrange(4, vocab) for _ in range(p)], "max_tokens": g} for p, g in zip(prompts, gens)]
 
 
+SERVED_MAX_MODEL_LEN = 2048
+"""The length cap perf/served/served_cpu_split.py draws its workload under (and so its engine-alone shares)."""
+
+
 def served_id_requests(model_dir: str, n: int, prompt_mean: float, gen_mean: float, seed: int, part: int,
-                       parts: int, max_model_len: int = 2048) -> list[dict]:
+                       parts: int, max_model_len: int = SERVED_MAX_MODEL_LEN) -> list[dict]:
     """A served run's requests (make_workload: the same `n`, means, seed and length cap) as
     {"prompt": token ids, "max_tokens": n}, tokenized as the server does, every `parts`-th from
     `part`: the engine alone is measured on exactly the work the served run did (the random-id

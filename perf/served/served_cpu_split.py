@@ -36,7 +36,7 @@ from perf.common import paths  # noqa: E402
 from perf.served.closed_loop import cpu_seconds, proc_tree, sweep  # noqa: E402
 from perf.served.drivers import TritonHttpDriver  # noqa: E402
 from perf.common.machine import machine_info  # noqa: E402
-from perf.common.workload import VARIANCE, ensure_model, make_workload  # noqa: E402
+from perf.common.workload import SERVED_MAX_MODEL_LEN, VARIANCE, ensure_model, make_workload  # noqa: E402
 
 RESULTS = paths.RESULTS / "2026-11-26-cpu-split"
 DEFAULT_PARAMS = {"dtype": "bfloat16", "token_budget": "256", "enable_prefix_caching": "false", "num_threads": "1"}
@@ -128,7 +128,7 @@ def main() -> None:
     params = dict(DEFAULT_PARAMS)
     params.update(p.split("=", 1) for p in args.param)
     n = args.clients * args.per_client
-    specs = make_workload(args.model_dir, n, args.prompt_mean, args.gen_mean, VARIANCE, args.seed, 2048)
+    specs = make_workload(args.model_dir, n, args.prompt_mean, args.gen_mean, VARIANCE, args.seed, SERVED_MAX_MODEL_LEN)
     with serve(args.model_dir, params, instances=args.instances, ready_timeout_s=600) as srv:
         driver = TritonHttpDriver(srv.http_url, args.triton_model)
         samples: list[tuple[float, dict]] = []
